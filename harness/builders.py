@@ -1,0 +1,192 @@
+"""Turn a `Case` into tensors on a device, deterministically from its seed.
+
+Inputs are never zeros and are scaled so that every term matters: a LoRA delta is about as large as the
+value it is added to, routing weights are distinct, so a dropped expert, a missing delta or a wrong
+weight gives a gross error rather than a rounding-sized one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.case import Case
+from reference import align as ref_align
+
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# The tuning ints of vLLM's signature (shrink then expand): BLOCK_M is the align block size.
+_TUNING_N_K_G_W_S_SPLIT = (64, 32, 8, 4, 3, 1)
+
+
+def torch_dtype(case: Case) -> torch.dtype:
+    return TORCH_DTYPES[case.dtype]
+
+
+def _gen(case: Case, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed((case.seed * 1_000_003 + salt) % (2**63))
+
+
+def make_routing(case: Case, g: torch.Generator):
+    """(topk_weights fp32 (T,k), topk_ids int32 (T,k)) with k distinct global experts per token."""
+    T, E, k = case.T, case.E, case.top_k
+    logits = torch.zeros(T, E, dtype=torch.float64)
+    if case.routing == "skewed":   # a few hot experts take most tokens
+        logits = logits - 1.5 * torch.arange(E, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, dtype=torch.float64).clamp_min(1e-12)))
+    ids = torch.argsort(logits + gumbel, dim=1, descending=True)[:, :k].to(torch.int32)
+    w = torch.softmax(torch.randn(T, k, generator=g), dim=1).to(torch.float32)
+    return w.contiguous(), ids.contiguous()
+
+
+def make_token_lora_mapping(case: Case, g: torch.Generator) -> torch.Tensor:
+    """Token -> LoRA slot index in [0, L) or -1, following `case.mapping`."""
+    T, L = case.T, case.max_loras
+    if case.mapping == "none":
+        return torch.full((T,), -1, dtype=torch.int32)
+    m = torch.randint(0, L, (T,), generator=g, dtype=torch.int32)
+    if case.mapping == "mixed":      # about a third of the tokens carry no adapter
+        m = torch.where(torch.rand(T, generator=g) < 0.35, torch.full_like(m, -1), m)
+    elif case.mapping == "skewed":   # one adapter takes most tokens
+        m = torch.where(torch.rand(T, generator=g) < 0.8, torch.zeros_like(m), m)
+    return m
+
+
+def adapter_enabled_for(case: Case) -> torch.Tensor:
+    """(L+1,) int32: 1 where a slot holds an adapter; `disabled` turns slot 0 off; entry L is never set."""
+    en = torch.tensor([1 if r > 0 else 0 for r in case.slot_ranks] + [0], dtype=torch.int32)
+    if case.mapping == "disabled":
+        en[0] = 0
+    return en
+
+
+def make_lora_stack(case: Case, g: torch.Generator, *, num_slices: int, K: int, N: int, E_local: int,
+                    dtype: torch.dtype):
+    """S x A (L, E|1, R, K) and S x B (L, E|1, N, R): slot ranks zero-padded to max_rank.
+
+    A shared factor is made with expert-dim 1 and handed over as a stride-0 expanded view, as
+    production's LoRA mixin does.
+    """
+    L, R = case.max_loras, case.max_rank
+    Ea = 1 if case.shared_a else E_local
+    Eb = 1 if case.shared_b else E_local
+    A_list, B_list = [], []
+    for _ in range(num_slices):
+        A = torch.zeros(L, Ea, R, K, dtype=torch.float64)
+        B = torch.zeros(L, Eb, N, R, dtype=torch.float64)
+        for l, r in enumerate(case.slot_ranks):
+            if r == 0:
+                continue
+            A[l, :, :r, :] = torch.randn(Ea, r, K, generator=g, dtype=torch.float64) / math.sqrt(K)
+            B[l, :, :, :r] = torch.randn(Eb, N, r, generator=g, dtype=torch.float64) / math.sqrt(r)
+        A, B = A.to(dtype), B.to(dtype)
+        if case.shared_a:
+            A = A.expand(L, E_local, R, K)
+        if case.shared_b:
+            B = B.expand(L, E_local, N, R)
+        A_list.append(A)
+        B_list.append(B)
+    return A_list, B_list
+
+
+@dataclass
+class OpInputs:
+    """Every argument of a `fused_moe_lora` call, plus what the reference needs beside them."""
+
+    case: Case
+    output: torch.Tensor
+    x: torch.Tensor
+    lora_a: list
+    lora_b: list
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    sorted_token_ids: torch.Tensor | None
+    expert_ids: torch.Tensor
+    num_tokens_post_padded: torch.Tensor | None
+    token_lora_mapping: torch.Tensor
+    lora_ids: torch.Tensor
+    num_active_loras: torch.Tensor
+    adapter_enabled: torch.Tensor
+    expert_map: torch.Tensor | None = None
+
+    def call_kwargs(self) -> dict:
+        """Keyword arguments for vLLM 0.33.0's `fused_moe_lora` signature."""
+        c = self.case
+        n, kk, gm, w, st, sk = _TUNING_N_K_G_W_S_SPLIT
+        return dict(
+            output=self.output, qcurr_hidden_states=self.x, lora_a_stacked=self.lora_a,
+            lora_b_stacked=self.lora_b, topk_weights=self.topk_weights,
+            sorted_token_ids=self.sorted_token_ids, expert_ids=self.expert_ids,
+            num_tokens_post_padded=self.num_tokens_post_padded,
+            token_lora_mapping=self.token_lora_mapping, max_lora_rank=c.max_rank,
+            top_k_num=c.top_k, lora_ids=self.lora_ids, num_active_loras=self.num_active_loras,
+            adapter_enabled=self.adapter_enabled,
+            shrink_block_size_m=c.block_size_m, shrink_block_size_n=n, shrink_block_size_k=kk,
+            shrink_group_size_m=gm, shrink_num_warps=w, shrink_num_stages=st, shrink_split_k=sk,
+            expand_block_size_m=c.block_size_m, expand_block_size_n=n, expand_block_size_k=kk,
+            expand_group_size_m=gm, expand_num_warps=w, expand_num_stages=st, expand_split_k=sk,
+            mul_routed_weight=c.mul_routed_weight, fully_sharded=c.fully_sharded,
+            offset=c.offset, add_inputs=c.add_inputs,
+        )
+
+    def to(self, device) -> "OpInputs":
+        """A copy on another device (num_active_loras stays on the CPU, as in production)."""
+        def mv(t):
+            if t is None:
+                return None
+            if isinstance(t, list):
+                return [mv(a) for a in t]
+            return t.to(device)
+        kw = {f: mv(getattr(self, f)) for f in (
+            "output", "x", "lora_a", "lora_b", "topk_weights", "topk_ids", "sorted_token_ids",
+            "expert_ids", "num_tokens_post_padded", "token_lora_mapping", "lora_ids",
+            "adapter_enabled", "expert_map")}
+        return OpInputs(case=self.case, num_active_loras=self.num_active_loras, **kw)
+
+
+def expert_map_for(E: int, ep_size: int, ep_rank: int) -> torch.Tensor:
+    """Linear EP split: global expert -> local id on this rank, -1 elsewhere."""
+    local = E // ep_size
+    m = torch.full((E,), -1, dtype=torch.int32)
+    m[ep_rank * local:(ep_rank + 1) * local] = torch.arange(local, dtype=torch.int32)
+    return m
+
+
+def build_op_inputs(case: Case, device="cpu") -> OpInputs:
+    """Tensors for an op-level case; the align (sorted layout) is the reference's, exact."""
+    probs = case.problems()
+    if probs:
+        raise ValueError(f"malformed case {case.to_json()}: " + "; ".join(probs))
+    if case.level != "op":
+        raise ValueError(f"build_op_inputs needs an op-level case, got level={case.level!r}")
+    dt = torch_dtype(case)
+    T, k = case.T, case.top_k
+    w, ids = make_routing(case, _gen(case, 1))
+    mapping = make_token_lora_mapping(case, _gen(case, 2))
+    enabled = adapter_enabled_for(case)
+    A, B = make_lora_stack(case, _gen(case, 3), num_slices=case.num_slices, K=case.K, N=case.N,
+                           E_local=case.local_experts, dtype=dt)
+    g = _gen(case, 4)
+    rows = T * k if case.mul_routed_weight else T
+    x = torch.randn(rows, case.K, generator=g).to(dt)
+    output = torch.randn(T, k, case.width, generator=g).to(dt)
+    lora_ids = ref_align.active_lora_ids(mapping, case.max_loras)
+    num_active = torch.tensor([case.max_loras + 1], dtype=torch.int32)
+    expert_map = expert_map_for(case.E, case.ep_size, case.ep_rank) if case.ep_size > 1 else None
+    if case.layout == "naive":
+        sorted_ids = ntpp = None
+        expert_ids = ids.reshape(-1).clone()
+    else:
+        sorted_ids, expert_ids, ntpp = ref_align.align_alloc(
+            ids, case.block_size_m, case.local_experts, case.max_loras, expert_map=expert_map)
+        max_pad, max_blocks = sorted_ids.shape[1], expert_ids.shape[1]
+        ref_align.moe_lora_align_block_size(
+            ids, mapping, case.E if expert_map is not None else case.local_experts, case.block_size_m,
+            case.max_loras, max_pad, max_blocks, sorted_ids, expert_ids, ntpp, enabled, lora_ids,
+            expert_map)
+    inp = OpInputs(case=case, output=output, x=x, lora_a=A, lora_b=B, topk_weights=w, topk_ids=ids,
+                   sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=ntpp,
+                   token_lora_mapping=mapping, lora_ids=lora_ids, num_active_loras=num_active,
+                   adapter_enabled=enabled, expert_map=expert_map)
+    return inp if str(device) == "cpu" else inp.to(device)

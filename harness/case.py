@@ -1,0 +1,151 @@
+"""The case model: one frozen record describing a MoE+LoRA test input, round-tripping through JSON.
+
+A case holds structure (shapes, routing skew, LoRA mix, flags, seed), never tensors; `harness.builders`
+turns it into tensors on a device deterministically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+LEVELS = ("op", "expert")
+DTYPES = ("float16", "bfloat16", "float32")
+MAPPINGS = ("uniform", "mixed", "skewed", "none", "disabled")
+ROUTINGS = ("uniform", "skewed")
+LAYOUTS = ("sorted", "naive")
+WHICH = ("w13", "w2")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One MoE+LoRA case. Op-level fields describe a `fused_moe_lora` call; expert-level ones a layer forward."""
+
+    level: str = "op"
+    T: int = 4              # tokens reaching the experts
+    H: int = 64             # hidden size
+    I: int = 32             # intermediate size per partition
+    E: int = 4              # experts (global; local = E // ep_size)
+    top_k: int = 2
+    dtype: str = "float16"
+    max_loras: int = 2
+    max_rank: int = 8
+    ranks: tuple = ()       # per-slot adapter rank (0 = empty slot); () = every slot at max_rank
+    mapping: str = "uniform"   # token -> LoRA slot pattern
+    routing: str = "uniform"   # expert choice: uniform or skewed onto a few hot experts
+    shared_a: bool = False     # LoRA A shared across experts (expert-dim 1, stride-0 view)
+    shared_b: bool = False
+    seed: int = 0
+    # op level
+    which: str = "w13"         # w13: x (T,H), N = I; w2: x (T*k, I), N = H
+    num_slices: int = 2
+    mul_routed_weight: bool = False
+    add_inputs: bool = True
+    offset: int = 0
+    layout: str = "sorted"     # sorted (align) or naive (one pair per program)
+    block_size_m: int = 16
+    fully_sharded: bool = False
+    # expert level
+    activation: str = "silu"
+    bias: bool = False
+    lora: bool = True
+    apply_router_weight_on_input: bool = False
+    # parallelism (expert level: simulated ranks; op level: EP gives an expert_map)
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def K(self) -> int:
+        """Input dim of the LoRA-A GEMM (op level)."""
+        return self.H if self.which == "w13" else self.I
+
+    @property
+    def N(self) -> int:
+        """Per-slice output dim of LoRA-B (op level)."""
+        return self.I if self.which == "w13" else self.H
+
+    @property
+    def width(self) -> int:
+        """Last dim of the op's output buffer."""
+        return self.offset + self.num_slices * self.N
+
+    @property
+    def local_experts(self) -> int:
+        return self.E // self.ep_size
+
+    @property
+    def slot_ranks(self) -> tuple:
+        """Rank of each of the max_loras slots (0 = no adapter loaded there)."""
+        if self.ranks:
+            return tuple(self.ranks) + (0,) * (self.max_loras - len(self.ranks))
+        return (self.max_rank,) * self.max_loras
+
+    # -- validation ------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Reasons this case is not a well-formed input (empty list = well formed)."""
+        p = []
+        def need(cond, msg):
+            if not cond:
+                p.append(msg)
+        need(self.level in LEVELS, f"level must be one of {LEVELS}, got {self.level!r}")
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.mapping in MAPPINGS, f"mapping must be one of {MAPPINGS}, got {self.mapping!r}")
+        need(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        need(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        need(self.which in WHICH, f"which must be one of {WHICH}, got {self.which!r}")
+        need(self.T >= 0, f"T must be >= 0, got {self.T}")
+        for n in ("H", "I", "E", "top_k", "max_loras", "max_rank", "num_slices", "block_size_m",
+                  "tp_size", "ep_size"):
+            need(getattr(self, n) >= 1, f"{n} must be >= 1, got {getattr(self, n)}")
+        need(self.top_k <= self.local_experts * self.ep_size,
+             f"top_k ({self.top_k}) must be <= E ({self.E})")
+        need(len(self.ranks) <= self.max_loras, f"ranks has {len(self.ranks)} entries > max_loras {self.max_loras}")
+        need(all(0 <= r <= self.max_rank for r in self.ranks),
+             f"ranks {self.ranks} must lie in [0, max_rank={self.max_rank}]")
+        need(self.offset >= 0, f"offset must be >= 0, got {self.offset}")
+        need(self.block_size_m >= 16 and (self.block_size_m & (self.block_size_m - 1)) == 0,
+             f"block_size_m must be a power of two >= 16, got {self.block_size_m}")
+        need(self.E % self.ep_size == 0, f"E ({self.E}) must be divisible by ep_size ({self.ep_size})")
+        need(0 <= self.ep_rank < self.ep_size, f"ep_rank must lie in [0, {self.ep_size})")
+        need(0 <= self.tp_rank < self.tp_size, f"tp_rank must lie in [0, {self.tp_size})")
+        need(not (self.ep_size > 1 and self.fully_sharded), "EP with fully_sharded LoRA is not supported (vLLM rejects it)")
+        need(not (self.ep_size > 1 and self.layout == "naive"), "naive block assignment is disabled under EP")
+        if self.apply_router_weight_on_input:
+            need(self.top_k == 1, "apply_router_weight_on_input needs top_k == 1")
+        return p
+
+    # -- identity and serialisation -----------------------------------------------------------
+    def to_json(self) -> str:
+        """Compact JSON holding only the fields that differ from the defaults (stable key order)."""
+        d = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v != f.default:
+                d[f.name] = list(v) if isinstance(v, tuple) else v
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        """Inverse of `to_json`; unknown keys are an error naming them."""
+        d = json.loads(text) if isinstance(text, str) else dict(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown Case field(s) {unknown}; known fields: {sorted(names)}")
+        if "ranks" in d:
+            d["ranks"] = tuple(d["ranks"])
+        return cls(**d)
+
+    def replace(self, **kw) -> "Case":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def id(self) -> str:
+        """Short stable identifier for test ids (readable fields, then a digest of the full JSON)."""
+        import hashlib
+        h = hashlib.sha1(self.to_json().encode()).hexdigest()[:8]
+        head = f"{self.level}-{self.which if self.level == 'op' else self.activation}-{self.dtype}-T{self.T}"
+        return f"{head}-{h}"

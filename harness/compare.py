@@ -1,0 +1,128 @@
+"""The comparison: a kernel's output against the float64 truth, bounded by the rounding-aware emulation.
+
+Error model (docs/error-model.md): over the elements the contract writes,
+  1. nothing non-finite where the truth is finite (NaN/Inf never pass);
+  2. per element  |out - truth| <= ULPS * eps_dt * scale + sqrt(K+R) * eps_fp32 * scale,
+     where `scale` is the element's forward-error magnitude (|prev| + |w| |B| |A| |x| ...) in float64;
+  3. in aggregate ||out - truth|| <= RATIO * max(||emulation - truth||, floor),
+     floor = 0.5 eps_dt ||truth|| + sqrt(K+R) eps_fp32 ||scale||.
+Elements the contract does not write are compared bit for bit with what the buffer held.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+ULPS = 4.0     # per element, in units of eps_dt at the element's forward-error scale
+RATIO = 3.0    # aggregate: at most this many times farther from the truth than the emulation
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@dataclass
+class Verdict:
+    """Result of one comparison; `ok` is the verdict, the rest is diagnostics."""
+
+    ok: bool
+    kind: str = "pass"              # pass | nonfinite | untouched | element | aggregate | shape
+    message: str = ""
+    ratio: float = 0.0              # aggregate ratio (kernel error / allowed base)
+    max_ulps: float = 0.0           # worst per-element error in units of the per-element bound
+    worst: list = field(default_factory=list)   # [(index tuple, out, truth, emulation, bound)]
+
+    def summary(self) -> str:
+        return f"{self.kind}: ratio={self.ratio:.3g} (<= {RATIO}), worst element at {self.max_ulps:.3g}x its bound"
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _fmt_worst(idx_tensor, out, truth, emu, bound, names, limit=6):
+    rows = []
+    for i in range(min(limit, idx_tensor.shape[0])):
+        idx = tuple(int(v) for v in idx_tensor[i])
+        rows.append((idx, float(out[idx]), float(truth[idx]), float(emu[idx]), float(bound[idx])))
+    return rows
+
+
+def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
+                    written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
+                    before: torch.Tensor | None = None, names=("t", "j", "col")) -> Verdict:
+    """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
+
+    `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
+    (when `before` is given).
+    """
+    if tuple(out.shape) != tuple(truth.shape):
+        return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
+    o = out.detach().to("cpu")
+    written = written.to("cpu").bool()
+    if before is not None:
+        b = before.detach().to("cpu")
+        if o.dtype != b.dtype:
+            return Verdict(False, "shape", f"output dtype {o.dtype} != the buffer's original dtype {b.dtype}")
+        same = o.contiguous().view(_int_view(o)) == b.contiguous().view(_int_view(b))
+        bad = (~written) & (~same)
+        if bad.any():
+            idx = bad.nonzero()[:6]
+            ex = ", ".join(f"{tuple(int(v) for v in i)}: {float(o[tuple(i)]):.6g} (was {float(b[tuple(i)]):.6g})"
+                           for i in idx)
+            return Verdict(False, "untouched",
+                           f"{int(bad.sum())} element(s) the contract never writes were changed; "
+                           f"first at ({', '.join(names)}): {ex}")
+    o64 = o.to(torch.float64)
+    if written.sum() == 0:
+        return Verdict(True, "pass", "no element is written by the contract; untouched elements verified bit-exact")
+    ow, tw, ew, sw = o64[written], truth[written], emulation[written], scale[written]
+    nonfinite = ~torch.isfinite(ow) & torch.isfinite(tw)
+    if nonfinite.any():
+        idx = (written & ~torch.isfinite(o64)).nonzero()[:6]
+        ex = ", ".join(f"{tuple(int(v) for v in i)}={float(o64[tuple(i)])}" for i in idx)
+        return Verdict(False, "nonfinite",
+                       f"{int(nonfinite.sum())} written element(s) are NaN/Inf (unwritten or overflow); first at "
+                       f"({', '.join(names)}): {ex}")
+    eps_dt = _eps(dtype)
+    acc = math.sqrt(max(k_plus_r, 1)) * EPS32
+    bound = ULPS * eps_dt * scale + acc * scale
+    bound = torch.where(bound > 0, bound, torch.full_like(bound, torch.finfo(torch.float64).tiny))
+    err = (o64 - truth).abs()
+    rel = torch.where(written, err / bound, torch.zeros_like(err))
+    max_ulps = float(rel.max())
+    kern = float(torch.linalg.vector_norm(ow - tw))
+    emu = float(torch.linalg.vector_norm(ew - tw))
+    floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + acc * float(torch.linalg.vector_norm(sw))
+    base = max(emu, floor)
+    ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
+    order = torch.argsort(rel.flatten(), descending=True)[:6]
+    idx = torch.stack(torch.unravel_index(order, rel.shape), dim=1)
+    worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
+    if max_ulps > 1.0:
+        return Verdict(False, "element", f"{int((rel > 1).sum())} element(s) exceed the per-element bound "
+                       f"(worst {max_ulps:.3g}x); aggregate ratio {ratio:.3g}", ratio, max_ulps, worst)
+    if ratio > RATIO:
+        return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
+                       f"{emu:.3g} (floor {floor:.3g}); bound {RATIO}", ratio, max_ulps, worst)
+    return Verdict(True, "pass", "", ratio, max_ulps, worst)
+
+
+def _int_view(t: torch.Tensor):
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included; -0.0 != +0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return bool(torch.equal(a.view(_int_view(a)), b.view(_int_view(b))))
+
+
+def format_worst(verdict: Verdict, names=("t", "j", "col"), coords=None) -> str:
+    """Table of the worst elements; `coords(index) -> str` adds e.g. expert and LoRA of the pair."""
+    lines = [f"  {'(' + ', '.join(names) + ')':<22} {'kernel':>14} {'truth':>14} {'emulation':>14} {'bound':>10}  "]
+    for idx, o, t, e, b in verdict.worst:
+        extra = ("  " + coords(idx)) if coords else ""
+        lines.append(f"  {str(idx):<22} {o:>14.7g} {t:>14.7g} {e:>14.7g} {b:>10.3g}{extra}")
+    return "\n".join(lines)

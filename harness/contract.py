@@ -1,0 +1,155 @@
+"""The backend contract: what a backend declares (data) and how a case is checked against it.
+
+Modelled on PyTorch's OpInfo: one declarative record per backend, every unsupported feature carrying
+its reason, so a skip is a declared capability and never a silent one. Claims are checked both ways:
+a backend that claims a case and fails it fails; one that works where it claims not to is reported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from harness.case import Case
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An extra declared constraint: `holds(case)` must be true for the backend to claim the case."""
+
+    name: str
+    holds: Callable[[Case], bool]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports, as data. `None` means "anything"."""
+
+    levels: frozenset = frozenset({"op"})
+    devices: frozenset = frozenset({"cpu", "cuda"})
+    # device -> dtypes supported there; `dtype_reasons[(device, dtype)]` says why one is missing
+    dtypes: Mapping = field(default_factory=lambda: {
+        "cpu": frozenset({"float16", "bfloat16", "float32"}),
+        "cuda": frozenset({"float16", "bfloat16", "float32"})})
+    dtype_reasons: Mapping = field(default_factory=dict)
+    layouts: frozenset = frozenset({"sorted", "naive"})
+    max_rank: int | None = None
+    fully_sharded: bool = True
+    expert_map: bool = True
+    shared_lora: bool = True
+    activations: frozenset | None = None      # expert level; None = every reference activation
+    non_gated: bool = True
+    bias: bool = True
+    lora: bool = True                         # expert level: can run with LoRA
+    base_only: bool = True                    # expert level: can run without LoRA
+    tensor_parallel: bool = False             # expert level: simulated TP ranks
+    rules: tuple = ()
+
+
+@dataclass(frozen=True)
+class KnownBug:
+    """A ledger entry: a known wrong answer, citing its issue. A matching case that passes fails the run."""
+
+    issue: str
+    description: str
+    applies: Callable[[Case], bool]
+
+
+@dataclass(frozen=True)
+class ExpertCall:
+    """Arguments of an expert-level run; the backend writes its (T, H) result into `output` in place."""
+
+    output: object
+    hidden_states: object
+    w13: object
+    w2: object
+    topk_weights: object
+    topk_ids: object
+    activation: str
+    w13_bias: object = None
+    w2_bias: object = None
+    w13_lora_a: list | None = None
+    w13_lora_b: list | None = None
+    w2_lora_a: list | None = None
+    w2_lora_b: list | None = None
+    adapter_enabled: object = None
+    token_lora_mapping: object = None
+    max_loras: int = 0
+    expert_map: object = None
+    apply_router_weight_on_input: bool = False
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend: name, capabilities, entry points, and the rounding model its path follows.
+
+    `op`: a callable with vLLM 0.33.0's `fused_moe_lora` signature (in place).
+    `experts`: a callable taking an `ExpertCall` and writing `call.output`.
+    `precision`: a reference precision preset name, or `case -> name` when the path depends on the case.
+    """
+
+    name: str
+    description: str
+    capabilities: Capabilities
+    op: Callable | None = None
+    experts: Callable | None = None
+    precision: str | Callable[[Case], str] = "one_shot"
+    known_bugs: tuple = ()
+    origin: str = ""
+
+    def precision_for(self, case: Case) -> str:
+        return self.precision(case) if callable(self.precision) else self.precision
+
+
+def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
+    """(ok, reason): whether `spec` claims `case` on `device`, judged only from its declarations."""
+    cap = spec.capabilities
+    dev = "cuda" if str(device).startswith("cuda") else str(device)
+    if case.level not in cap.levels:
+        return False, f"{case.level}-level runs are not provided (levels: {sorted(cap.levels)})"
+    if case.level == "op" and spec.op is None:
+        return False, "declares no op entry point"
+    if case.level == "expert" and spec.experts is None:
+        return False, "declares no expert entry point"
+    if dev not in cap.devices:
+        return False, f"device {dev} not supported (devices: {sorted(cap.devices)})"
+    if case.dtype not in cap.dtypes.get(dev, frozenset()):
+        why = cap.dtype_reasons.get((dev, case.dtype), "not declared")
+        return False, f"{case.dtype} on {dev}: {why}"
+    if case.level == "op":
+        if case.layout not in cap.layouts:
+            return False, f"{case.layout} block assignment not supported (layouts: {sorted(cap.layouts)})"
+        if case.fully_sharded and not cap.fully_sharded:
+            return False, "fully_sharded not supported"
+    if cap.max_rank is not None and case.max_rank > cap.max_rank:
+        return False, f"max_rank {case.max_rank} > supported {cap.max_rank}"
+    if case.ep_size > 1 and not cap.expert_map:
+        return False, "expert_map (expert parallel) not supported"
+    if (case.shared_a or case.shared_b) and not cap.shared_lora:
+        return False, "shared (expert-dim 1) LoRA not supported"
+    if case.level == "expert":
+        from reference.activations import is_gated
+        if cap.activations is not None and case.activation not in cap.activations:
+            return False, f"activation {case.activation} not supported (supported: {sorted(cap.activations)})"
+        if not is_gated(case.activation) and not cap.non_gated:
+            return False, f"non-gated activation {case.activation} not supported (gated only)"
+        if case.bias and not cap.bias:
+            return False, "biases not supported"
+        if case.lora and not cap.lora:
+            return False, "LoRA not supported"
+        if not case.lora and not cap.base_only:
+            return False, "runs only with LoRA"
+        if case.tp_size > 1 and not cap.tensor_parallel:
+            return False, "tensor-parallel ranks not supported"
+    for rule in cap.rules:
+        if not rule.holds(case):
+            return False, f"{rule.name}: {rule.reason}"
+    return True, ""
+
+
+def known_bug_for(spec: BackendSpec, case: Case) -> KnownBug | None:
+    """The ledger entry expected to make this case fail, if any."""
+    for bug in spec.known_bugs:
+        if bug.applies(case):
+            return bug
+    return None

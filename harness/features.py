@@ -1,0 +1,93 @@
+"""Named case families ("features"): the rows of the check matrix and the ids of the conformance suite.
+
+Each feature is data: a name, a level and a function from (index, device profile) to a Case. The same
+list drives `moe-lora-harness check` and `suites/test_conformance.py`, so the matrix and pytest agree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from harness.case import Case
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shape scale for a device: small under the Triton interpreter, real on a GPU."""
+
+    T: int
+    H: int
+    I: int
+    E: int
+    top_k: int
+    max_rank: int
+    dtype: str
+
+
+SMALL = Sizes(T=6, H=64, I=48, E=4, top_k=2, max_rank=8, dtype="float16")
+LARGE = Sizes(T=96, H=512, I=384, E=16, top_k=4, max_rank=32, dtype="bfloat16")
+
+
+def sizes_for(device: str) -> Sizes:
+    return LARGE if str(device).startswith("cuda") else SMALL
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    level: str
+    make: Callable[[Sizes], dict]     # Case fields on top of the base for these sizes
+    note: str = ""
+
+    def cases(self, device: str, n: int) -> list[Case]:
+        """`n` cases (distinct seeds) for this feature on `device`."""
+        s = sizes_for(device)
+        base = dict(level=self.level, T=s.T, H=s.H, I=s.I, E=s.E, top_k=s.top_k, max_rank=s.max_rank,
+                    dtype=s.dtype, max_loras=3, mapping="uniform")
+        fields = dict(base, **self.make(s))
+        return [Case(**dict(fields, seed=1000 * (i + 1) + _stable(self.name))) for i in range(n)]
+
+
+def _stable(name: str) -> int:
+    return sum(ord(c) * (i + 1) for i, c in enumerate(name)) % 997
+
+
+def _w2(s):
+    return dict(which="w2", num_slices=1, mul_routed_weight=True)
+
+
+OP_FEATURES = (
+    Feature("fp16", "op", lambda s: dict(dtype="float16")),
+    Feature("bf16", "op", lambda s: dict(dtype="bfloat16")),
+    Feature("fp32", "op", lambda s: dict(dtype="float32")),
+    Feature("sorted layout", "op", lambda s: dict(layout="sorted")),
+    Feature("naive layout", "op", lambda s: dict(layout="naive")),
+    Feature("small batch (naive, T*k*R<=1024)", "op", lambda s: dict(layout="naive", T=2, max_rank=16)),
+    Feature("w2: mul_routed_weight", "op", _w2),
+    Feature("w13 one slice (non-gated)", "op", lambda s: dict(num_slices=1)),
+    Feature("offset != 0", "op", lambda s: dict(_w2(s), offset=s.H // 2 + 3)),
+    Feature("add_inputs=False", "op", lambda s: dict(add_inputs=False)),
+    Feature("tokens without adapter (-1)", "op", lambda s: dict(mapping="mixed")),
+    Feature("all tokens -1", "op", lambda s: dict(mapping="none")),
+    Feature("disabled slot", "op", lambda s: dict(mapping="disabled")),
+    Feature("shared LoRA A", "op", lambda s: dict(shared_a=True)),
+    Feature("shared LoRA B (w2)", "op", lambda s: dict(_w2(s), shared_b=True)),
+    Feature("rank padding (adapter rank < max)", "op", lambda s: dict(ranks=(1, s.max_rank // 2, s.max_rank))),
+    Feature("rank 1", "op", lambda s: dict(max_rank=1)),
+    Feature("rank 128", "op", lambda s: dict(max_rank=128, T=max(2, s.T // 2))),
+    Feature("rank 256 (two-kernel)", "op", lambda s: dict(max_rank=256, T=max(2, s.T // 2))),
+    Feature("K, N not multiples of 8", "op", lambda s: dict(H=s.H - 27, I=s.I - 13)),
+    Feature("T*k < E", "op", lambda s: dict(T=1, E=4 * s.E)),
+    Feature("empty batch", "op", lambda s: dict(T=0)),
+    Feature("skewed routing", "op", lambda s: dict(routing="skewed", mapping="skewed", T=2 * s.T)),
+    Feature("block size 64", "op", lambda s: dict(block_size_m=64)),
+    Feature("expert_map (EP)", "op", lambda s: dict(ep_size=2, ep_rank=1, E=2 * s.E)),
+    Feature("fully_sharded (one rank)", "op", lambda s: dict(fully_sharded=True)),
+)
+
+FEATURES = OP_FEATURES
+
+
+def feature_cases(features, device: str, n: int):
+    """[(feature, index, case)] for every feature."""
+    return [(f, i, c) for f in features for i, c in enumerate(f.cases(device, n))]

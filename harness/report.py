@@ -1,0 +1,81 @@
+"""The check matrix (backend x feature) as text, JSON and Markdown."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from harness.runner import Outcome
+
+_ORDER = ("fail", "xpass", "pass", "xfail", "works-unclaimed", "unsupported")
+
+
+def cell(outcomes: list[Outcome]) -> dict:
+    """Summarise one (backend, feature) cell: the worst status wins; counts and a reason."""
+    counts = defaultdict(int)
+    for o in outcomes:
+        counts[o.status] += 1
+    status = next((s for s in _ORDER if counts.get(s)), "none")
+    reason = next((o.reason for o in outcomes if o.status == status and o.reason), "")
+    return {"status": status, "counts": dict(counts), "reason": reason,
+            "failures": [o.detail for o in outcomes if o.failed]}
+
+
+def build_matrix(outcomes: list[Outcome], feature_of) -> dict:
+    """{backend: {feature: cell}} from outcomes; `feature_of(outcome)` names its feature."""
+    grouped = defaultdict(lambda: defaultdict(list))
+    for o in outcomes:
+        grouped[o.backend][feature_of(o)].append(o)
+    return {b: {f: cell(v) for f, v in feats.items()} for b, feats in grouped.items()}
+
+
+def _short(c: dict) -> str:
+    s = c["status"]
+    n = sum(c["counts"].values())
+    if s == "pass":
+        extra = c["counts"].get("unsupported", 0)
+        return f"pass {c['counts']['pass']}/{n}" + (f" ({extra} unsup.)" if extra else "")
+    if s == "unsupported":
+        return "unsupported"
+    if s in ("fail", "xpass"):
+        return f"{s.upper()} {c['counts'][s]}/{n}"
+    return s
+
+
+def to_text(matrix: dict, features: list[str]) -> str:
+    backends = list(matrix)
+    w0 = max([len(f) for f in features] + [7])
+    ws = [max(len(b), 16) for b in backends]
+    lines = [f"{'feature':<{w0}}  " + "  ".join(f"{b:<{w}}" for b, w in zip(backends, ws))]
+    lines.append("-" * len(lines[0]))
+    for f in features:
+        row = [_short(matrix[b].get(f, {"status": "none", "counts": {}})) for b in backends]
+        lines.append(f"{f:<{w0}}  " + "  ".join(f"{r:<{w}}" for r, w in zip(row, ws)))
+    reasons = sorted({(b, matrix[b][f]["reason"]) for b in backends for f in features
+                      if f in matrix[b] and matrix[b][f]["status"] == "unsupported"})
+    if reasons:
+        lines.append("\nunsupported, as declared:")
+        lines += [f"  {b}: {r}" for b, r in reasons]
+    return "\n".join(lines)
+
+
+def to_markdown(matrix: dict, features: list[str], header: str = "") -> str:
+    backends = list(matrix)
+    out = [header] if header else []
+    out.append("| feature | " + " | ".join(backends) + " |")
+    out.append("|---|" + "---|" * len(backends))
+    for f in features:
+        cells = []
+        for b in backends:
+            c = matrix[b].get(f)
+            if c is None:
+                cells.append("")
+            elif c["status"] == "unsupported":
+                cells.append(f"unsupported: {c['reason']}")
+            else:
+                cells.append(_short(c))
+        out.append(f"| {f} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def to_json(matrix: dict, meta: dict) -> str:
+    return json.dumps({"meta": meta, "matrix": matrix}, indent=1, sort_keys=True)

@@ -1,0 +1,80 @@
+"""Hypothesis strategies that draw case *structure* (shapes, routing skew, LoRA mix), and the profiles.
+
+Profiles: `ci` (derandomized, bounded, no deadline, print_blob), `dev` (more examples, random), `fuzz`
+(many examples, example database on, for hunting bugs). Pick one with `--hypothesis-profile NAME` or the
+env var MOE_LORA_HARNESS_PROFILE; MOE_LORA_HARNESS_MAX_EXAMPLES overrides the example count.
+"""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from harness.case import Case
+
+PROFILE_ENV = "MOE_LORA_HARNESS_PROFILE"
+MAX_EXAMPLES_ENV = "MOE_LORA_HARNESS_MAX_EXAMPLES"
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+             HealthCheck.function_scoped_fixture]
+
+
+def register_profiles() -> None:
+    """Register ci / dev / fuzz with hypothesis (idempotent)."""
+    settings.register_profile("ci", max_examples=8, derandomize=True, deadline=None, print_blob=True,
+                              database=None, suppress_health_check=_SUPPRESS)
+    settings.register_profile("dev", max_examples=40, deadline=None, print_blob=True,
+                              suppress_health_check=_SUPPRESS)
+    settings.register_profile("fuzz", max_examples=2000, deadline=None, print_blob=True,
+                              database=DirectoryBasedExampleDatabase(".hypothesis/moe-lora-fuzz"),
+                              suppress_health_check=_SUPPRESS)
+
+
+def load_profile(name: str | None = None) -> str:
+    """Load the profile named by `name`, else the env var, else `ci`; apply the max-examples knob."""
+    register_profiles()
+    name = name or os.environ.get(PROFILE_ENV, "ci")
+    if name not in ("ci", "dev", "fuzz"):
+        raise ValueError(f"hypothesis profile must be ci, dev or fuzz; got {name!r}")
+    n = os.environ.get(MAX_EXAMPLES_ENV)
+    if n:
+        settings.register_profile(f"{name}+n", parent=settings.get_profile(name), max_examples=int(n))
+        settings.load_profile(f"{name}+n")
+    else:
+        settings.load_profile(name)
+    return name
+
+
+@st.composite
+def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1, 2, 4, 8, 16, 32, 64),
+             large_ranks=(128, 256), allow_ep=True):
+    """Op-level cases over the whole input space of `fused_moe_lora` (small shapes)."""
+    E = draw(st.integers(1, 8))
+    top_k = draw(st.integers(1, min(E, 4)))
+    T = draw(st.integers(0, max_T))
+    which = draw(st.sampled_from(("w13", "w2")))
+    dims = st.one_of(st.sampled_from((16, 32, 64)), st.integers(1, max_dim))
+    H, I = draw(dims), draw(dims)
+    L = draw(st.integers(1, 4))
+    R = draw(st.one_of(st.sampled_from(ranks), st.sampled_from(large_ranks))) if large_ranks else draw(st.sampled_from(ranks))
+    slot_ranks = tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), min_size=0, max_size=L)))
+    layout = draw(st.sampled_from(("sorted", "naive")))
+    ep = 1
+    if allow_ep and layout == "sorted" and draw(st.booleans()):
+        ep = draw(st.sampled_from((2, 4)))
+        E = E * ep
+        top_k = min(top_k, E)
+    mul = True if which == "w2" else draw(st.booleans())
+    return Case(
+        level="op", T=T, H=H, I=I, E=E, top_k=top_k, dtype=draw(st.sampled_from(dtypes)), max_loras=L,
+        max_rank=R, ranks=slot_ranks,
+        mapping=draw(st.sampled_from(("uniform", "mixed", "skewed", "none", "disabled"))),
+        routing=draw(st.sampled_from(("uniform", "skewed"))),
+        shared_a=draw(st.booleans()), shared_b=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)), which=which,
+        num_slices=1 if which == "w2" else draw(st.integers(1, 2)),
+        mul_routed_weight=mul, add_inputs=draw(st.booleans()), offset=draw(st.sampled_from((0, 0, 3, 17))),
+        layout=layout, block_size_m=draw(st.sampled_from((16, 32, 64))),
+        fully_sharded=(ep == 1 and draw(st.booleans())),
+        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)))

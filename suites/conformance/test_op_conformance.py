@@ -1,0 +1,72 @@
+"""Op-level conformance of every registered backend against the float64 reference (features + hypothesis).
+
+Test ids are `backend/feature/index`, stable across runs and workers, so `-k`, `-n auto` and sharding work.
+An unsupported case is skipped with the backend's declared reason; a claimed case that fails or raises
+fails with its case JSON and a REPRO command; a known-bug ledger entry that passes fails too.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from conftest import selected_backends, selected_device
+from harness.features import OP_FEATURES, feature_cases
+from harness.runner import run_case
+from harness.strategies import op_cases
+
+
+class UnclaimedCapabilityWarning(UserWarning):
+    """A backend passed a case it declares unsupported: its declaration undersells it."""
+
+
+def pytest_generate_tests(metafunc):
+    config = metafunc.config
+    if "backend_name" not in metafunc.fixturenames:
+        return
+    device = selected_device(config)
+    names = sorted(selected_backends(config))
+    if "op_case" in metafunc.fixturenames:
+        n = config.getoption("cases_per_feature") or (3 if device.startswith("cuda") else 2)
+        params, ids = [], []
+        for name in names:
+            for feat, i, case in feature_cases(OP_FEATURES, device, n):
+                params.append((name, case))
+                ids.append(f"{name}/{feat.name}/{i}")
+        metafunc.parametrize(("backend_name", "op_case"), params, ids=ids)
+    else:
+        metafunc.parametrize("backend_name", names)
+
+
+def judge(outcome):
+    """Turn an Outcome into a pytest result."""
+    if outcome.status == "unsupported":
+        pytest.skip(f"unsupported by {outcome.backend}: {outcome.reason}")
+    if outcome.status == "works-unclaimed":
+        warnings.warn(UnclaimedCapabilityWarning(f"{outcome.backend}: {outcome.reason}: {outcome.case.to_json()}"))
+        return
+    if outcome.status == "xfail":
+        pytest.xfail(outcome.reason)
+    if outcome.failed:
+        pytest.fail(outcome.detail or outcome.reason, pytrace=False)
+
+
+def test_op_feature(backend_name, op_case, backends, device, probe_unsupported):
+    judge(run_case(backends[backend_name], op_case, device, probe=probe_unsupported))
+
+
+@given(data=st.data())
+def test_op_random(backend_name, backends, device, data):
+    """Hypothesis-drawn op cases; failures shrink to a minimal case and print its REPRO line."""
+    spec = backends[backend_name]
+    dtypes = ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
+    case = data.draw(op_cases(dtypes=dtypes, max_T=12 if device == "cpu" else 200,
+                              max_dim=96 if device == "cpu" else 700), label="case")
+    outcome = run_case(spec, case, device)
+    note(f"CASE: {case.to_json()}")
+    if outcome.status in ("unsupported", "xfail"):
+        return
+    if outcome.failed:
+        pytest.fail(outcome.detail, pytrace=False)

@@ -1,0 +1,43 @@
+"""The harness catches each class of planted bug, with a REPRO line, and passes the control."""
+from __future__ import annotations
+
+import pytest
+
+from harness.case import Case
+from harness.mutants import MUTANTS
+from harness.runner import run_case
+
+BY_NAME = {m.name: m for m in MUTANTS}
+BASE = Case(T=6, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=8, seed=7)
+W2 = dict(which="w2", num_slices=1, mul_routed_weight=True)
+
+# mutant -> a case on which its defect must show
+EXPOSING = {
+    "bf16-operands": BASE.replace(dtype="float16", T=12, H=96),
+    "drops-slice": BASE,
+    "ignores-routed-weight": BASE.replace(**W2),
+    "ignores-adapter-enabled": BASE.replace(mapping="disabled", layout="naive"),
+    "no-adapter-as-slot0": BASE.replace(mapping="mixed", layout="naive"),
+    "truncates-rank": BASE,
+    "clobbers-offset": BASE.replace(**W2, offset=5),
+    "skips-write-add-inputs-false": BASE.replace(add_inputs=False),
+    "wrong-x-row": BASE.replace(**W2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPOSING))
+def test_mutant_is_caught(name):
+    out = run_case(BY_NAME[f"mutant-{name}"], EXPOSING[name], "cpu")
+    assert out.status == "fail", f"planted bug {name} was not caught: {out.status} {out.reason}"
+    assert "REPRO: moe-lora-harness replay" in out.detail and "CASE: {" in out.detail
+
+
+@pytest.mark.parametrize("case", [c for c in EXPOSING.values()] + [BASE.replace(dtype="float32")],
+                         ids=lambda c: c.id)
+def test_control_passes(case):
+    out = run_case(BY_NAME["mutant-control"], case, "cpu")
+    assert out.status == "pass", out.detail
+
+
+def test_every_mutant_has_an_exposing_case():
+    assert set(EXPOSING) == {m.name.removeprefix("mutant-") for m in MUTANTS} - {"control"}
