@@ -1,12 +1,25 @@
 """The pure-PyTorch eager backend: torch ops in the working dtype, no Triton, every device and dtype."""
 from harness.contract import BackendSpec, Capabilities
-from kernels import eager
+from kernels import eager, eager_experts
+
+
+def run_experts(call):
+    """ExpertCall -> kernels.eager_experts (writes call.output)."""
+    eager_experts.moe_experts_forward(
+        call.output, call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids, call.activation,
+        w13_bias=call.w13_bias, w2_bias=call.w2_bias, w13_lora_a=call.w13_lora_a, w13_lora_b=call.w13_lora_b,
+        w2_lora_a=call.w2_lora_a, w2_lora_b=call.w2_lora_b, adapter_enabled=call.adapter_enabled,
+        token_lora_mapping=call.token_lora_mapping, expert_map=call.expert_map,
+        apply_router_weight_on_input=call.apply_router_weight_on_input)
+
 
 BACKEND = BackendSpec(
     name="eager",
-    description="pure-PyTorch eager op (one-shot rounding points, loops over (LoRA, expert) groups)",
-    capabilities=Capabilities(levels=frozenset({"op"})),
+    description="pure-PyTorch eager op and experts (one-shot rounding points, loops over (LoRA, expert) groups)",
+    capabilities=Capabilities(levels=frozenset({"op", "expert"}),
+                              activations=frozenset(eager_experts.SUPPORTED)),
     op=eager.fused_moe_lora,
+    experts=run_experts,
     precision="one_shot",
     origin="backends.eager:BACKEND",
 )

@@ -190,3 +190,72 @@ def build_op_inputs(case: Case, device="cpu") -> OpInputs:
                    token_lora_mapping=mapping, lora_ids=lora_ids, num_active_loras=num_active,
                    adapter_enabled=enabled, expert_map=expert_map)
     return inp if str(device) == "cpu" else inp.to(device)
+
+
+@dataclass
+class ExpertInputs:
+    """Tensors of an expert-level case; `call()` gives the backend's `ExpertCall` (output NaN-poisoned)."""
+
+    case: Case
+    hidden: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    stacked: object            # reference.adapters.StackedMoELoRA or None
+    token_lora_mapping: torch.Tensor
+    expert_map: torch.Tensor | None
+
+    def call(self, device):
+        from harness.contract import ExpertCall
+        c = self.case
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        lst = lambda ts: None if ts is None else [t.to(device) for t in ts]  # noqa: E731
+        s = self.stacked
+        out = torch.full((c.T, c.H), float("nan"), dtype=self.hidden.dtype, device=device)
+        return ExpertCall(
+            output=out, hidden_states=mv(self.hidden), w13=mv(self.w13), w2=mv(self.w2),
+            topk_weights=mv(self.topk_weights), topk_ids=mv(self.topk_ids), activation=c.activation,
+            w13_bias=mv(self.w13_bias), w2_bias=mv(self.w2_bias),
+            w13_lora_a=lst(s.w13_a) if s else None, w13_lora_b=lst(s.w13_b) if s else None,
+            w2_lora_a=lst(s.w2_a) if s else None, w2_lora_b=lst(s.w2_b) if s else None,
+            adapter_enabled=mv(s.adapter_enabled) if s else None,
+            token_lora_mapping=mv(self.token_lora_mapping), max_loras=c.max_loras,
+            expert_map=mv(self.expert_map), apply_router_weight_on_input=c.apply_router_weight_on_input)
+
+
+def build_expert_inputs(case: Case) -> ExpertInputs:
+    """CPU tensors for an expert-level case (base weights, biases, routing, packed LoRA)."""
+    from reference.activations import is_gated
+    from reference.adapters import ExpertAdapter, pack_moe_lora
+    probs = case.problems()
+    if probs:
+        raise ValueError(f"malformed case {case.to_json()}: " + "; ".join(probs))
+    if case.level != "expert":
+        raise ValueError(f"build_expert_inputs needs an expert-level case, got level={case.level!r}")
+    dt = torch_dtype(case)
+    gated = is_gated(case.activation)
+    T, H, I, k, El = case.T, case.H, case.I, case.top_k, case.local_experts
+    N1 = 2 * I if gated else I
+    g = _gen(case, 11)
+    hidden = torch.randn(T, H, generator=g).to(dt)
+    w13 = (torch.randn(El, N1, H, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dt)
+    w2 = (torch.randn(El, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)).to(dt)
+    b13 = (0.5 * torch.randn(El, N1, generator=g)).to(dt) if case.bias else None
+    b2 = (0.5 * torch.randn(El, H, generator=g)).to(dt) if case.bias else None
+    w, ids = make_routing(case, _gen(case, 1))
+    mapping = make_token_lora_mapping(case, _gen(case, 2))
+    expert_map = expert_map_for(case.E, case.ep_size, case.ep_rank) if case.ep_size > 1 else None
+    stacked = None
+    if case.lora:
+        ga = _gen(case, 12)
+        adapters = [None if r == 0 else ExpertAdapter.random(El, H, I, r, gated, scaling=0.5, generator=ga)
+                    for r in case.slot_ranks]
+        stacked = pack_moe_lora(adapters, max_loras=case.max_loras, max_rank=case.max_rank, num_experts=El,
+                                hidden_size=H, intermediate_size=I, dtype=dt, gated=gated,
+                                shared_a=case.shared_a, shared_b=case.shared_b)
+        if case.mapping == "disabled":
+            stacked.adapter_enabled[0] = 0
+    return ExpertInputs(case, hidden, w13, w2, b13, b2, w, ids, stacked, mapping, expert_map)

@@ -85,7 +85,30 @@ OP_FEATURES = (
     Feature("fully_sharded (one rank)", "op", lambda s: dict(fully_sharded=True)),
 )
 
-FEATURES = OP_FEATURES
+ACTIVATION_NAMES = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ",
+                    "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul")
+
+
+def _act(name):
+    return Feature(f"experts: {name}", "expert", lambda s: dict(activation=name))
+
+
+EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
+    Feature("experts: base only (no LoRA)", "expert", lambda s: dict(lora=False)),
+    Feature("experts: bf16", "expert", lambda s: dict(dtype="bfloat16")),
+    Feature("experts: fp32", "expert", lambda s: dict(dtype="float32")),
+    Feature("experts: tokens without adapter (-1)", "expert", lambda s: dict(mapping="mixed")),
+    Feature("experts: disabled slot", "expert", lambda s: dict(mapping="disabled")),
+    Feature("experts: shared LoRA A and B", "expert", lambda s: dict(shared_a=True, shared_b=True)),
+    Feature("experts: biases", "expert", lambda s: dict(bias=True, activation="swigluoai")),
+    Feature("experts: rank padding", "expert", lambda s: dict(ranks=(1, s.max_rank // 2, s.max_rank))),
+    Feature("experts: expert_map (EP)", "expert", lambda s: dict(ep_size=2, ep_rank=0, E=2 * s.E)),
+    Feature("experts: router weight on input", "expert", lambda s: dict(top_k=1, apply_router_weight_on_input=True)),
+    Feature("experts: non-gated, biases, EP", "expert",
+            lambda s: dict(activation="relu2_no_mul", bias=True, ep_size=2, ep_rank=1, E=2 * s.E)),
+)
+
+FEATURES = OP_FEATURES + EXPERT_FEATURES
 
 
 def feature_cases(features, device: str, n: int):

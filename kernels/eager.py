@@ -56,11 +56,19 @@ def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, 
                    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *,
                    collective=None):
     """In place: output[t, j, offset + s*N : ...] (+)= rnd(w * B_s rnd(A_s x_row)) for qualifying pairs."""
-    from kernels.validate import validate_fused_moe_lora
-    validate_fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights,
-                            sorted_token_ids, expert_ids, num_tokens_post_padded, token_lora_mapping,
-                            max_lora_rank, top_k_num, lora_ids, num_active_loras, adapter_enabled,
-                            shrink_block_size_m, mul_routed_weight, fully_sharded, offset)
+    from kernels.validate import check_value_ranges, validate_call
+    tuning = dict(shrink_block_size_m=shrink_block_size_m, shrink_block_size_n=shrink_block_size_n,
+                  shrink_block_size_k=shrink_block_size_k, shrink_group_size_m=shrink_group_size_m,
+                  shrink_num_warps=shrink_num_warps, shrink_num_stages=shrink_num_stages,
+                  shrink_split_k=shrink_split_k, expand_block_size_m=expand_block_size_m,
+                  expand_block_size_n=expand_block_size_n, expand_block_size_k=expand_block_size_k,
+                  expand_group_size_m=expand_group_size_m, expand_num_warps=expand_num_warps,
+                  expand_num_stages=expand_num_stages, expand_split_k=expand_split_k)
+    call = validate_call(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights,
+                         sorted_token_ids, expert_ids, num_tokens_post_padded, token_lora_mapping,
+                         max_lora_rank, top_k_num, lora_ids, num_active_loras, adapter_enabled, tuning,
+                         mul_routed_weight, fully_sharded, offset, add_inputs)
+    check_value_ranges(call)
     T, k = topk_weights.shape
     L = lora_a_stacked[0].shape[0]
     dt = output.dtype
@@ -74,7 +82,7 @@ def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, 
     flat = output.view(T * k, output.shape[-1])
     w = topk_weights.reshape(-1).float()
     # group pairs by (lora, expert) so each factor pair is one GEMM; shrink for all, then expand
-    E = max(a.shape[1] for a in lora_a_stacked)
+    E = int(expert.max()) + 1   # expert ids of qualifying pairs are >= 0 here
     key = lora * (E + 1) + expert
     groups = []
     for kv in torch.unique(key).tolist():

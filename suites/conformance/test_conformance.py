@@ -1,4 +1,4 @@
-"""Op-level conformance of every registered backend against the float64 reference (features + hypothesis).
+"""Op- and expert-level conformance of every registered backend against the float64 reference (features + hypothesis).
 
 Test ids are `backend/feature/index`, stable across runs and workers, so `-k`, `-n auto` and sharding work.
 An unsupported case is skipped with the backend's declared reason; a claimed case that fails or raises
@@ -13,7 +13,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from conftest import selected_backends, selected_device
-from harness.features import OP_FEATURES, feature_cases
+from harness.features import FEATURES, feature_cases
 from harness.runner import run_case
 from harness.strategies import op_cases
 
@@ -28,14 +28,14 @@ def pytest_generate_tests(metafunc):
         return
     device = selected_device(config)
     names = sorted(selected_backends(config))
-    if "op_case" in metafunc.fixturenames:
+    if "feature_case" in metafunc.fixturenames:
         n = config.getoption("cases_per_feature") or (3 if device.startswith("cuda") else 2)
         params, ids = [], []
         for name in names:
-            for feat, i, case in feature_cases(OP_FEATURES, device, n):
+            for feat, i, case in feature_cases(FEATURES, device, n):
                 params.append((name, case))
                 ids.append(f"{name}/{feat.name}/{i}")
-        metafunc.parametrize(("backend_name", "op_case"), params, ids=ids)
+        metafunc.parametrize(("backend_name", "feature_case"), params, ids=ids)
     else:
         metafunc.parametrize("backend_name", names)
 
@@ -53,8 +53,8 @@ def judge(outcome):
         pytest.fail(outcome.detail or outcome.reason, pytrace=False)
 
 
-def test_op_feature(backend_name, op_case, backends, device, probe_unsupported):
-    judge(run_case(backends[backend_name], op_case, device, probe=probe_unsupported))
+def test_feature(backend_name, feature_case, backends, device, probe_unsupported):
+    judge(run_case(backends[backend_name], feature_case, device, probe=probe_unsupported))
 
 
 @given(data=st.data())

@@ -1,0 +1,73 @@
+"""Our Triton MoE-LoRA op (kernels/triton): the dispatch and each path as its own backend.
+
+On a machine without CUDA the kernels run in the Triton interpreter, which cannot do bf16 arithmetic
+(it computes on bit patterns; Triton issue 11584), so bf16 is declared unsupported on the CPU.
+"""
+from __future__ import annotations
+
+from harness.case import Case
+from harness.contract import BackendSpec, Capabilities, Rule
+
+try:
+    import triton  # noqa: F401
+    from kernels.triton import lora_op as _ops
+    _IMPORT_ERROR = ""
+except Exception as e:  # noqa: BLE001 - declared, not hidden: every case reports this reason
+    _ops, _IMPORT_ERROR = None, f"Triton kernels not importable: {type(e).__name__}: {e}"
+
+_CPU_BF16 = "the Triton interpreter cannot do bf16 arithmetic (computes on bit patterns; Triton issue 11584)"
+
+
+def _caps(**kw) -> Capabilities:
+    base = dict(
+        levels=frozenset({"op"}),
+        devices=frozenset() if _ops is None else frozenset({"cpu", "cuda"}),
+        dtypes={"cpu": frozenset({"float16", "float32"}),
+                "cuda": frozenset({"float16", "bfloat16", "float32"})},
+        dtype_reasons={("cpu", "bfloat16"): _CPU_BF16},
+    )
+    if _ops is None:
+        base["rules"] = (Rule("import", lambda c: False, _IMPORT_ERROR),)
+    base.update(kw)
+    return Capabilities(**base)
+
+
+def dispatch_precision(case: Case) -> str:
+    """Rounding model of the path our dispatch takes (kernels.triton.lora_op.select_path rules)."""
+    if case.fully_sharded or case.max_rank > 128:
+        return "two_kernel"
+    if case.layout == "naive" and case.max_rank <= 64 and case.T * case.top_k * case.max_rank <= 1024:
+        return "small_batch"
+    return "one_shot"
+
+
+def _fn(name):
+    def run(*args, **kw):
+        return getattr(_ops, name)(*args, **kw)
+    run.__name__ = name
+    return run
+
+
+_NOT_FS = Rule("not fully_sharded", lambda c: not c.fully_sharded,
+               "the one-shot kernel has no collective between shrink and expand")
+_SB_SIZE = Rule("T*k*rank <= 1024", lambda c: c.T * c.top_k * c.max_rank <= 1024,
+                "the small-batch kernel is sized for T*k*rank <= 1024")
+
+TRITON = BackendSpec(
+    name="triton", description="our Triton op, dispatching like vLLM 0.33.0 (falls back instead of asserting)",
+    capabilities=_caps(), op=_fn("fused_moe_lora"), precision=dispatch_precision,
+    origin="backends.triton_op:TRITON")
+TRITON_ONE_SHOT = BackendSpec(
+    name="triton_one_shot", description="one-shot fused kernel (shrink+expand in one kernel, rank <= 128)",
+    capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
+    op=_fn("fused_moe_lora_one_shot"), precision="one_shot", origin="backends.triton_op:TRITON_ONE_SHOT")
+TRITON_SMALL_BATCH = BackendSpec(
+    name="triton_small_batch", description="small-batch GEMV kernel (naive layout, rank <= 64, fp32, one rounding)",
+    capabilities=_caps(max_rank=64, layouts=frozenset({"naive"}), fully_sharded=False,
+                       rules=(_NOT_FS, _SB_SIZE)) if _ops else _caps(),
+    op=_fn("fused_moe_lora_small_batch"), precision="small_batch",
+    origin="backends.triton_op:TRITON_SMALL_BATCH")
+TRITON_TWO_KERNEL = BackendSpec(
+    name="triton_two_kernel", description="two-kernel path (shrink to HBM, collective, expand; any rank)",
+    capabilities=_caps(), op=_fn("fused_moe_lora_two_kernel"), precision="two_kernel",
+    origin="backends.triton_op:TRITON_TWO_KERNEL")

@@ -1,0 +1,123 @@
+"""Pure-PyTorch eager MoE experts with LoRA (spec 5), in the working dtype, no Triton.
+
+The pipeline production uses: w13 GEMM (+bias), w13 LoRA delta per slice, activation, w2 GEMM (+bias)
+with the routed weight folded in before the single rounding, weighted w2 LoRA delta, moe_sum in fp32.
+LoRA goes through `kernels.eager.fused_moe_lora` (naive layout). Written independently of reference/.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels.eager import fused_moe_lora
+
+OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0
+
+
+def _gated(name, g, u, dt):
+    """Gated activations on fp32 g, u with the production rounding points."""
+    if name in ("silu", "gelu", "gelu_tanh"):
+        f = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[name]
+        return (f(g).to(dt).float() * u).to(dt)          # act(gate) rounded before the product
+    if name in ("swigluoai", "swigluoai_uninterleave"):
+        g = g.clamp(max=OAI_LIMIT)
+        u = u.clamp(-OAI_LIMIT, OAI_LIMIT)
+        act = g * torch.sigmoid(OAI_ALPHA * g)
+        if name == "swigluoai":
+            return ((u + 1.0) * act).to(dt)                # one rounding
+        return (act.to(dt).float() * (u + 1.0)).to(dt)
+    if name == "swiglustep":
+        return (F.silu(g).clamp(max=7.0) * u.clamp(-7.0, 7.0)).to(dt)
+    if name == "situ":
+        gate = SITU_BETA * torch.tanh(g / SITU_BETA) * torch.sigmoid(g)
+        up = SITU_LINEAR_BETA * torch.tanh(u / SITU_LINEAR_BETA)
+        return (gate * up).to(dt)
+    raise ValueError(f"activation {name!r} is not supported by the eager experts")
+
+
+_NO_MUL = {"silu_no_mul": F.silu, "gelu_no_mul": F.gelu,
+           "gelu_tanh_no_mul": lambda v: F.gelu(v, approximate="tanh"),
+           "relu2_no_mul": lambda v: torch.relu(v) ** 2}
+SUPPORTED = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ",
+             *_NO_MUL)
+
+
+def activation(cache1: torch.Tensor, name: str) -> torch.Tensor:
+    """(M, N1) dt -> (M, I) dt; swigluoai reads interleaved [g0, u0, g1, u1, ...]."""
+    dt = cache1.dtype
+    x = cache1.float()
+    if name in _NO_MUL:
+        return _NO_MUL[name](x).to(dt)
+    if name == "swigluoai":
+        return _gated(name, x[:, 0::2], x[:, 1::2], dt)
+    if name not in SUPPORTED:
+        raise ValueError(f"activation {name!r} is not supported; supported: {SUPPORTED}")
+    half = x.shape[1] // 2
+    return _gated(name, x[:, :half], x[:, half:], dt)
+
+
+def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, activation_name, *,
+                        w13_bias=None, w2_bias=None, w13_lora_a=None, w13_lora_b=None, w2_lora_a=None,
+                        w2_lora_b=None, adapter_enabled=None, token_lora_mapping=None, expert_map=None,
+                        apply_router_weight_on_input=False):
+    """Writes the (T, H) expert output into `output` (dt) in place."""
+    T, H = hidden_states.shape
+    k = topk_ids.shape[1]
+    dt = hidden_states.dtype
+    E, N1, _ = w13.shape
+    I = w2.shape[2]
+    dev = hidden_states.device
+    ids = topk_ids.long()
+    local = expert_map.long()[ids] if expert_map is not None else ids
+    w = topk_weights.float()
+    x_in = hidden_states
+    if apply_router_weight_on_input:
+        if k != 1:
+            raise ValueError(f"apply_router_weight_on_input needs top_k == 1; got topk_ids of shape {tuple(topk_ids.shape)}")
+        x_in = (hidden_states.float() * w).to(dt)
+    flat_local = local.reshape(-1)
+    cache1 = torch.zeros(T * k, N1, dtype=dt, device=dev)
+    for e in torch.unique(flat_local[flat_local >= 0]).tolist():
+        rows = (flat_local == e).nonzero().squeeze(1)
+        acc = x_in[rows // k].float() @ w13[e].float().t()
+        if w13_bias is not None:
+            acc = acc + w13_bias[e].float()
+        cache1[rows] = acc.to(dt)
+    lora = w13_lora_a is not None
+    if lora:
+        L = w13_lora_a[0].shape[0]
+        R = w13_lora_a[0].shape[2]
+        lora_ids = torch.cat([torch.unique(token_lora_mapping), torch.full((L + 1,), -1, dtype=torch.int32, device=dev)])[:L + 1].to(torch.int32)
+        num_active = torch.tensor([L + 1], dtype=torch.int32)
+        eids = flat_local.to(torch.int32)
+        c1 = cache1.view(T, k, N1)
+        args = dict(topk_weights=topk_weights, sorted_token_ids=None, expert_ids=eids,
+                    num_tokens_post_padded=None, token_lora_mapping=token_lora_mapping, max_lora_rank=R,
+                    top_k_num=k, lora_ids=lora_ids, num_active_loras=num_active, adapter_enabled=adapter_enabled)
+        if activation_name == "swigluoai" and len(w13_lora_a) == 2:
+            delta = torch.zeros(T, k, N1, dtype=dt, device=dev)
+            fused_moe_lora(delta, hidden_states, w13_lora_a, w13_lora_b, **args, mul_routed_weight=False,
+                           add_inputs=False)
+            c1[..., 0::2] += delta[..., :N1 // 2]
+            c1[..., 1::2] += delta[..., N1 // 2:]
+        else:
+            fused_moe_lora(c1, hidden_states, w13_lora_a, w13_lora_b, **args, mul_routed_weight=False)
+    cache2 = activation(cache1, activation_name)
+    cache3 = torch.zeros(T * k, H, dtype=dt, device=dev)
+    wf = w.reshape(-1)
+    for e in torch.unique(flat_local[flat_local >= 0]).tolist():
+        rows = (flat_local == e).nonzero().squeeze(1)
+        acc = cache2[rows].float() @ w2[e].float().t()
+        if w2_bias is not None:
+            acc = acc + w2_bias[e].float()
+        if not apply_router_weight_on_input:
+            acc = acc * wf[rows].unsqueeze(1)
+        cache3[rows] = acc.to(dt)
+    if lora:
+        fused_moe_lora(cache3.view(T, k, H), cache2, w2_lora_a, w2_lora_b, **args, mul_routed_weight=True)
+    keep = (flat_local >= 0).view(T, k, 1)
+    out = (cache3.view(T, k, H).float() * keep).sum(dim=1)
+    output.copy_(out.to(dt))
