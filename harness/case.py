@@ -113,6 +113,8 @@ class Case:
         need(0 <= self.tp_rank < self.tp_size, f"tp_rank must lie in [0, {self.tp_size})")
         need(not (self.ep_size > 1 and self.fully_sharded), "EP with fully_sharded LoRA is not supported (vLLM rejects it)")
         need(not (self.ep_size > 1 and self.layout == "naive"), "naive block assignment is disabled under EP")
+        need(self.add_inputs or not self.fully_sharded,
+             "fully_sharded needs add_inputs=True (vLLM asserts add_inputs or not fully_sharded)")
         if self.apply_router_weight_on_input:
             need(self.top_k == 1, "apply_router_weight_on_input needs top_k == 1")
         return p

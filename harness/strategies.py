@@ -66,6 +66,7 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
         E = E * ep
         top_k = min(top_k, E)
     mul = True if which == "w2" else draw(st.booleans())
+    add_inputs = draw(st.booleans())
     return Case(
         level="op", T=T, H=H, I=I, E=E, top_k=top_k, dtype=draw(st.sampled_from(dtypes)), max_loras=L,
         max_rank=R, ranks=slot_ranks,
@@ -74,7 +75,7 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)), which=which,
         num_slices=1 if which == "w2" else draw(st.integers(1, 2)),
-        mul_routed_weight=mul, add_inputs=draw(st.booleans()), offset=draw(st.sampled_from((0, 0, 3, 17))),
+        mul_routed_weight=mul, add_inputs=add_inputs, offset=draw(st.sampled_from((0, 0, 3, 17))),
         layout=layout, block_size_m=draw(st.sampled_from((16, 32, 64))),
-        fully_sharded=(ep == 1 and draw(st.booleans())),
+        fully_sharded=(ep == 1 and add_inputs and draw(st.booleans())),
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)))
