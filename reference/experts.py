@@ -1,0 +1,345 @@
+"""The MoE expert computation with LoRA, as TritonExperts.apply + LoRAExpertsMixin run it (spec 5).
+
+`moe_experts_forward` computes, in float64 from the given (possibly low-precision) tensors, the base
+w13 GEMM, the w13 LoRA delta, the activation, the weighted w2 GEMM, the w2 LoRA delta and moe_sum,
+rounding where the production path rounds (per `Precision`), plus a first-order forward-error
+magnitude (`scale`) that the comparison uses for its per-element ulp bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from reference.activations import activation_scale, apply_activation, lookup_activation
+from reference.adapters import StackedMoELoRA
+from reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
+from reference.precision import Precision, precision as make_precision
+
+__all__ = ["LoRAInputs", "LoRACollectives", "ExpertExpected", "moe_experts_forward"]
+
+_F64 = torch.float64
+_EXACT = make_precision("exact", None)
+
+
+@dataclass
+class LoRAInputs:
+    """The LoRA side of one forward: stacked buffers, the per-token slot (-1 = no adapter).
+
+    `lora_ids`, when given, restricts the LoRA to the slots listed there (the sorted-mode kernels
+    only visit `lora_ids[:num_active]`, -1 entries ignored); None = every slot a token maps to.
+    """
+
+    stacked: StackedMoELoRA
+    token_lora_mapping: Tensor  # (T,) int
+    lora_ids: Tensor | None = None
+
+
+@dataclass
+class LoRACollectives:
+    """Fully-sharded joins between LoRA shrink and expand: w13 all-gather (rank dim), w2 all-reduce.
+
+    Each callable maps a float64 (S', P, R_local) tensor to this rank's joined (S', P, R) tensor;
+    S' stacks several caches (value and error magnitude), so it must act along the last dim
+    (gather) or elementwise (sum). Rounding of the joined value is applied by the caller.
+    """
+
+    w13: Callable[[Tensor], Tensor] | None = None
+    w2: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass
+class ExpertExpected:
+    """Expected expert output: value (T, H) and error magnitude scale (T, H), both float64.
+
+    With return_intermediates, cache1 (T, k, N1), cache2 (T, k, I) and cache3 (T, k, H) as the
+    reference holds them (float64; rows of non-local pairs are 0).
+    """
+
+    value: Tensor
+    scale: Tensor
+    cache1: Tensor | None = None
+    cache2: Tensor | None = None
+    cache3: Tensor | None = None
+
+
+def _f64(name: str, t: Tensor | None, shape: tuple[int, ...] | None) -> Tensor | None:
+    """Float tensor -> float64, checking the shape; ValueError/TypeError names the argument."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor"
+                        + (f" of shape {shape}" if shape else "") + f", got {getattr(t, 'dtype', type(t).__name__)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t.to(_F64)
+
+
+def _int(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Integer tensor of the given shape -> int64."""
+    if not isinstance(t, Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer torch.Tensor of shape {shape}, "
+                        f"got {getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t.to(torch.int64)
+
+
+def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor) -> Tensor:
+    """Row p: x[p] @ w[experts[p]]^T for experts[p] >= 0, else 0. x (P, K), w (E, N, K) float64."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=_F64)
+    for e in torch.unique(experts).tolist():
+        if e < 0:
+            continue
+        m = experts == e
+        out[m] = x[m] @ w[e].T
+    return out
+
+
+def _per_expert_rows(b: Tensor, experts: Tensor) -> Tensor:
+    """Row p: b[experts[p]] (0 where experts[p] < 0). b (E, N) float64."""
+    out = torch.zeros(experts.shape[0], b.shape[1], dtype=_F64)
+    m = experts >= 0
+    out[m] = b[experts[m]]
+    return out
+
+
+def _check_lora(stacked: StackedMoELoRA, E: int, H: int, I: int, gated: bool, sharded: bool) -> None:
+    """Shapes of the stacked LoRA against the base layer (local experts E, hidden H, intermediate I)."""
+    if not isinstance(stacked, StackedMoELoRA):
+        raise TypeError(f"lora.stacked must be a StackedMoELoRA, got {type(stacked).__name__}")
+    S = 2 if gated else 1
+    if stacked.num_slices != S or len(stacked.w13_b) != S:
+        raise ValueError(f"lora.stacked must have {S} w13 slice(s) for a {'gated' if gated else 'non-gated'} "
+                         f"activation, got {stacked.num_slices} A / {len(stacked.w13_b)} B")
+    if len(stacked.w2_a) != 1 or len(stacked.w2_b) != 1:
+        raise ValueError("lora.stacked.w2_a and w2_b must each hold exactly one slice")
+    L = stacked.max_loras
+    R = int(stacked.w2_a[0].shape[2])
+    for s in range(S):
+        a, b = stacked.w13_a[s], stacked.w13_b[s]
+        if a.dim() != 4 or a.shape[0] != L or a.shape[1] not in (1, E) or a.shape[3] != H:
+            raise ValueError(f"lora.stacked.w13_a[{s}] must be (L={L}, E={E} or 1, R, H={H}), got {tuple(a.shape)}")
+        if tuple(b.shape) != (L, E, I, R):
+            raise ValueError(f"lora.stacked.w13_b[{s}] must be (L={L}, E={E}, I={I}, R={R}), got {tuple(b.shape)}")
+        if not sharded and a.shape[2] != R:
+            raise ValueError(f"lora.stacked.w13_a[{s}] has rank {a.shape[2]} but w13_b has {R} "
+                             "(a rank-sharded A needs lora_collectives)")
+    a2, b2 = stacked.w2_a[0], stacked.w2_b[0]
+    if tuple(a2.shape) != (L, E, R, I):
+        raise ValueError(f"lora.stacked.w2_a[0] must be (L={L}, E={E}, R={R}, I={I}), got {tuple(a2.shape)}")
+    if b2.dim() != 4 or b2.shape[0] != L or b2.shape[1] not in (1, E) or b2.shape[3] != R or b2.shape[2] > H:
+        raise ValueError(f"lora.stacked.w2_b[0] must be (L={L}, E={E} or 1, H={H} or a shard, R={R}), "
+                         f"got {tuple(b2.shape)}")
+    if not sharded and b2.shape[2] != H:
+        raise ValueError(f"lora.stacked.w2_b[0] has {b2.shape[2]} rows but H={H} "
+                         "(an H-sharded B needs lora_collectives)")
+    ae = stacked.adapter_enabled
+    if not isinstance(ae, Tensor) or tuple(ae.shape) != (L + 1,):
+        raise ValueError(f"lora.stacked.adapter_enabled must have shape (L+1={L + 1},)")
+
+
+def _shrink_joined(x, stacked_a, x_scale, layout, k, mul_routed_weight, prec, collective):
+    """Shrink u = A x (rounded per `prec`) and its magnitude |A| x_scale, joined by `collective`.
+
+    Value and magnitude travel through one collective call (stacked on the slice dim); the joined
+    value is re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor).
+    """
+    u = lora_shrink(x, stacked_a, layout, k, mul_routed_weight, prec)
+    u_abs = lora_shrink(x_scale, [a.abs() for a in stacked_a], layout, k, mul_routed_weight, _EXACT)
+    if collective is not None:
+        S = u.shape[0]
+        joined = collective(torch.cat([u.to(_F64), u_abs.to(_F64)], dim=0))
+        u, u_abs = joined[:S], joined[S:]
+        if prec.round_rank_intermediate:
+            u = prec.r(u)
+    return u, u_abs
+
+
+def _lora_delta(x, stacked_a, stacked_b, x_scale, prev, w32, layout, k, mul_routed_weight, offset, prec,
+                collective, add_inputs=True):
+    """(value, magnitude) of one LoRA GEMM written into `prev` (T, k, W), both float64 (T, k, W).
+
+    value: lora_expand's r(prev + r?(w B u)) (or r(w B u) without add_inputs); magnitude:
+    |w| |B| (|A| x_scale) at written elements, 0 elsewhere, computed exactly on absolute values.
+    """
+    u, u_abs = _shrink_joined(x, stacked_a, x_scale, layout, k, mul_routed_weight, prec, collective)
+    val = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec).value
+    mag = lora_expand(torch.zeros_like(prev), u_abs, [b.abs() for b in stacked_b], w32.abs(), layout, k,
+                      mul_routed_weight, offset, False, _EXACT).value
+    return val, mag
+
+
+def _interleave(split: Tensor, I: int) -> Tensor:
+    """Split layout [g(I); u(I)] -> interleaved [g0, u0, g1, u1, ...] along the last dim."""
+    out = torch.empty_like(split)
+    out[..., 0::2] = split[..., :I]
+    out[..., 1::2] = split[..., I:]
+    return out
+
+
+def moe_experts_forward(
+    hidden: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    *,
+    activation: str,
+    precision: Precision,
+    w13_bias: Tensor | None = None,
+    w2_bias: Tensor | None = None,
+    lora: LoRAInputs | None = None,
+    expert_map: Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    lora_collectives: LoRACollectives | None = None,
+    w2_lora_offset: int = 0,
+    return_intermediates: bool = False,
+) -> ExpertExpected:
+    """Expected MoE expert output (T, H) with LoRA, rounded where vLLM's Triton path rounds (spec 5).
+
+    hidden (T, H); w13 (E, N1, H) with N1 = 2I gated / I; w2 (E, H, I); topk_weights (T, k)
+    (promoted to fp32); topk_ids (T, k) GLOBAL ids, mapped by `expert_map` (E_global,) to local ids,
+    non-local pairs contributing nothing. `precision.r` rounds to its dtype (identity when exact).
+    apply_router_weight_on_input (top_k 1): base input r(x * r(w)) (vLLM casts w to the
+    activation dtype first), w2 GEMM unweighted; the LoRA still reads the unweighted x and still
+    weights the w2 delta. `lora_collectives`/`w2_lora_offset` serve fully-sharded TP ranks.
+    """
+    if not isinstance(precision, Precision):
+        raise TypeError(f"precision must be a reference.precision.Precision, got {type(precision).__name__}")
+    spec = lookup_activation(activation)
+    prec = precision
+    if not isinstance(hidden, Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden must be a 2-D tensor (T, H), got {getattr(hidden, 'shape', type(hidden).__name__)}")
+    T, H = (int(s) for s in hidden.shape)
+    if not isinstance(w13, Tensor) or w13.dim() != 3 or not isinstance(w2, Tensor) or w2.dim() != 3:
+        raise ValueError("w13 must be (E, N1, H) and w2 (E, H, I)")
+    E, N1 = int(w13.shape[0]), int(w13.shape[1])
+    I = int(w2.shape[2])
+    if tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"w2 must have shape (E={E}, H={H}, I), got {tuple(w2.shape)}")
+    if tuple(w13.shape) != (E, N1, H) or N1 != (2 * I if spec.gated else I):
+        raise ValueError(f"w13 must have shape (E={E}, N1={2 * I if spec.gated else I}, H={H}) for activation "
+                         f"{spec.name!r} with I={I}, got {tuple(w13.shape)}")
+    if not isinstance(topk_ids, Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be (T={T}, k), got {getattr(topk_ids, 'shape', None)}")
+    k = int(topk_ids.shape[1])
+    if k < 1:
+        raise ValueError("topk_ids must have at least one column (top_k >= 1)")
+    x = _f64("hidden", hidden, (T, H))
+    W13 = _f64("w13", w13, (E, N1, H))
+    W2 = _f64("w2", w2, (E, H, I))
+    b13 = _f64("w13_bias", w13_bias, (E, N1))
+    b2 = _f64("w2_bias", w2_bias, (E, H))
+    if (not isinstance(topk_weights, Tensor) or not topk_weights.is_floating_point()
+            or tuple(topk_weights.shape) != (T, k)):
+        raise ValueError(f"topk_weights must be a floating tensor of shape (T={T}, k={k}), got "
+                         f"{getattr(topk_weights, 'dtype', None)} {tuple(getattr(topk_weights, 'shape', ()))}")
+    w32 = topk_weights.to(torch.float32)
+    w64 = w32.to(_F64)
+    ids = _int("topk_ids", topk_ids, (T, k))
+    E_global = E
+    if expert_map is not None:
+        E_global = int(expert_map.numel())
+        emap = _int("expert_map", expert_map, (E_global,))
+        if bool(((emap < -1) | (emap >= E)).any()):
+            raise ValueError(f"expert_map values must be local ids in [0, E={E}) or -1")
+    if bool(((ids < 0) | (ids >= E_global)).any()):
+        raise ValueError(f"topk_ids must hold expert ids in [0, {E_global}) "
+                         f"({'expert_map.numel()' if expert_map is not None else 'E'})")
+    local = emap[ids] if expert_map is not None else ids  # (T, k), -1 = not on this rank
+    if apply_router_weight_on_input and k != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top_k == 1 (vLLM asserts it), got k={k}")
+    if not isinstance(w2_lora_offset, int) or w2_lora_offset < 0:
+        raise ValueError(f"w2_lora_offset must be an int >= 0, got {w2_lora_offset!r}")
+
+    P = T * k
+    e_flat = local.reshape(P)
+    tok = torch.arange(P) // k
+    w_pair = w64.reshape(P, 1)
+
+    # base GEMM1: cache1 = r(x_in @ w13[e]^T + b1)
+    x_in = prec.r(x * prec.r(w64)) if apply_router_weight_on_input else x  # k == 1 here: w64 is (T, 1)
+    xr = x_in[tok]
+    c1 = _per_expert_gemm(xr, W13, e_flat)
+    s1 = _per_expert_gemm(xr.abs(), W13.abs(), e_flat)
+    if b13 is not None:
+        c1 = c1 + _per_expert_rows(b13, e_flat)
+        s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
+    cache1 = prec.r(c1).reshape(T, k, N1)
+    scale1 = s1.reshape(T, k, N1)
+
+    layout = None
+    coll = lora_collectives or LoRACollectives()
+    if lora is not None:
+        if not isinstance(lora, LoRAInputs):
+            raise TypeError(f"lora must be a LoRAInputs, got {type(lora).__name__}")
+        st = lora.stacked
+        _check_lora(st, E, H, I, spec.gated, sharded=lora_collectives is not None)
+        if st.w2_b[0].shape[2] + w2_lora_offset > H:
+            raise ValueError(f"w2_lora_offset={w2_lora_offset} + w2_b rows {st.w2_b[0].shape[2]} exceeds H={H}")
+        layout = _layout(lora, local, T, k)
+
+        # w13 LoRA (x row = token, unweighted hidden states, mul_routed_weight False)
+        if spec.interleaved and st.num_slices == 2:
+            # delta computed in split layout into a zeroed dt buffer, then added interleaved: r(c + r(d))
+            zeros = torch.zeros(T, k, 2 * I, dtype=_F64)
+            d, m = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), zeros, w32, layout, k, False, 0, prec, coll.w13,
+                               add_inputs=False)
+            cache1 = prec.r(cache1 + _interleave(d, I))
+            scale1 = scale1 + _interleave(m, I)
+        else:
+            cache1, m = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), cache1, w32, layout, k, False, 0, prec, coll.w13)
+            scale1 = scale1 + m
+
+    # activation
+    a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
+    s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
+
+    # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input)
+    c3 = _per_expert_gemm(a, W2, e_flat)
+    s3 = _per_expert_gemm(s2, W2.abs(), e_flat)
+    if b2 is not None:
+        c3 = c3 + _per_expert_rows(b2, e_flat)
+        s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
+    if not apply_router_weight_on_input:
+        c3 = w_pair * c3
+        s3 = w_pair.abs() * s3
+    cache3 = prec.r(c3).reshape(T, k, H)
+    scale3 = s3.reshape(T, k, H)
+
+    # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
+    if lora is not None:
+        st = lora.stacked
+        cache3, m = _lora_delta(a, st.w2_a, st.w2_b, s2, cache3, w32, layout, k, True, w2_lora_offset, prec, coll.w2)
+        scale3 = scale3 + m
+
+    # moe_sum: fp32 accumulation (float64 here) of the k pair outputs, one rounding; non-local skipped
+    keep = (local >= 0).to(_F64).unsqueeze(-1)
+    out = prec.r((cache3 * keep).sum(dim=1))
+    scale = (scale3 * keep).sum(dim=1)
+    if not return_intermediates:
+        return ExpertExpected(value=out, scale=scale)
+    return ExpertExpected(value=out, scale=scale, cache1=cache1, cache2=a.reshape(T, k, -1), cache3=cache3)
+
+
+def _layout(lora: LoRAInputs, local: Tensor, T: int, k: int) -> PairLayout:
+    """Qualifying (pair, slot, local expert) triples: naive-mode rules, optionally limited to lora_ids."""
+    st = lora.stacked
+    L = st.max_loras
+    mapping = _int("lora.token_lora_mapping", lora.token_lora_mapping, (T,)).to(torch.int32)
+    active = torch.full((L + 1,), -1, dtype=torch.int32)
+    uniq = torch.unique(mapping)
+    active[:uniq.numel()] = uniq[: L + 1].to(torch.int32)
+    layout = qualifying_pairs(
+        None, local.reshape(-1).to(torch.int32), None, mapping, k, active,
+        torch.tensor([L + 1], dtype=torch.int32), st.adapter_enabled.to(torch.int32), T * k, L, 16,
+    )
+    if lora.lora_ids is not None:
+        allowed = {int(v) for v in lora.lora_ids.reshape(-1).tolist() if v >= 0}
+        keep = torch.tensor([int(l) in allowed for l in layout.lora.tolist()], dtype=torch.bool)
+        layout = PairLayout(pair=layout.pair[keep], lora=layout.lora[keep], expert=layout.expert[keep])
+    return layout

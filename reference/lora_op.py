@@ -1,0 +1,519 @@
+"""Reference of vLLM 0.33.0's `fused_moe_lora` op (spec 1.2-1.7): which pairs get a LoRA delta, its value.
+
+The op is split the way the kernels are: `qualifying_pairs` reproduces the launch grid's early exits,
+`lora_shrink` / `lora_expand` compute u = A x and out = prev + w (B u) in float64, rounding where a
+`Precision` says the production path rounds. `fused_moe_lora` is the in-place, vLLM-signature wrapper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .precision import Precision, precision as make_precision, rnd
+
+_CHUNK_ELEMS = 1 << 22  # gathered weight elements per chunk (float64: 32 MiB)
+
+
+@dataclass
+class PairLayout:
+    """The (flat pair p = t*k + j, LoRA slot, local expert) triples a production kernel processes."""
+
+    pair: torch.Tensor  # (P,) int64
+    lora: torch.Tensor  # (P,) int64
+    expert: torch.Tensor  # (P,) int64
+
+    def __len__(self) -> int:
+        return int(self.pair.numel())
+
+
+@dataclass
+class OpExpected:
+    """Expected op output (float64), which elements the op writes, and their forward-error magnitude."""
+
+    value: torch.Tensor  # (T, k, W) float64
+    written: torch.Tensor  # (T, k, W) bool
+    scale: torch.Tensor  # (T, k, W) float64
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _int_scalar(v, arg: str) -> int:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.is_floating_point():
+            raise ValueError(f"{arg} must be an int or a one-element integer tensor; got shape {tuple(v.shape)}")
+        return int(v.reshape(-1)[0].item())
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{arg} must be an int; got {type(v).__name__}")
+    return v
+
+
+def _int_tensor(t, arg: str, dims: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{arg} must be an integer torch.Tensor (int32 in production); got {_describe(t)}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{arg} must be {dims}-D; got shape {tuple(t.shape)}")
+    return t
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of dtype {t.dtype} and shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
+def _expert_index(weight: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """Expert index into a stacked weight: an expert dim of size 1 is a shared LoRA (always row 0)."""
+    return torch.zeros_like(expert) if weight.shape[1] == 1 else expert
+
+
+def _chunks(n: int, per_item: int):
+    step = max(1, _CHUNK_ELEMS // max(1, per_item))
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor) -> torch.Tensor:
+    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64, gathered chunk by chunk."""
+    lead = w.shape[2]
+    out = torch.empty((vec.shape[0], lead), dtype=torch.float64, device=vec.device)
+    e_idx = _expert_index(w, expert)
+    for sl in _chunks(vec.shape[0], w.shape[2] * w.shape[3]):
+        mats = w[lora[sl], e_idx[sl]].to(torch.float64)  # (c, lead, inner)
+        out[sl] = torch.bmm(mats, vec[sl].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def _x_rows(layout: PairLayout, top_k_num: int, mul_routed_weight: bool) -> torch.Tensor:
+    # token_mapping_factor = 1 if mul_routed_weight else top_k (spec 1.2)
+    return layout.pair if mul_routed_weight else torch.div(layout.pair, top_k_num, rounding_mode="floor")
+
+
+# ----------------------------------------------------------------------------------- pair layout
+
+
+def qualifying_pairs(
+    sorted_token_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor | None,
+    token_lora_mapping: torch.Tensor,
+    top_k_num: int,
+    lora_ids: torch.Tensor,
+    num_active_loras,
+    adapter_enabled: torch.Tensor,
+    num_pairs: int,
+    max_loras: int,
+    block_size_m: int,
+) -> PairLayout:
+    """Pairs the kernels' grid processes, in grid order (duplicates from a malformed align are kept).
+
+    Naive mode (sorted_token_ids None): p in [0, T*k), lora = mapping[p // k], expert = expert_ids[p].
+    Sorted mode: lora = lora_ids[i] for i < num_active_loras; blocks b with b*BM < ntpp[lora] and
+    b*BM < EM; expert = expert_ids[lora, b] (-1 past its end); entries of the block that are < T*k.
+    Both skip lora < 0, lora >= L, adapter_enabled[lora] == 0 and expert < 0.
+    """
+    k = _int_scalar(top_k_num, "top_k_num")
+    num_pairs = _int_scalar(num_pairs, "num_pairs")
+    L = _int_scalar(max_loras, "max_loras")
+    mapping = _int_tensor(token_lora_mapping, "token_lora_mapping", 1).long()
+    enabled = _int_tensor(adapter_enabled, "adapter_enabled", 1).long()
+    dev = mapping.device
+
+    def lora_ok(l: torch.Tensor) -> torch.Tensor:
+        ok = (l >= 0) & (l < L)
+        safe = torch.where(ok, l, torch.zeros_like(l))
+        return ok & (enabled[safe] != 0)
+
+    if sorted_token_ids is None:
+        eids = _int_tensor(expert_ids, "expert_ids", 1).long()
+        p = torch.arange(num_pairs, device=dev)
+        l = mapping[torch.div(p, k, rounding_mode="floor")]
+        e = eids[:num_pairs]
+        keep = lora_ok(l) & (e >= 0)
+        return PairLayout(pair=p[keep], lora=l[keep], expert=e[keep])
+
+    sti = _int_tensor(sorted_token_ids, "sorted_token_ids", 2).long()
+    eids = _int_tensor(expert_ids, "expert_ids", 2).long()
+    ntpp = _int_tensor(num_tokens_post_padded, "num_tokens_post_padded", 1).long()
+    ids = _int_tensor(lora_ids, "lora_ids", 1).long()
+    bm = _int_scalar(block_size_m, "block_size_m")
+    EM = sti.shape[1]
+    nb = -(-EM // bm)
+    b = torch.arange(nb, device=dev)
+    pairs, loras, experts = [], [], []
+    for i in range(_int_scalar(num_active_loras, "num_active_loras")):
+        l = ids[i]
+        if not bool(lora_ok(l.reshape(1))[0]):
+            continue
+        li = int(l)
+        e_b = torch.full((nb,), -1, dtype=torch.long, device=dev)
+        m = min(nb, eids.shape[1])
+        e_b[:m] = eids[li, :m]
+        blk_ok = (b * bm < ntpp[li]) & (e_b >= 0)
+        row = torch.full((nb * bm,), num_pairs, dtype=torch.long, device=dev)
+        row[:EM] = sti[li]
+        row = row.view(nb, bm)
+        ok = blk_ok[:, None] & (row < num_pairs)
+        pairs.append(row[ok])
+        experts.append(e_b[:, None].expand(nb, bm)[ok])
+        loras.append(torch.full_like(pairs[-1], li))
+    if not pairs:
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        return PairLayout(empty, empty.clone(), empty.clone())
+    return PairLayout(torch.cat(pairs), torch.cat(loras), torch.cat(experts))
+
+
+# -------------------------------------------------------------------------------- shrink/expand
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a_stacked: Sequence[torch.Tensor],
+    layout: PairLayout,
+    top_k_num: int,
+    mul_routed_weight: bool,
+    prec: Precision,
+) -> torch.Tensor:
+    """u[s, i] = A_s[lora_i, expert_i] @ x_row (S, P, R) float64; x_row = x[p] if mul_routed_weight else x[p//k].
+
+    Rounded to prec.dtype when prec.round_rank_intermediate (one-shot/two-kernel paths).
+    """
+    rows = x.to(torch.float64)[_x_rows(layout, top_k_num, mul_routed_weight)]
+    u = torch.stack([_gathered_matvec(a, layout.lora, layout.expert, rows) for a in lora_a_stacked])
+    return prec.r(u) if prec.round_rank_intermediate else u
+
+
+def lora_shrink_scale(
+    x: torch.Tensor,
+    lora_a_stacked: Sequence[torch.Tensor],
+    layout: PairLayout,
+    top_k_num: int,
+    mul_routed_weight: bool,
+) -> torch.Tensor:
+    """|A_s[l, e]| @ |x_row| (S, P, R): the magnitude u's rounding and summation errors scale with."""
+    rows = x.to(torch.float64)[_x_rows(layout, top_k_num, mul_routed_weight)].abs()
+    return torch.stack(
+        [_gathered_matvec(a.to(torch.float64).abs(), layout.lora, layout.expert, rows) for a in lora_a_stacked]
+    )
+
+
+def lora_expand(
+    prev: torch.Tensor,
+    cache: torch.Tensor,
+    lora_b_stacked: Sequence[torch.Tensor],
+    topk_weights: torch.Tensor | None,
+    layout: PairLayout,
+    top_k_num: int,
+    mul_routed_weight: bool,
+    offset: int,
+    add_inputs: bool,
+    prec: Precision,
+    *,
+    cache_scale: torch.Tensor | None = None,
+) -> OpExpected:
+    """out[t, j, offset + s*N : offset + (s+1)*N] = r(prev + r?(w * B_s[l, e] @ u)) for qualifying pairs.
+
+    w = fp32(topk_weights[t, j]) only with mul_routed_weight; the inner r? is prec.round_delta;
+    add_inputs=False writes r(d). Unwritten elements keep prev. `cache_scale` (S, P, R) is |A||x|
+    from lora_shrink_scale (|cache| if None); scale = |prev|*add_inputs + |w| |B| cache_scale.
+    """
+    prev = prev.to(torch.float64)
+    value = prev.clone()
+    written = torch.zeros(prev.shape, dtype=torch.bool, device=prev.device)
+    scale = prev.abs()
+    T, k, W = prev.shape
+    if len(layout) == 0:
+        return OpExpected(value, written, scale)
+    t = torch.div(layout.pair, k, rounding_mode="floor")
+    j = layout.pair % k
+    if mul_routed_weight:
+        if not isinstance(topk_weights, torch.Tensor) or topk_weights.numel() != T * k:
+            raise ValueError(f"topk_weights must be a (T, k)=({T}, {k}) tensor when mul_routed_weight is set")
+        w = topk_weights.to(torch.float32).to(torch.float64).reshape(-1)[layout.pair]
+    else:
+        w = torch.ones(len(layout), dtype=torch.float64, device=prev.device)
+    cs = cache.abs() if cache_scale is None else cache_scale.to(torch.float64)
+    # A pair listed twice (malformed align) is applied twice, in order: split into rounds of unique pairs.
+    order = torch.argsort(layout.pair, stable=True)
+    sp = layout.pair[order]
+    first = torch.ones_like(sp, dtype=torch.bool)
+    first[1:] = sp[1:] != sp[:-1]
+    grp_start = torch.cummax(torch.where(first, torch.arange(len(sp), device=sp.device), 0), 0).values
+    occ = torch.empty_like(sp)
+    occ[order] = torch.arange(len(sp), device=sp.device) - grp_start
+    for s, b in enumerate(lora_b_stacked):
+        N = b.shape[2]
+        d = _gathered_matvec(b, layout.lora, layout.expert, cache[s].to(torch.float64)) * w[:, None]
+        if prec.round_delta:
+            d = prec.r(d)
+        dscale = _gathered_matvec(b.to(torch.float64).abs(), layout.lora, layout.expert, cs[s]) * w.abs()[:, None]
+        cols = torch.arange(offset + s * N, offset + (s + 1) * N, device=prev.device)
+        for rnd_i in range(int(occ.max()) + 1):
+            sel = occ == rnd_i
+            ti, ji = t[sel][:, None], j[sel][:, None]
+            cur = value[ti, ji, cols]
+            value[ti, ji, cols] = prec.r(cur + d[sel]) if add_inputs else prec.r(d[sel])
+            # add_inputs=False drops prev's magnitude; a duplicate's earlier magnitude is kept (conservative)
+            keep_prev = add_inputs or rnd_i > 0
+            base = scale[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
+            scale[ti, ji, cols] = base + dscale[sel]
+            written[ti, ji, cols] = True
+    return OpExpected(value, written, scale)
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _check_float(t, arg: str, dims: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{arg} must be a floating-point torch.Tensor; got {_describe(t)}")
+    if t.dim() != dims:
+        raise ValueError(f"{arg} must be {dims}-D; got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_stacked(ws, arg: str, out_dtype) -> list:
+    if not isinstance(ws, (list, tuple)) or len(ws) == 0:
+        raise ValueError(f"{arg} must be a non-empty list of S tensors; got {_describe(ws)}")
+    for i, w in enumerate(ws):
+        _check_float(w, f"{arg}[{i}]", 4)
+        if w.shape != ws[0].shape:
+            raise ValueError(f"{arg}[{i}] has shape {tuple(w.shape)}; every slice must match {tuple(ws[0].shape)}")
+        if w.dtype != out_dtype:
+            raise TypeError(
+                f"{arg}[{i}] has dtype {w.dtype}; LoRA weights must have output's dtype {out_dtype} "
+                "(the kernels reinterpret them as the output dtype)"
+            )
+    return list(ws)
+
+
+def _validate(
+    output, x, A, B, topk_weights, sorted_token_ids, expert_ids, ntpp, mapping, max_lora_rank,
+    top_k_num, lora_ids, num_active_loras, adapter_enabled, block_size_m, mul_routed_weight, offset,
+    add_inputs, fully_sharded,
+):
+    """Check the op's arguments like vLLM's asserts, with messages naming argument and expectation."""
+    _check_float(output, "output", 3)
+    _check_float(x, "qcurr_hidden_states", 2)
+    _check_float(topk_weights, "topk_weights", 2)
+    A = _check_stacked(A, "lora_a_stacked", output.dtype)
+    B = _check_stacked(B, "lora_b_stacked", output.dtype)
+    if len(A) != len(B):
+        raise ValueError(f"lora_a_stacked and lora_b_stacked must have the same length S; got {len(A)} and {len(B)}")
+    T, k = topk_weights.shape
+    if output.shape[0] != T:
+        raise ValueError(f"output.shape[0] must equal topk_weights.shape[0]={T}; got {output.shape[0]}")
+    top_k = _int_scalar(top_k_num, "top_k_num")
+    if top_k != k or output.shape[1] != k:
+        raise ValueError(
+            f"top_k_num ({top_k}) must equal topk_weights.shape[1] ({k}) and output.shape[1] ({output.shape[1]})"
+        )
+    L, Ea, R, K = A[0].shape
+    Lb, Eb, N, Rb = B[0].shape
+    if Lb != L:
+        raise ValueError(f"lora_b_stacked[0].shape[0] must equal max_loras L={L}; got {Lb}")
+    E = max(Ea, Eb)
+    for arg, e in (("lora_a_stacked", Ea), ("lora_b_stacked", Eb)):
+        if e not in (1, E):
+            raise ValueError(f"{arg} expert dim must be 1 (shared) or E={E}; got {e}")
+    if x.dtype != output.dtype:
+        raise TypeError(f"qcurr_hidden_states must have output's dtype {output.dtype}; got {x.dtype}")
+    rows = T * k if mul_routed_weight else T
+    if tuple(x.shape) != (rows, K):
+        what = "(T*k, K) with mul_routed_weight" if mul_routed_weight else "(T, K) without mul_routed_weight"
+        raise ValueError(f"qcurr_hidden_states must have shape {what} = {(rows, K)}; got {tuple(x.shape)}")
+    if _int_scalar(max_lora_rank, "max_lora_rank") != R:
+        raise ValueError(f"max_lora_rank must equal lora_a_stacked[0].shape[2]={R}; got {max_lora_rank}")
+    if not fully_sharded and Rb != R:
+        raise ValueError(f"lora_b_stacked[0].shape[3] must equal the rank R={R}; got {Rb}")
+    if fully_sharded and not add_inputs:
+        raise ValueError("add_inputs must be True when fully_sharded (vLLM asserts add_inputs or not fully_sharded)")
+    off = _int_scalar(offset, "offset")
+    if off < 0 or output.shape[2] < off + len(B) * N:
+        raise ValueError(
+            f"output.shape[2] must be >= offset + S*N = {off} + {len(B)}*{N}; got {output.shape[2]} (offset >= 0)"
+        )
+    m = _int_tensor(mapping, "token_lora_mapping", 1)
+    if m.numel() != T:
+        raise ValueError(f"token_lora_mapping must have shape (T,)=({T},); got {tuple(m.shape)}")
+    en = _int_tensor(adapter_enabled, "adapter_enabled", 1)
+    if en.numel() < L:
+        raise ValueError(f"adapter_enabled must have shape (L+1,)=({L + 1},); got {tuple(en.shape)}")
+    ids = _int_tensor(lora_ids, "lora_ids", 1)
+    if sorted_token_ids is None:
+        if ntpp is not None:
+            raise ValueError("num_tokens_post_padded must be None in naive mode (sorted_token_ids is None)")
+        e = _int_tensor(expert_ids, "expert_ids", 1)
+        if e.numel() != T * k:
+            raise ValueError(f"expert_ids must have shape (T*k,)=({T * k},) in naive mode; got {tuple(e.shape)}")
+    else:
+        for arg, t in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
+            _int_tensor(t, arg, 2)
+            if t.shape[0] != L:
+                raise ValueError(f"{arg} must have shape (L={L}, ...) in sorted mode; got {tuple(t.shape)}")
+        if ntpp is None:
+            raise ValueError("num_tokens_post_padded must be given (shape (L,)) when sorted_token_ids is given")
+        if _int_tensor(ntpp, "num_tokens_post_padded", 1).numel() != L:
+            raise ValueError(f"num_tokens_post_padded must have shape (L,)=({L},); got {tuple(ntpp.shape)}")
+        bm = _int_scalar(block_size_m, "block_size_m")
+        if bm < 16 or bm & (bm - 1):
+            raise ValueError(f"block_size_m (shrink_block_size_m) must be a power of two >= 16; got {bm}")
+        nal = _int_scalar(num_active_loras, "num_active_loras")
+        if not 0 <= nal <= ids.numel():
+            raise ValueError(f"num_active_loras must be in [0, lora_ids.numel()={ids.numel()}]; got {nal}")
+    return A, B, T, k, L, E, off
+
+
+def _check_layout(layout: PairLayout, E: int, Ea: int, Eb: int) -> None:
+    """Reject qualifying pairs a kernel would turn into out-of-bounds reads."""
+    if len(layout) == 0:
+        return
+    if int(layout.pair.min()) < 0:
+        raise ValueError("sorted_token_ids holds a negative entry in a processed block (valid range [0, T*k])")
+    if max(Ea, Eb) > 1 and int(layout.expert.max()) >= E:
+        raise ValueError(
+            f"expert_ids holds {int(layout.expert.max())} for a qualifying pair; local expert ids must be < E={E}"
+        )
+
+
+# --------------------------------------------------------------------------------------- the op
+
+
+def fused_moe_lora_expected(
+    output: torch.Tensor,
+    qcurr_hidden_states: torch.Tensor,
+    lora_a_stacked: Sequence[torch.Tensor],
+    lora_b_stacked: Sequence[torch.Tensor],
+    topk_weights: torch.Tensor,
+    sorted_token_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor | None,
+    token_lora_mapping: torch.Tensor,
+    max_lora_rank: int,
+    top_k_num: int,
+    lora_ids: torch.Tensor,
+    num_active_loras,
+    adapter_enabled: torch.Tensor,
+    *,
+    block_size_m: int = 16,
+    mul_routed_weight: bool = False,
+    offset: int = 0,
+    add_inputs: bool = True,
+    fully_sharded: bool = False,
+    precision: Precision,
+    collective: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    collective_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> OpExpected:
+    """Expected result of `fused_moe_lora` on `output` (read as prev, not modified).
+
+    fully_sharded: `collective(cache (S, P, R_local) float64) -> joined cache` simulates vLLM's
+    all_gather / all_reduce (None = identity); the joined cache is re-rounded when the path rounds
+    the intermediate. `collective_scale` joins the matching |A||x| magnitudes; without it the error
+    scale after a collective is |joined cache| (too tight if the partial caches cancel).
+    """
+    if not isinstance(precision, Precision):
+        raise TypeError(f"precision must be a reference.precision.Precision; got {type(precision).__name__}")
+    A, B, T, k, L, E, off = _validate(
+        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
+        expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
+        num_active_loras, adapter_enabled, block_size_m, mul_routed_weight, offset, add_inputs, fully_sharded,
+    )
+    layout = qualifying_pairs(
+        sorted_token_ids, expert_ids, num_tokens_post_padded, token_lora_mapping, k, lora_ids,
+        num_active_loras, adapter_enabled, T * k, L, block_size_m,
+    )
+    _check_layout(layout, E, A[0].shape[1], B[0].shape[1])
+    cache = lora_shrink(qcurr_hidden_states, A, layout, k, mul_routed_weight, precision)
+    cache_scale = lora_shrink_scale(qcurr_hidden_states, A, layout, k, mul_routed_weight)
+    if fully_sharded and collective is not None:
+        cache = collective(cache)
+        if precision.round_rank_intermediate:
+            cache = precision.r(cache)
+        cache_scale = collective_scale(cache_scale) if collective_scale is not None else cache.abs()
+    if cache.shape[-1] != B[0].shape[3]:
+        raise ValueError(
+            f"lora_b_stacked rank dim ({B[0].shape[3]}) must equal the (joined) shrink rank ({cache.shape[-1]})"
+        )
+    return lora_expand(
+        output, cache, B, topk_weights, layout, k, mul_routed_weight, off, add_inputs, precision,
+        cache_scale=cache_scale,
+    )
+
+
+def fused_moe_lora(
+    output: torch.Tensor,
+    qcurr_hidden_states: torch.Tensor,
+    lora_a_stacked: list[torch.Tensor],
+    lora_b_stacked: list[torch.Tensor],
+    topk_weights: torch.Tensor,
+    sorted_token_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor | None,
+    token_lora_mapping: torch.Tensor,
+    max_lora_rank: int,
+    top_k_num: int,
+    lora_ids: torch.Tensor,
+    num_active_loras: torch.Tensor,
+    adapter_enabled: torch.Tensor,
+    shrink_block_size_m: int,
+    shrink_block_size_n: int,
+    shrink_block_size_k: int,
+    shrink_group_size_m: int,
+    shrink_num_warps: int,
+    shrink_num_stages: int,
+    shrink_split_k: int,
+    expand_block_size_m: int,
+    expand_block_size_n: int,
+    expand_block_size_k: int,
+    expand_group_size_m: int,
+    expand_num_warps: int,
+    expand_num_stages: int,
+    expand_split_k: int,
+    mul_routed_weight: bool = False,
+    fully_sharded: bool = False,
+    offset: int = 0,
+    add_inputs: bool = True,
+    *,
+    precision: str | Precision = "exact",
+) -> None:
+    """vLLM 0.33.0 `fused_moe_lora` contract in place: writes rnd_dt(expected) at written elements only.
+
+    `precision` is a preset name (built at output.dtype) or a Precision; launch-tuning ints are
+    validated as positive ints and otherwise ignored (they do not change the contract).
+    """
+    tuning = dict(
+        shrink_block_size_n=shrink_block_size_n, shrink_block_size_k=shrink_block_size_k,
+        shrink_group_size_m=shrink_group_size_m, shrink_num_warps=shrink_num_warps,
+        shrink_num_stages=shrink_num_stages, shrink_split_k=shrink_split_k,
+        expand_block_size_m=expand_block_size_m, expand_block_size_n=expand_block_size_n,
+        expand_block_size_k=expand_block_size_k, expand_group_size_m=expand_group_size_m,
+        expand_num_warps=expand_num_warps, expand_num_stages=expand_num_stages, expand_split_k=expand_split_k,
+    )
+    for arg, v in tuning.items():
+        if _int_scalar(v, arg) <= 0:
+            raise ValueError(f"{arg} must be a positive int; got {v}")
+    if _int_scalar(shrink_block_size_m, "shrink_block_size_m") <= 0:
+        raise ValueError(f"shrink_block_size_m must be a positive int; got {shrink_block_size_m}")
+    if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype not in (
+        torch.float16, torch.bfloat16, torch.float32, torch.float64
+    ):
+        raise TypeError(f"output dtype must be float16, bfloat16, float32 or float64; got {output.dtype}")
+    prec = precision if isinstance(precision, Precision) else make_precision(precision, _dtype_of(output))
+    exp = fused_moe_lora_expected(
+        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
+        expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
+        num_active_loras, adapter_enabled, block_size_m=shrink_block_size_m,
+        mul_routed_weight=mul_routed_weight, offset=offset, add_inputs=add_inputs,
+        fully_sharded=fully_sharded, precision=prec,
+    )
+    vals = rnd(exp.value[exp.written], output.dtype).to(output.dtype)
+    output[exp.written] = vals
+
+
+def _dtype_of(output) -> torch.dtype:
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        raise TypeError(f"output must be a floating-point torch.Tensor; got {_describe(output)}")
+    return output.dtype

@@ -1,0 +1,178 @@
+"""Tests of reference/activations.py: each activation against a direct formula, its rounding emulation
+(fp16 via numpy's correctly rounded casts, an independent oracle), the error-scale, and bad input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from reference.activations import (
+    ACTIVATIONS,
+    SUPPORTED_ACTIVATIONS,
+    activation_scale,
+    apply_activation,
+    is_gated,
+    lookup_activation,
+    output_width,
+)
+from reference.precision import rnd
+
+F64 = torch.float64
+# Exact-mode results and the test's formulas evaluate the same closed form in float64 in different
+# algebraic orders; for |x| <= 12 their difference is a few float64 ulps of the operands' scale.
+F64_TOL = dict(rtol=1e-13, atol=1e-13)
+
+
+def _sig(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _direct(name, x):
+    """Spec-6 formulas in numpy float64, written independently of the module under test."""
+    x = x.numpy()
+    n1 = x.shape[-1]
+    g, u = (x[:, 0::2], x[:, 1::2]) if name == "swigluoai" else (x[:, : n1 // 2], x[:, n1 // 2 :])
+    erf = np.vectorize(math.erf)
+    silu = lambda v: v / (1.0 + np.exp(-v))  # noqa: E731
+    gelu = lambda v: 0.5 * v * (1.0 + erf(v / math.sqrt(2.0)))  # noqa: E731
+    gelu_t = lambda v: 0.5 * v * (1.0 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))  # noqa: E731
+    if name == "silu":
+        return silu(g) * u
+    if name == "gelu":
+        return gelu(g) * u
+    if name == "gelu_tanh":
+        return gelu_t(g) * u
+    if name in ("swigluoai", "swigluoai_uninterleave"):
+        gc, uc = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+        return (uc + 1.0) * gc * _sig(1.702 * gc)
+    if name == "swiglustep":
+        return np.minimum(silu(g), 7.0) * np.clip(u, -7.0, 7.0)
+    if name == "situ":
+        return 4.0 * np.tanh(g / 4.0) * _sig(g) * (25.0 * np.tanh(u / 25.0))
+    return {"silu_no_mul": silu, "gelu_no_mul": gelu, "gelu_tanh_no_mul": gelu_t,
+            "relu2_no_mul": lambda v: np.maximum(v, 0.0) ** 2}[name](x)
+
+
+def _h(v):  # numpy correctly rounded float64 -> fp16 -> float64
+    return np.asarray(v, dtype=np.float64).astype(np.float16).astype(np.float64)
+
+
+def _f(v):
+    return np.asarray(v, dtype=np.float64).astype(np.float32).astype(np.float64)
+
+
+def _emulated(name, x):
+    """Spec-6 production rounding for fp16, with numpy as the rounding oracle."""
+    xn = x.numpy()
+    n1 = xn.shape[-1]
+    g, u = (xn[:, 0::2], xn[:, 1::2]) if name == "swigluoai" else (xn[:, : n1 // 2], xn[:, n1 // 2 :])
+    if name in ("silu", "gelu", "gelu_tanh"):
+        one = torch.from_numpy(np.concatenate([g, np.ones_like(u)], axis=1))
+        return _h(_h(_direct(name, one)) * u)
+    if name == "swigluoai_uninterleave":
+        gc, uc = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+        return _h(_f(_h(gc * _sig(1.702 * gc)) * _f(uc + 1.0)))
+    return _h(_direct(name, x))  # one rounding: swigluoai, situ, swiglustep, *_no_mul
+
+
+def _x(n1, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(64, n1, generator=g, dtype=F64) * scale).clamp(-12, 12)
+
+
+@pytest.mark.parametrize("name", SUPPORTED_ACTIVATIONS)
+def test_exact_matches_direct_formula(name):
+    x = _x(16, 1)
+    got = apply_activation(x, name)
+    assert got.dtype == F64 and got.shape == (64, output_width(name, 16))
+    torch.testing.assert_close(got, torch.from_numpy(_direct(name, x)), **F64_TOL)
+
+
+@pytest.mark.parametrize("name", SUPPORTED_ACTIVATIONS)
+def test_fp16_rounding_emulation(name):
+    x = rnd(_x(16, 2), torch.float16)  # the caller passes dt-representable inputs
+    got = apply_activation(x, name, torch.float16)
+    want = torch.from_numpy(_emulated(name, x))
+    # transcendental functions: torch and numpy may differ in the last float64 bit, which can flip
+    # an fp16 rounding only when the exact value sits on an fp16 tie (measure zero) -> bitwise here
+    assert torch.equal(got, want)
+
+
+def test_act_then_mul_rounds_the_activation_first():
+    x = rnd(_x(64, 3), torch.float16)
+    two_roundings = apply_activation(x, "silu", torch.float16)
+    one_rounding = rnd(apply_activation(x, "silu"), torch.float16)
+    assert not torch.equal(two_roundings, one_rounding)  # the intermediate rounding is observable
+
+
+def test_swigluoai_is_interleaved_and_uninterleave_is_split():
+    x = _x(8, 4)
+    inter = apply_activation(x, "swigluoai")
+    split = torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
+    torch.testing.assert_close(apply_activation(split, "swigluoai_uninterleave"), inter, **F64_TOL)
+    assert lookup_activation("swigluoai").interleaved and not lookup_activation("swigluoai_uninterleave").interleaved
+
+
+def test_situ_linear_beta_unset_passes_up_through():
+    x = _x(8, 5)
+    g, u = x[:, :4], x[:, 4:]
+    want = 2.0 * torch.tanh(g / 2.0) * torch.sigmoid(g) * u
+    for lb in (None, -1.0):
+        got = apply_activation(x, "situ", situ_beta=2.0, situ_linear_beta=lb)
+        torch.testing.assert_close(got, want, **F64_TOL)
+
+
+def test_names_aliases_and_widths():
+    assert set(ACTIVATIONS) - set(SUPPORTED_ACTIVATIONS) == {"relu2"}
+    assert is_gated("relu2") and not is_gated("relu2_no_mul") and is_gated("gelu_pytorch_tanh")
+    x = _x(8, 6)
+    torch.testing.assert_close(apply_activation(x, "gelu_pytorch_tanh"), apply_activation(x, "gelu_tanh"),
+                               rtol=0, atol=0)
+    assert output_width("silu", 10) == 5 and output_width("silu_no_mul", 10) == 10
+    with pytest.raises(ValueError, match="supported activations: silu"):
+        apply_activation(x, "relu2")
+    with pytest.raises(ValueError, match="is unknown"):
+        apply_activation(x, "swish")
+    with pytest.raises(ValueError, match="n1 must be even"):
+        output_width("gelu", 7)
+    with pytest.raises(ValueError, match="x must have an even last dimension"):
+        apply_activation(_x(7, 7), "silu")
+    with pytest.raises(TypeError, match="x must be"):
+        apply_activation(torch.ones(2, 4, dtype=torch.int64), "silu")
+
+
+def test_activation_scale_act_and_mul_formula():
+    x = _x(8, 8)
+    xs = _x(8, 9).abs() * 1e-3
+    g, u = x[:, :4], x[:, 4:]
+    sg, su = xs[:, :4], xs[:, 4:]
+    s = torch.sigmoid(g)
+    f, df = g * s, s * (1 + g * (1 - s))
+    want = df.abs() * sg * u.abs() + f.abs() * su + (f * u).abs()
+    torch.testing.assert_close(activation_scale(x, xs, "silu"), want, **F64_TOL)
+    r = torch.relu(x)
+    torch.testing.assert_close(activation_scale(x, xs, "relu2_no_mul"), 2 * r * xs + r**2, **F64_TOL)
+
+
+@pytest.mark.parametrize("name", ["swigluoai", "situ", "gelu", "swiglustep"])
+def test_activation_scale_bounds_a_small_perturbation(name):
+    x = _x(8, 10, scale=2.0)
+    xs = torch.full_like(x, 1e-6)
+    delta = xs * torch.sign(torch.randn(x.shape, generator=torch.Generator().manual_seed(11), dtype=F64))
+    change = (apply_activation(x + delta, name) - apply_activation(x, name)).abs()
+    bound = activation_scale(x, xs, name) - apply_activation(x, name).abs()  # the first-order part
+    # first order: |change| <= bound + O(xs^2); xs^2 = 1e-12 times second derivatives of order 10
+    assert bool((change <= bound + 1e-10).all())
+    assert bool((bound > 0).any())
+
+
+def test_activation_scale_rejects_bad_scale():
+    x = _x(8, 12)
+    with pytest.raises(ValueError, match="xscale must have the shape"):
+        activation_scale(x, x[:, :4].abs(), "silu")
+    with pytest.raises(ValueError, match=">= 0"):
+        activation_scale(x, -x.abs(), "silu")
