@@ -207,6 +207,7 @@ class ExpertInputs:
     stacked: object            # reference.adapters.StackedMoELoRA or None
     token_lora_mapping: torch.Tensor
     expert_map: torch.Tensor | None
+    quantized: tuple = ()      # (w13_q, w13_scales, w2_q, w2_scales) when case.quant != "none"
 
     def call(self, device):
         from harness.contract import ExpertCall
@@ -223,7 +224,9 @@ class ExpertInputs:
             w2_lora_a=lst(s.w2_a) if s else None, w2_lora_b=lst(s.w2_b) if s else None,
             adapter_enabled=mv(s.adapter_enabled) if s else None,
             token_lora_mapping=mv(self.token_lora_mapping), max_loras=c.max_loras,
-            expert_map=mv(self.expert_map), apply_router_weight_on_input=c.apply_router_weight_on_input)
+            expert_map=mv(self.expert_map), apply_router_weight_on_input=c.apply_router_weight_on_input,
+            quant=c.quant, **({} if not self.quantized else dict(zip(
+                ("w13_q", "w13_scales", "w2_q", "w2_scales"), [mv(t) for t in self.quantized]))))
 
 
 def build_expert_inputs(case: Case) -> ExpertInputs:
@@ -243,6 +246,13 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
     hidden = torch.randn(T, H, generator=g).to(dt)
     w13 = (torch.randn(El, N1, H, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dt)
     w2 = (torch.randn(El, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)).to(dt)
+    quantized = ()
+    if case.quant != "none":   # snap to the quantization grid; the reference uses the dequantized weights
+        from reference.quant import dequantize, quantize
+        q13, s13 = quantize(w13, case.quant, dt)
+        q2, s2 = quantize(w2, case.quant, dt)
+        w13, w2 = dequantize(q13, s13, case.quant, dt), dequantize(q2, s2, case.quant, dt)
+        quantized = (q13, s13, q2, s2)
     b13 = (0.5 * torch.randn(El, N1, generator=g)).to(dt) if case.bias else None
     b2 = (0.5 * torch.randn(El, H, generator=g)).to(dt) if case.bias else None
     w, ids = make_routing(case, _gen(case, 1))
@@ -258,4 +268,4 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
                                 shared_a=case.shared_a, shared_b=case.shared_b)
         if case.mapping == "disabled":
             stacked.adapter_enabled[0] = 0
-    return ExpertInputs(case, hidden, w13, w2, b13, b2, w, ids, stacked, mapping, expert_map)
+    return ExpertInputs(case, hidden, w13, w2, b13, b2, w, ids, stacked, mapping, expert_map, quantized)

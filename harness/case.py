@@ -14,6 +14,7 @@ DTYPES = ("float16", "bfloat16", "float32")
 MAPPINGS = ("uniform", "mixed", "skewed", "none", "disabled")
 ROUTINGS = ("uniform", "skewed")
 LAYOUTS = ("sorted", "naive")
+QUANTS = ("none", "int4_g128", "int8_channel")
 WHICH = ("w13", "w2")
 
 
@@ -50,6 +51,7 @@ class Case:
     bias: bool = False
     lora: bool = True
     apply_router_weight_on_input: bool = False
+    quant: str = "none"        # expert level: none | int4_g128 | int8_channel (weight-only)
     # parallelism (expert level: simulated ranks; op level: EP gives an expert_map)
     tp_size: int = 1
     tp_rank: int = 0
@@ -95,6 +97,9 @@ class Case:
         need(self.mapping in MAPPINGS, f"mapping must be one of {MAPPINGS}, got {self.mapping!r}")
         need(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         need(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        need(self.quant in QUANTS, f"quant must be one of {QUANTS}, got {self.quant!r}")
+        if self.quant == "int4_g128":
+            need(self.H % 128 == 0 and self.I % 128 == 0, "int4_g128 needs H and I divisible by 128")
         need(self.which in WHICH, f"which must be one of {WHICH}, got {self.which!r}")
         need(self.T >= 0, f"T must be >= 0, got {self.T}")
         for n in ("H", "I", "E", "top_k", "max_loras", "max_rank", "num_slices", "block_size_m",

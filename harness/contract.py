@@ -43,6 +43,7 @@ class Capabilities:
     lora: bool = True                         # expert level: can run with LoRA
     base_only: bool = True                    # expert level: can run without LoRA
     tensor_parallel: bool = False             # expert level: simulated TP ranks
+    quant: frozenset = frozenset({"none"})     # expert level: weight-only schemes accepted
     rules: tuple = ()
 
 
@@ -77,6 +78,13 @@ class ExpertCall:
     max_loras: int = 0
     expert_map: object = None
     apply_router_weight_on_input: bool = False
+    # weight-only quantized base weights (Marlin-style): int8 values in the scheme's range and scales;
+    # `w13`/`w2` then hold the dequantized weights (what the reference uses)
+    quant: str = "none"
+    w13_q: object = None
+    w13_scales: object = None
+    w2_q: object = None
+    w2_scales: object = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,8 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
             return False, "LoRA not supported"
         if not case.lora and not cap.base_only:
             return False, "runs only with LoRA"
+        if case.quant not in cap.quant:
+            return False, f"quant scheme {case.quant} not supported (supported: {sorted(cap.quant)})"
         if case.tp_size > 1 and not cap.tensor_parallel:
             return False, "tensor-parallel ranks not supported"
     for rule in cap.rules:
