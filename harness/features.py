@@ -28,7 +28,17 @@ SMALL = Sizes(T=6, H=64, I=48, E=4, top_k=2, max_rank=8, dtype="float16")
 LARGE = Sizes(T=96, H=512, I=384, E=16, top_k=4, max_rank=32, dtype="bfloat16")
 
 
+SIZES_ENV = "MOE_LORA_HARNESS_SIZES"   # small | large: override the per-device default
+
+
 def sizes_for(device: str) -> Sizes:
+    """SMALL under the interpreter, LARGE on a GPU, unless MOE_LORA_HARNESS_SIZES says otherwise."""
+    import os
+    forced = os.environ.get(SIZES_ENV, "")
+    if forced:
+        if forced not in ("small", "large"):
+            raise ValueError(f"{SIZES_ENV} must be 'small' or 'large'; got {forced!r}")
+        return LARGE if forced == "large" else SMALL
     return LARGE if str(device).startswith("cuda") else SMALL
 
 
@@ -106,6 +116,8 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: router weight on input", "expert", lambda s: dict(top_k=1, apply_router_weight_on_input=True)),
     Feature("experts: non-gated, biases, EP", "expert",
             lambda s: dict(activation="relu2_no_mul", bias=True, ep_size=2, ep_rank=1, E=2 * s.E)),
+    Feature("experts: int4 g128", "expert", lambda s: dict(quant="int4_g128", H=128, I=128)),
+    Feature("experts: int8 per-channel", "expert", lambda s: dict(quant="int8_channel")),
 )
 
 FEATURES = OP_FEATURES + EXPERT_FEATURES

@@ -25,6 +25,12 @@ BUILTIN_REFS = (
     "backends.triton_op:TRITON_ONE_SHOT",
     "backends.triton_op:TRITON_SMALL_BATCH",
     "backends.triton_op:TRITON_TWO_KERNEL",
+    "backends.experts:TRITON_EXPERTS",
+    "backends.experts:GATED_FAST_EXPERTS",
+    "backends.experts:OAI_EXPERTS",
+    "backends.experts:MARLIN_EXPERTS",
+    "backends.experts:EXPERTS_ORACLE",
+    "backends.dual_stream:BACKEND",
 )
 
 # The leading parameters of vLLM 0.33.0's fused_moe_lora, used to recognise a plain op function.

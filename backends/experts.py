@@ -1,0 +1,194 @@
+"""Expert-level backends of the modular expert layer (kernels/experts): one BackendSpec per experts class,
+plus `experts_oracle`, which runs whatever kernels.experts.oracle.select_experts picks for the case.
+
+Capabilities are translated from each class's declared data, and a final Rule asks the class's own
+`is_supported_config` about the case, so what the harness believes a backend claims is exactly what the
+backend declares. Rounding model: the LoRA op path the class takes (its `lora_path`).
+"""
+from __future__ import annotations
+
+import torch
+
+from harness.case import Case
+from harness.contract import BackendSpec, Capabilities, ExpertCall, Rule
+
+try:
+    import triton  # noqa: F401
+    from kernels.experts import oracle
+    from kernels.experts.config import MoEConfig
+    from kernels.experts.lora_context import MoELoRAContext
+    from kernels.experts.modular import FusedMoEKernel
+    from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+    from kernels.triton.quant_gemm import pack_weights
+    _IMPORT_ERROR = ""
+except Exception as e:  # noqa: BLE001 - declared, not hidden: every case reports this reason
+    oracle = None
+    _IMPORT_ERROR = f"expert kernels not importable: {type(e).__name__}: {e}"
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _here() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def config_from_case(case: Case, device: str | None = None) -> "MoEConfig":
+    """The MoEConfig an expert-level case describes on `device` (cpu/cuda; default: this machine's)."""
+    return MoEConfig(
+        device=device or _here(), dtype=_DTYPES[case.dtype], activation=case.activation, H=case.H, I=case.I,
+        E=case.local_experts, top_k=case.top_k, has_bias=case.bias, quant=case.quant, lora_enabled=case.lora,
+        max_lora_rank=case.max_rank if case.lora else 0, expert_map=case.ep_size > 1,
+        fully_sharded=case.fully_sharded and case.lora,
+        apply_router_weight_on_input=case.apply_router_weight_on_input)
+
+
+def config_from_call(call: ExpertCall) -> "MoEConfig":
+    """The MoEConfig of an ExpertCall's tensors (device kind, dtype, sizes, features)."""
+    x = call.hidden_states
+    lora = call.w13_lora_a is not None
+    return MoEConfig(
+        device=x.device.type, dtype=x.dtype, activation=call.activation, H=int(x.shape[1]), I=int(call.w2.shape[2]),
+        E=int(call.w13.shape[0]), top_k=int(call.topk_ids.shape[1]), has_bias=call.w13_bias is not None,
+        quant=call.quant, lora_enabled=lora, max_lora_rank=int(call.w2_lora_a[0].shape[2]) if lora else 0,
+        expert_map=call.expert_map is not None, apply_router_weight_on_input=call.apply_router_weight_on_input)
+
+
+def context_from_call(call: ExpertCall, config: "MoEConfig") -> "MoELoRAContext | None":
+    """The explicit LoRA context of an ExpertCall (None without LoRA); under EP the mapping is also the local one."""
+    if call.w13_lora_a is None:
+        return None
+    ws = [*call.w13_lora_a, *call.w13_lora_b, *call.w2_lora_a, *call.w2_lora_b]
+    return MoELoRAContext(
+        w13_lora_a_stacked=list(call.w13_lora_a), w13_lora_b_stacked=list(call.w13_lora_b),
+        w2_lora_a_stacked=list(call.w2_lora_a), w2_lora_b_stacked=list(call.w2_lora_b),
+        adapter_enabled=call.adapter_enabled, max_loras=call.max_loras, top_k=config.top_k,
+        w13_num_slices=len(call.w13_lora_a), local_num_experts=config.E,
+        token_lora_mapping=call.token_lora_mapping,
+        local_token_lora_mapping=call.token_lora_mapping if call.expert_map is not None else None,
+        enable_moe_shared_loras=any(int(w.shape[1]) == 1 for w in ws) and config.E > 1,
+        fully_sharded=config.fully_sharded)
+
+
+def run_call(call: ExpertCall, experts_cls=None) -> None:
+    """Run one ExpertCall through FusedMoEKernel(no-EP prepare/finalize, experts_cls or the oracle's pick)."""
+    config = config_from_call(call)
+    cls = experts_cls or oracle.select_experts(config)
+    w13, w2 = call.w13, call.w2
+    if call.quant != "none":
+        w13 = pack_weights(call.w13_q, call.w13_scales, call.quant)
+        w2 = pack_weights(call.w2_q, call.w2_scales, call.quant)
+    kernel = FusedMoEKernel(NoEPPrepareAndFinalize(), cls(config))
+    kernel.apply(call.hidden_states, w13, w2, call.topk_weights, call.topk_ids,
+                 lora_ctx=context_from_call(call, config), expert_map=call.expert_map,
+                 w13_bias=call.w13_bias, w2_bias=call.w2_bias, output=call.output)
+
+
+def _safe(pred):
+    def holds(case):
+        try:
+            return bool(pred(case))
+        except (ValueError, TypeError):
+            return False
+    return holds
+
+
+def _claims(cls, case: Case) -> bool:
+    """is_supported_config on some device where the declared dtypes hold the case's dtype."""
+    return any(cls.is_supported_config(config_from_case(case, dev))[0]
+               for dev in sorted(cls.devices) if case.dtype in cls.dtypes.get(dev, ()))
+
+
+def precision_for(cls):
+    """case -> the reference precision preset of the LoRA op path `cls` takes for that case."""
+    def precision(case: Case) -> str:
+        if not case.lora:
+            return "one_shot"
+        return cls.lora_path(config_from_case(case), case.T, case.max_loras)
+    return precision
+
+
+def _caps_of(cls) -> Capabilities:
+    """Capabilities translated from the class's declarations, plus the is_supported_config rule."""
+    rules = tuple(Rule(r.name, _safe(lambda c, r=r: r.holds(config_from_case(c))), r.reason)
+                  for r in cls.shape_rules)
+    rules += (Rule(f"{cls.name}.is_supported_config", _safe(lambda c: _claims(cls, c)),
+                   "declined by the class's is_supported_config (kernels.experts.oracle.explain says why)"),)
+    return Capabilities(
+        levels=frozenset({"expert"}), devices=frozenset(cls.devices), dtypes=dict(cls.dtypes),
+        dtype_reasons=dict(cls.dtype_reasons), activations=frozenset(cls.activations),
+        non_gated=cls.supports_non_gated, bias=cls.supports_bias, lora=cls.supports_lora(), base_only=True,
+        quant=frozenset(cls.quant_schemes), expert_map=cls.supports_ep, fully_sharded=cls.supports_fully_sharded,
+        max_rank=cls.max_lora_rank, shared_lora=True, rules=rules)
+
+
+def spec_for(cls, description: str) -> BackendSpec:
+    """A harness BackendSpec for an experts class: capabilities from its declarations, run through FusedMoEKernel."""
+    return BackendSpec(
+        name=cls.name, description=description, capabilities=_caps_of(cls),
+        experts=lambda call: run_call(call, cls), precision=precision_for(cls),
+        origin=f"backends.experts:{cls.name.upper()}")
+
+
+def _oracle_spec() -> BackendSpec:
+    classes = oracle.BACKEND_PRIORITY
+    devices = frozenset().union(*(c.devices for c in classes))
+    dtypes = {d: frozenset().union(*(c.dtypes.get(d, frozenset()) for c in classes)) for d in devices}
+    reasons = {}
+    for c in classes:
+        for key, why in c.dtype_reasons.items():
+            if key[1] not in dtypes.get(key[0], ()):
+                reasons.setdefault(key, why)
+
+    def picked(case):
+        return oracle.select_experts(config_from_case(case))
+
+    rule = Rule("select_experts", _safe(lambda c: any(_claims(cls, c) for cls in classes)),
+                "no backend in BACKEND_PRIORITY supports it (kernels.experts.oracle.explain lists why)")
+    return BackendSpec(
+        name="experts_oracle",
+        description="runs whatever kernels.experts.oracle.select_experts picks (priority: "
+                    + ", ".join(c.name for c in classes) + ")",
+        capabilities=Capabilities(levels=frozenset({"expert"}), devices=devices, dtypes=dtypes,
+                                  dtype_reasons=reasons, quant=frozenset({"none", "int4_g128", "int8_channel"}),
+                                  rules=(rule,)),
+        experts=run_call,
+        precision=lambda case: _oracle_precision(case, picked),
+        origin="backends.experts:EXPERTS_ORACLE")
+
+
+def _oracle_precision(case: Case, picked) -> str:
+    if not case.lora:
+        return "one_shot"
+    try:
+        return precision_for(picked(case))(case)
+    except oracle.NoBackendError:   # probing a case no backend claims: any preset; the run itself fails
+        return "one_shot"
+
+
+def _unavailable(name: str) -> BackendSpec:
+    return BackendSpec(name=name, description=f"{name} (unavailable)",
+                       capabilities=Capabilities(levels=frozenset({"expert"}), devices=frozenset(),
+                                                 rules=(Rule("import", lambda c: False, _IMPORT_ERROR),)),
+                       experts=lambda call: None, origin=f"backends.experts:{name.upper()}")
+
+
+if oracle is not None:
+    from kernels.experts.gated_fast_experts import GatedFastExperts
+    from kernels.experts.marlin_experts import MarlinExperts
+    from kernels.experts.oai_experts import OAIExperts
+    from kernels.experts.triton_experts import TritonExperts
+
+    TRITON_EXPERTS = spec_for(TritonExperts, "Triton fused-MoE experts + LoRA mixin (every activation, bias, EP)")
+    GATED_FAST_EXPERTS = spec_for(GatedFastExperts, "gated-SiLU fast path (fused silu-and-mul; I % 128 == 0; 16-bit)")
+    OAI_EXPERTS = spec_for(OAIExperts, "gather/scatter grouped-GEMM experts, swigluoai, LoRA in the permuted layout")
+    MARLIN_EXPERTS = spec_for(MarlinExperts, "weight-only int4 g128 / int8 per-channel experts, dequant in the GEMM, "
+                                          "LoRA through the wrapper's closures")
+    EXPERTS_ORACLE = _oracle_spec()
+else:
+    TRITON_EXPERTS = _unavailable("triton_experts")
+    GATED_FAST_EXPERTS = _unavailable("gated_fast_experts")
+    OAI_EXPERTS = _unavailable("oai_experts")
+    MARLIN_EXPERTS = _unavailable("marlin_experts")
+    EXPERTS_ORACLE = _unavailable("experts_oracle")
+
+ALL = [TRITON_EXPERTS, GATED_FAST_EXPERTS, OAI_EXPERTS, MARLIN_EXPERTS, EXPERTS_ORACLE]

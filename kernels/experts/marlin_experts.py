@@ -1,0 +1,139 @@
+"""`MarlinExperts`: weight-only int4 (group 128) / int8 (per channel) experts, dequantized inside the GEMM.
+
+`fused_marlin_moe` is the outer wrapper (align, quantized w13 GEMM, activation, quantized w2 GEMM, sum)
+with two hooks; MarlinExperts passes LoRA in through them as closures: an activation-with-LoRA closure
+(w13 delta, then the activation) and a moe-sum-with-LoRA closure (w2 delta, then the sum), which are
+the same logical points as the Triton experts'.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
+from kernels.experts.lora_context import MoELoRAContext
+from kernels.experts.lora_mixin import LoRAExpertsMixin
+from kernels.experts.modular import (
+    CPU_BF16, FusedMoEExperts, ShapeRule, check_activations_and_routing, check_biases, check_id_ranges,
+    check_lora_ctx,
+)
+from kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
+from kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
+from kernels.triton.moe_align import moe_align_block_size
+from kernels.triton.moe_sum import moe_sum
+from kernels.triton.quant_gemm import QuantWeights
+
+_FP32 = "the Marlin-style dequant GEMM computes in 16-bit (fp16/bf16) only"
+
+
+def _plain_activation(name: str) -> Callable:
+    def act(cache1, cache2):
+        cache2.copy_(torch_activation(cache1, name))
+    return act
+
+
+def fused_marlin_moe(hidden_states: torch.Tensor, w13: QuantWeights, w2: QuantWeights, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *, activation: str, output: torch.Tensor, expert_map=None,
+                     w13_bias=None, w2_bias=None, apply_router_weight_on_input: bool = False,
+                     activation_fn: Callable | None = None, moe_sum_fn: Callable | None = None) -> torch.Tensor:
+    """Quantized-weight MoE forward into `output` (T, H); returns it. Arguments are assumed validated.
+
+    Hooks: activation_fn(cache1 (T*k, N1), cache2 (T*k, I)) replaces the activation;
+    moe_sum_fn(cache3 (T*k, H), output (T, H), cache2) replaces the final sum.
+    """
+    T, k = (int(s) for s in topk_ids.shape)
+    if T == 0:
+        return output
+    E, N1, H, I = w13.num_experts, w13.N, w13.K, w2.K
+    dt, dev = hidden_states.dtype, hidden_states.device
+    local = expert_map[topk_ids.long()].to(torch.int32) if expert_map is not None else topk_ids
+    valid = local >= 0 if expert_map is not None else None
+    bm = choose_block_m(T * k, E)
+    ids, eids, ntpp = moe_align_block_size(topk_ids, bm, E, expert_map)
+    alloc = torch.zeros if valid is not None else torch.empty
+    cache1 = alloc(T * k, N1, dtype=dt, device=dev)
+    cache2 = alloc(T * k, I, dtype=dt, device=dev)
+    cache3 = alloc(T * k, H, dtype=dt, device=dev)
+    fused_moe_gemm(cache1, hidden_states, None, ids, eids, ntpp, top_k=k, x_row_div=k, bias=w13_bias, block_m=bm,
+                   quant=w13)
+    (activation_fn or _plain_activation(activation))(cache1, cache2)
+    fused_moe_gemm(cache3, cache2, None, ids, eids, ntpp, top_k=k, x_row_div=1, topk_weights=topk_weights,
+                   mul_routed_weight=not apply_router_weight_on_input, bias=w2_bias, block_m=bm, quant=w2)
+    if moe_sum_fn is not None:
+        moe_sum_fn(cache3, output, cache2)
+    else:
+        moe_sum(cache3.view(T, k, H), output, valid)
+    return output
+
+
+def check_quant_weights(config, w13, w2) -> None:
+    """w13 / w2 must be QuantWeights of config.quant with logical shapes (E, N1, H) and (E, H, I)."""
+    c = config
+    for name, qw, shape in (("w13", w13, (c.E, c.N1, c.H)), ("w2", w2, (c.E, c.H, c.I))):
+        if not isinstance(qw, QuantWeights):
+            raise TypeError(f"{name} must be a kernels.triton.quant_gemm.QuantWeights (pack_weights) for "
+                            f"quant={c.quant!r}; got {type(qw).__name__}")
+        if qw.scheme != c.quant:
+            raise ValueError(f"{name}.scheme must be config.quant={c.quant!r}; got {qw.scheme!r}")
+        if (qw.num_experts, qw.N, qw.K) != shape:
+            raise ValueError(f"{name} must have logical shape (E, N, K) = {shape}; got "
+                             f"({qw.num_experts}, {qw.N}, {qw.K})")
+        if qw.device.type != c.device:
+            raise ValueError(f"{name} must be on a {c.device} device; got {qw.device}")
+
+
+class MarlinExperts(LoRAExpertsMixin, FusedMoEExperts):
+    """Weight-only quantized experts through `fused_marlin_moe`; LoRA enters via the wrapper's hooks."""
+
+    name = "marlin_experts"
+    devices = frozenset({"cpu", "cuda"})
+    dtypes = {"cpu": frozenset({"float16"}), "cuda": frozenset({"float16", "bfloat16"})}
+    dtype_reasons = {("cpu", "bfloat16"): CPU_BF16, ("cpu", "float32"): _FP32, ("cuda", "float32"): _FP32}
+    activations = frozenset(_ACTIVATIONS)
+    supports_non_gated = True
+    quant_schemes = frozenset({"int4_g128", "int8_channel"})
+    supports_bias = True
+    supports_ep = True
+    supports_fully_sharded = True
+    shape_rules = (ShapeRule("int4_g128: H % 128 == 0 and I % 128 == 0",
+                             lambda c: c.quant != "int4_g128" or (c.H % 128 == 0 and c.I % 128 == 0),
+                             "int4 scales cover groups of 128 along each GEMM's K (H for w13, I for w2)"),
+                   ALIGN_EXPERT_LIMIT)
+
+    def apply(self, output, hidden_states, w13, w2, topk_weights, topk_ids, *, expert_map=None,
+              w13_bias=None, w2_bias=None, lora_ctx: MoELoRAContext | None = None) -> None:
+        """Validate, then run fused_marlin_moe with LoRA closures when a context is given."""
+        c = self.config
+        T = check_activations_and_routing(c, output, hidden_states, topk_weights, topk_ids, expert_map)
+        check_quant_weights(c, w13, w2)
+        check_biases(c, w13_bias, w2_bias)
+        check_lora_ctx(c, lora_ctx, T, self.supports_lora())
+        check_id_ranges(c, topk_ids, expert_map, lora_ctx)
+        hooks = {}
+        if lora_ctx is not None and T:
+            hooks = self._lora_hooks(lora_ctx, hidden_states, topk_weights, topk_ids, expert_map)
+        fused_marlin_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation=c.activation, output=output,
+                         expert_map=expert_map, w13_bias=w13_bias, w2_bias=w2_bias,
+                         apply_router_weight_on_input=c.apply_router_weight_on_input, **hooks)
+
+    def _lora_hooks(self, ctx: MoELoRAContext, hidden_states, topk_weights, topk_ids, expert_map) -> dict:
+        """The activation-with-LoRA and moe-sum-with-LoRA closures (alignment built once, shared)."""
+        c = self.config
+        T, k = (int(s) for s in topk_ids.shape)
+        local = expert_map[topk_ids.long()].to(torch.int32) if expert_map is not None else topk_ids
+        valid = local >= 0 if expert_map is not None else None
+        align = self.lora_alignment(ctx, local, expert_map=expert_map is not None)
+        x_lora = ctx.original_hidden_states if ctx.original_hidden_states is not None else hidden_states
+        plain = _plain_activation(c.activation)
+
+        def activation_with_lora(cache1, cache2):
+            self.apply_w13_lora(ctx, y=cache1.view(T, k, c.N1), x=x_lora, topk_ids=local, topk_weights=topk_weights,
+                                expert_map=expert_map is not None, align=align)
+            plain(cache1, cache2)
+
+        def moe_sum_with_lora(cache3, out, cache2):
+            self.apply_w2_lora(ctx, y=cache3.view(T, k, c.H), x=cache2, topk_weights=topk_weights, align=align)
+            moe_sum(cache3.view(T, k, c.H), out, valid)
+
+        return dict(activation_fn=activation_with_lora, moe_sum_fn=moe_sum_with_lora)

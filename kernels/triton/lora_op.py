@@ -1,0 +1,167 @@
+"""Public entry points of our Triton MoE-LoRA op, with vLLM 0.33.0's `fused_moe_lora` signature.
+
+`fused_moe_lora` validates, checks id ranges (one sync; see kernels/validate.py, MOE_LORA_UNCHECKED),
+and dispatches like vLLM (spec 1.3): small-batch for a naive layout with rank <= 64 and
+T*k*rank <= 1024, else one-shot for rank <= 128 when not fully sharded, else two-kernel (any rank,
+fully_sharded collectives). `fused_moe_lora_{one_shot,small_batch,two_kernel}` force a path and raise
+ValueError naming the condition a call fails. vLLM's tuning ints are validated, not honoured, except
+shrink_block_size_m, which must be the align block size in sorted mode.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels.validate import OpCall, check_value_ranges, validate_call
+from kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, run_one_shot
+from kernels.triton.small_batch import run_small_batch, small_batch_unsupported
+from kernels.triton.two_kernel import run_two_kernel
+
+PATHS = ("one_shot", "small_batch", "two_kernel")
+
+
+def select_path(*, naive: bool, max_lora_rank: int, num_pairs: int, fully_sharded: bool = False) -> str:
+    """The path `fused_moe_lora` takes for a call (naive = sorted_token_ids is None, num_pairs = T*k)."""
+    if fully_sharded:
+        return "two_kernel"
+    if small_batch_unsupported(naive, max_lora_rank, num_pairs, fully_sharded) is None:
+        return "small_batch"
+    if max_lora_rank <= ONE_SHOT_MAX_RANK:
+        return "one_shot"
+    return "two_kernel"
+
+
+def one_shot_unsupported(rank: int, fully_sharded: bool) -> str | None:
+    """Why the one-shot path cannot take a call (None if it can)."""
+    if fully_sharded:
+        return "one-shot cannot run fully_sharded (the rank intermediate never leaves registers for a collective)"
+    if rank > ONE_SHOT_MAX_RANK:
+        return f"one-shot needs max_lora_rank <= {ONE_SHOT_MAX_RANK}; got {rank}"
+    return None
+
+
+def _prepare(args: tuple, kwargs: dict) -> OpCall:
+    (output, x, lora_a, lora_b, topk_weights, sorted_token_ids, expert_ids, ntpp, mapping, max_lora_rank,
+     top_k_num, lora_ids, num_active_loras, adapter_enabled, *tuning_vals) = args
+    names = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
+             "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
+             "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
+             "expand_num_stages", "expand_split_k")
+    call = validate_call(
+        output, x, lora_a, lora_b, topk_weights, sorted_token_ids, expert_ids, ntpp, mapping, max_lora_rank,
+        top_k_num, lora_ids, num_active_loras, adapter_enabled, dict(zip(names, tuning_vals)), **kwargs,
+    )
+    return call
+
+
+def _run(path: str, call: OpCall, collective: Callable | None) -> None:
+    if path == "small_batch":
+        why = small_batch_unsupported(call.naive, call.rank, call.num_pairs, call.fully_sharded)
+    elif path == "one_shot":
+        why = one_shot_unsupported(call.rank, call.fully_sharded)
+    else:
+        why = None
+    if why:
+        raise ValueError(why)
+    if collective is not None and not callable(collective):
+        raise TypeError(f"collective must be a callable cache -> cache or None; got {type(collective).__name__}")
+    check_value_ranges(call)
+    dev = call.output.device
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):  # Triton launches on the current device
+            _launch(path, call, collective)
+    else:
+        _launch(path, call, collective)
+
+
+def _launch(path: str, call: OpCall, collective: Callable | None) -> None:
+    if path == "small_batch":
+        run_small_batch(call)
+    elif path == "one_shot":
+        run_one_shot(call)
+    else:
+        run_two_kernel(call, collective)
+
+
+def fused_moe_lora(
+    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
+    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
+    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
+    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
+    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, collective=None,
+) -> None:
+    """Add the MoE-LoRA delta into `output` in place (vLLM 0.33.0 contract), dispatching like spec 1.3.
+
+    `collective` (keyword-only, fully_sharded only): a callable taking the (S, T, k, R_local) rank cache
+    and returning the joined cache; default torch.distributed's group, or identity on one rank.
+    """
+    loc = locals()
+    args = tuple(loc[n] for n in _ARG_NAMES)
+    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
+    call = _prepare(args, kwargs)
+    path = select_path(naive=call.naive, max_lora_rank=call.rank, num_pairs=call.num_pairs,
+                       fully_sharded=call.fully_sharded)
+    _run(path, call, collective)
+
+
+def fused_moe_lora_one_shot(
+    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
+    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
+    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
+    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
+    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True,
+) -> None:
+    """`fused_moe_lora` forced onto the one-shot kernel (rank <= 128, not fully_sharded; else ValueError)."""
+    loc = locals()
+    args = tuple(loc[n] for n in _ARG_NAMES)
+    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
+    _run("one_shot", _prepare(args, kwargs), None)
+
+
+def fused_moe_lora_small_batch(
+    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
+    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
+    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
+    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
+    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True,
+) -> None:
+    """`fused_moe_lora` forced onto the small-batch kernel (naive, rank <= 64, T*k*rank <= 1024; else ValueError)."""
+    loc = locals()
+    args = tuple(loc[n] for n in _ARG_NAMES)
+    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
+    _run("small_batch", _prepare(args, kwargs), None)
+
+
+def fused_moe_lora_two_kernel(
+    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
+    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
+    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
+    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
+    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, collective=None,
+) -> None:
+    """`fused_moe_lora` forced onto the two-kernel path (any rank; fully_sharded with `collective` as above)."""
+    loc = locals()
+    args = tuple(loc[n] for n in _ARG_NAMES)
+    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
+    _run("two_kernel", _prepare(args, kwargs), collective)
+
+
+_ARG_NAMES = (
+    "output", "qcurr_hidden_states", "lora_a_stacked", "lora_b_stacked", "topk_weights", "sorted_token_ids",
+    "expert_ids", "num_tokens_post_padded", "token_lora_mapping", "max_lora_rank", "top_k_num", "lora_ids",
+    "num_active_loras", "adapter_enabled", "shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k",
+    "shrink_group_size_m", "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
+    "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps", "expand_num_stages",
+    "expand_split_k",
+)
+
+ENTRY_POINTS = {
+    "one_shot": fused_moe_lora_one_shot,
+    "small_batch": fused_moe_lora_small_batch,
+    "two_kernel": fused_moe_lora_two_kernel,
+}

@@ -1,0 +1,372 @@
+"""One-shot MoE-LoRA kernel: shrink and expand in ONE launch, the rank intermediate kept in registers.
+
+Rounding points (vLLM 0.33.0 one-shot, spec 1.4): u = fp32 x.A^T rounded to the output dtype, then
+d = fp32 u.B^T (times fp32 routing weight), rounded once; out = prev + d in the output dtype.
+A program owns (a sub-block of one align block | one pair in naive mode) x (an N range) x
+(one or two slices) x (one LoRA of lora_ids). Sub-blocks smaller than the align block and an
+N split (NPID programs per block, each recomputing the cheap shrink) give enough programs at
+small T; two slices per program share the x loads at large T.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from kernels.validate import OpCall
+from kernels.triton.platform import device_info
+
+MAX_RANK = 128  # the (SUB_M, BLOCK_R) fp32 accumulators live in registers
+
+
+@triton.jit
+def resolve_lora_expert(m_id, lora_idx, sub_start, top_k, max_loras, map_ptr, lora_ids_ptr, enabled_ptr,
+                        ntpp_ptr, expert_ptr, stride_el, NAIVE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(lora slot, local expert, valid) for a program: naive = pair m_id, sorted = lora_ids[lora_idx]."""
+    if NAIVE:
+        lora = tl.load(map_ptr + m_id // top_k)
+    else:
+        lora = tl.load(lora_ids_ptr + lora_idx)
+    in_range = (lora >= 0) & (lora < max_loras)
+    lora = tl.where(in_range, lora, 0).to(tl.int64)
+    valid = in_range & (tl.load(enabled_ptr + lora) != 0)
+    if NAIVE:
+        expert = tl.load(expert_ptr + m_id)
+    else:
+        blk = sub_start // BLOCK_M
+        valid = valid & (blk * BLOCK_M < tl.load(ntpp_ptr + lora))
+        expert = tl.load(expert_ptr + lora * stride_el + blk)
+    valid = valid & (expert >= 0)
+    return lora, tl.where(valid, expert, 0).to(tl.int64), valid
+
+
+@triton.jit
+def block_tokens(m_id, lora, sub_start, num_pairs, em, sorted_ptr, stride_sl,
+                 NAIVE: tl.constexpr, SUB_M: tl.constexpr):
+    """Flat pair ids of a program's rows (int64, invalid rows clamped to 0) and their mask."""
+    offs = tl.arange(0, SUB_M)
+    if NAIVE:
+        tok = tl.where(offs == 0, m_id, num_pairs).to(tl.int64)
+    else:
+        pos = sub_start + offs
+        tok = tl.load(sorted_ptr + lora * stride_sl + pos, mask=pos < em, other=num_pairs).to(tl.int64)
+    mask = (tok >= 0) & (tok < num_pairs)
+    return tl.where(mask, tok, 0), mask
+
+
+@triton.jit
+def _shrink_step(acc, xt, a_ptrs, kmask, rmask, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        at = tl.load(a_ptrs, mask=rmask[None, :], other=0.0)
+    else:
+        at = tl.load(a_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(xt, at, acc, input_precision="ieee")
+    return tl.dot(xt, at, acc)
+
+
+@triton.jit
+def _expand_tile(u, b_ptrs, out_ptrs, omask, bmask, wv, MUL_W: tl.constexpr, ADD_INPUTS: tl.constexpr,
+                 IEEE: tl.constexpr):
+    bt = tl.load(b_ptrs, mask=bmask, other=0.0)
+    if IEEE:
+        d = tl.dot(u, bt, input_precision="ieee")
+    else:
+        d = tl.dot(u, bt)
+    if MUL_W:
+        d = d * wv[:, None]
+    d = d.to(out_ptrs.dtype.element_ty)
+    if ADD_INPUTS:
+        prev = tl.load(out_ptrs, mask=omask, other=0.0)
+        d = prev + d
+    tl.store(out_ptrs, d, mask=omask)
+
+
+@triton.jit
+def _expand_tile_prefetched(u, b_ptrs, out_ptrs, omask, bmask, wv, prev, MUL_W: tl.constexpr, IEEE: tl.constexpr):
+    bt = tl.load(b_ptrs, mask=bmask, other=0.0)
+    if IEEE:
+        d = tl.dot(u, bt, input_precision="ieee")
+    else:
+        d = tl.dot(u, bt)
+    if MUL_W:
+        d = d * wv[:, None]
+    tl.store(out_ptrs, prev + d.to(out_ptrs.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _one_shot_kernel(
+    x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, out_ptr, w_ptr,
+    sorted_ptr, expert_ptr, ntpp_ptr, map_ptr, lora_ids_ptr, enabled_ptr,
+    N, K, num_pairs, top_k, max_loras, em, col0, npid, n_per_prog,
+    stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak,
+    stride_bl, stride_be, stride_bn, stride_br, stride_om, stride_on, stride_sl, stride_el,
+    X_ROW_DIV: tl.constexpr, NAIVE: tl.constexpr, MUL_W: tl.constexpr, ADD_INPUTS: tl.constexpr,
+    TWO_SLICES: tl.constexpr, SLICE_FROM_GRID: tl.constexpr,
+    BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_R: tl.constexpr, RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Grid (m programs * npid, slice groups, active LoRAs); see the module docstring."""
+    pid0 = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m_id = pid0 // npid
+    n_id = pid0 % npid
+    sub_start = m_id * SUB_M
+    lora, expert, valid = resolve_lora_expert(
+        m_id, tl.program_id(2), sub_start, top_k, max_loras, map_ptr, lora_ids_ptr, enabled_ptr,
+        ntpp_ptr, expert_ptr, stride_el, NAIVE, BLOCK_M)
+    if valid == 0:
+        return
+    tok, tmask = block_tokens(m_id, lora, sub_start, num_pairs, em, sorted_ptr, stride_sl, NAIVE, SUB_M)
+    if tl.sum(tmask.to(tl.int32), axis=0) == 0:
+        return
+    n_lo = n_id * n_per_prog
+    if n_lo >= N:
+        return
+    n_hi = tl.minimum(n_lo + n_per_prog, N)
+
+    a_ptr = a0_ptr
+    b_ptr = b0_ptr
+    col = col0
+    if SLICE_FROM_GRID:
+        if pid_s == 1:
+            a_ptr = a1_ptr
+            b_ptr = b1_ptr
+            col = col0 + N
+
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < RANK
+    r_safe = tl.where(rmask, offs_r, 0)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (tok // X_ROW_DIV)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_off = lora * stride_al + expert * stride_ae + r_safe[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    a_ptrs0 = a_ptr + a_off
+    a_ptrs1 = a1_ptr + a_off
+    acc0 = tl.zeros((SUB_M, BLOCK_R), dtype=tl.float32)
+    acc1 = tl.zeros((SUB_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=tmask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
+        acc0 = _shrink_step(acc0, xt, a_ptrs0, kmask, rmask, IEEE, EVEN_K)
+        if TWO_SLICES:
+            acc1 = _shrink_step(acc1, xt, a_ptrs1, kmask, rmask, IEEE, EVEN_K)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs0 += BLOCK_K * stride_ak
+        a_ptrs1 += BLOCK_K * stride_ak
+
+    dt = out_ptr.dtype.element_ty
+    u0 = acc0.to(dt)  # the rank intermediate is rounded to the output dtype (spec 1.4)
+    u1 = acc1.to(dt)
+    wv = tl.zeros((SUB_M,), dtype=tl.float32)
+    if MUL_W:
+        wv = tl.load(w_ptr + tok, mask=tmask, other=0.0).to(tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    b_off = lora * stride_bl + expert * stride_be + r_safe[:, None] * stride_br
+    out_rows = out_ptr + tok[:, None] * stride_om
+    if PREFETCH and ADD_INPUTS:
+        # prev of the next N tile is loaded before this tile's dot and store (loads in flight).
+        nmask = (n_lo + offs_n) < n_hi
+        omask = tmask[:, None] & nmask[None, :]
+        p0 = tl.load(out_rows + (col + n_lo + offs_n)[None, :] * stride_on, mask=omask, other=0.0)
+        p1 = p0
+        if TWO_SLICES:
+            p1 = tl.load(out_rows + (col + N + n_lo + offs_n)[None, :] * stride_on, mask=omask, other=0.0)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cols = n0 + offs_n
+            nmask = cols < n_hi
+            omask = tmask[:, None] & nmask[None, :]
+            bmask = rmask[:, None] & nmask[None, :]
+            nomask = tmask[:, None] & ((cols + BLOCK_N) < n_hi)[None, :]
+            q0 = tl.load(out_rows + (col + BLOCK_N + cols)[None, :] * stride_on, mask=nomask, other=0.0)
+            q1 = q0
+            if TWO_SLICES:
+                q1 = tl.load(out_rows + (col + N + BLOCK_N + cols)[None, :] * stride_on, mask=nomask, other=0.0)
+            _expand_tile_prefetched(u0, b_ptr + b_off + cols[None, :] * stride_bn,
+                                    out_rows + (col + cols)[None, :] * stride_on, omask, bmask, wv, p0, MUL_W, IEEE)
+            if TWO_SLICES:
+                _expand_tile_prefetched(u1, b1_ptr + b_off + cols[None, :] * stride_bn,
+                                        out_rows + (col + N + cols)[None, :] * stride_on, omask, bmask, wv, p1,
+                                        MUL_W, IEEE)
+            p0 = q0
+            p1 = q1
+    else:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cols = n0 + offs_n
+            nmask = cols < n_hi
+            omask = tmask[:, None] & nmask[None, :]
+            bmask = rmask[:, None] & nmask[None, :]
+            _expand_tile(u0, b_ptr + b_off + cols[None, :] * stride_bn,
+                         out_rows + (col + cols)[None, :] * stride_on, omask, bmask, wv, MUL_W, ADD_INPUTS, IEEE)
+            if TWO_SLICES:
+                _expand_tile(u1, b1_ptr + b_off + cols[None, :] * stride_bn,
+                             out_rows + (col + N + cols)[None, :] * stride_on, omask, bmask, wv, MUL_W, ADD_INPUTS,
+                             IEEE)
+
+
+@dataclass(frozen=True)
+class OneShotConfig:
+    """Launch parameters of the one-shot kernel (chosen by `choose_config`, overridable in tests)."""
+
+    sub_m: int  # rows per program (power of two, divides the align block; 16 in naive mode)
+    npid: int  # programs splitting one block's N range
+    block_n: int
+    block_k: int
+    two_slices: bool  # one program handles two slices (shares the x loads)
+    num_warps: int
+    num_stages: int
+    prefetch: bool = False  # load the next N tile's prev before this tile's store
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _bucket_stats(call: OpCall) -> tuple[float, float]:
+    """(expected non-empty (LoRA, expert) buckets, mean pairs per non-empty bucket), uniform routing."""
+    P = call.num_pairs
+    buckets = max(1, call.num_experts) * max(1, min(call.max_loras, call.num_active))
+    nonempty = buckets * (1.0 - (1.0 - 1.0 / buckets) ** P) if buckets > 1 else 1.0
+    nonempty = max(1.0, min(nonempty, float(P)))
+    return nonempty, P / nonempty
+
+
+def block_k_for(K: int) -> int:
+    """K tile: 128 when K is large, else the smallest power of two covering K (>= 16)."""
+    return 128 if K >= 128 else max(16, next_pow2(K))
+
+
+# Cost model for the N split (fit to H200 sweeps, bench/bench_lora_op.py --sweep): a program streams
+# its shrink operands and its share of the expand at PROGRAM_BW; SLOTS_PER_SM programs run at once per
+# SM; the redundant shrinks together are bounded by L2_BW.
+PROGRAM_BW = 20e9
+SLOTS_PER_SM = 3
+L2_BW = 4e12
+
+
+def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall, block_n: int, sm: int) -> int:
+    esz = call.output.element_size()
+    shrink = (s_prog * call.rank * call.hidden + rows * call.hidden) * esz
+    expand = s_prog * call.n_out * (call.rank * esz + 2 * rows * esz)
+    best = (float("inf"), 1)
+    for npid in (1, 2, 4, 8, 16, 32):
+        if npid > 1 and npid * block_n > call.n_out:
+            break
+        progs = live * npid * groups
+        t = max((shrink + expand / npid) / PROGRAM_BW * max(1.0, progs / (SLOTS_PER_SM * sm)), progs * shrink / L2_BW)
+        if t < best[0]:
+            best = (t, npid)
+    return best[1]
+
+
+def choose_config(call: OpCall) -> OneShotConfig:
+    """Heuristic launch config (rules read off H200 sweeps): rows per program from pairs per bucket,
+    wide K/N tiles when few programs run, N split chosen by a small cost model, 4 warps."""
+    info = device_info(call.output.device)
+    rank_pad = max(16, next_pow2(call.rank))
+    K, N = call.hidden, call.n_out
+    two = call.num_slices >= 2 and rank_pad <= 32 and N <= 4096
+    groups = 1 if (two or call.num_slices == 1) else 2
+    if call.naive:
+        sub_m, live, rows, per_bucket = 16, float(call.num_pairs), 1.0, 1.0
+    else:
+        nonempty, per_bucket = _bucket_stats(call)
+        if per_bucket < 4:
+            sub_m = 16
+        elif per_bucket < 32:
+            sub_m = 64 if K >= 8192 else 32
+        else:
+            sub_m = 64
+        sub_m = min(sub_m, call.block_m)
+        live = nonempty * math.ceil(per_bucket / sub_m)
+        rows = min(per_bucket, sub_m)
+    small = live * groups < info.sm_count
+    block_k = 512 if (small and sub_m == 16 and K >= 2880) else 128
+    block_k = min(block_k, max(16, next_pow2(K)))
+    block_n = 256 if (small and K >= 2048 and per_bucket < 32) else 128
+    if rank_pad >= 64 and per_bucket >= 32 and call.num_slices == 1:
+        block_n = 256  # rank 64, full blocks, one slice: measured better (w2 shapes)
+    block_n = min(block_n, max(16, next_pow2(N)))
+    npid = _pick_npid(live, groups, 2 if two else 1, rows, call, block_n, info.sm_count)
+    stages = 3
+    smem = stages * (sub_m * block_k + (2 if two else 1) * block_k * rank_pad) * call.output.element_size()
+    if smem > info.max_shared_mem * 0.75:
+        stages = 2
+    return OneShotConfig(sub_m, npid, block_n, block_k, two, 4, stages)
+
+
+_FALLBACK_STAGES: dict = {}
+
+
+def launch(kernel, grid, args, meta: dict, num_warps: int, num_stages: int, key) -> None:
+    """Launch; if the compiled config does not fit the device (OutOfResources), retry with fewer stages."""
+    stages = _FALLBACK_STAGES.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, **meta, num_warps=num_warps, num_stages=stages)
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _FALLBACK_STAGES[key] = stages
+
+
+def slice_pairs(n: int):
+    """Split slice indices 0..n-1 into launches of at most two slices: [(first, count), ...]."""
+    return [(s, min(2, n - s)) for s in range(0, n, 2)]
+
+
+def run_one_shot(call: OpCall, config: OneShotConfig | None = None) -> None:
+    """Launch the one-shot kernel for a validated call (rank <= 128, not fully sharded)."""
+    if call.rank > MAX_RANK:
+        raise ValueError(f"the one-shot kernel needs max_lora_rank <= {MAX_RANK}; got {call.rank}")
+    P = call.num_pairs
+    n_lora = 1 if call.naive else call.num_active
+    if P == 0 or n_lora == 0 or (not call.naive and call.em == 0):
+        return
+    cfg = config or choose_config(call)
+    if not call.naive and call.block_m % cfg.sub_m:
+        raise ValueError(f"sub_m={cfg.sub_m} must divide the align block {call.block_m}")
+    if call.naive and cfg.sub_m != 16:
+        cfg = replace(cfg, sub_m=16)
+    m_programs = P if call.naive else triton.cdiv(call.em, cfg.sub_m)
+    n_per_prog = triton.cdiv(triton.cdiv(call.n_out, cfg.npid), cfg.block_n) * cfg.block_n
+    npid = triton.cdiv(call.n_out, n_per_prog)
+    A0, B0, out, x = call.lora_a[0], call.lora_b[0], call.output, call.x
+    sorted_ids = call.sorted_token_ids if not call.naive else call.expert_ids
+    ntpp = call.num_tokens_post_padded if not call.naive else call.expert_ids
+    stride_sl = 0 if call.naive else call.sorted_token_ids.stride(0)
+    stride_el = 0 if call.naive else call.expert_ids.stride(0)
+    stride_ae = 0 if call.experts_a == 1 else A0.stride(1)
+    stride_be = 0 if call.experts_b == 1 else B0.stride(1)
+    rank_pad = max(16, next_pow2(call.rank))
+    for first, count in slice_pairs(call.num_slices):
+        two = cfg.two_slices and count == 2
+        a1 = call.lora_a[first + count - 1]
+        b1 = call.lora_b[first + count - 1]
+        grid = (m_programs * npid, 1 if two else count, n_lora)
+        args = (
+            x, call.lora_a[first], a1, call.lora_b[first], b1, out, call.weights,
+            sorted_ids, call.expert_ids, ntpp, call.token_lora_mapping, call.lora_ids, call.adapter_enabled,
+            call.n_out, call.hidden, P, call.top_k, call.max_loras, call.em, call.offset + first * call.n_out,
+            npid, n_per_prog,
+            x.stride(0), x.stride(1), A0.stride(0), stride_ae, A0.stride(2), A0.stride(3),
+            B0.stride(0), stride_be, B0.stride(2), B0.stride(3), out.stride(1), out.stride(2), stride_sl, stride_el,
+        )
+        meta = dict(
+            X_ROW_DIV=call.x_row_div, NAIVE=call.naive, MUL_W=call.mul_routed_weight, ADD_INPUTS=call.add_inputs,
+            TWO_SLICES=two, SLICE_FROM_GRID=(not two and count == 2), BLOCK_M=call.block_m if not call.naive else 16,
+            SUB_M=cfg.sub_m, BLOCK_R=rank_pad, RANK=call.rank, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_K=call.hidden % cfg.block_k == 0, IEEE=out.dtype == torch.float32, PREFETCH=cfg.prefetch,
+        )
+        key = ("one_shot", out.dtype, tuple(sorted(meta.items())), cfg.num_warps)
+        launch(_one_shot_kernel, grid, args, meta, cfg.num_warps, cfg.num_stages, key)
