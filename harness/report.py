@@ -48,7 +48,7 @@ def to_text(matrix: dict, features: list[str]) -> str:
     lines = [f"{'feature':<{w0}}  " + "  ".join(f"{b:<{w}}" for b, w in zip(backends, ws))]
     lines.append("-" * len(lines[0]))
     for f in features:
-        row = [_short(matrix[b].get(f, {"status": "none", "counts": {}})) for b in backends]
+        row = [_short(matrix[b][f]) if f in matrix[b] else "-" for b in backends]
         lines.append(f"{f:<{w0}}  " + "  ".join(f"{r:<{w}}" for r, w in zip(row, ws)))
     reasons = sorted({(b, matrix[b][f]["reason"]) for b in backends for f in features
                       if f in matrix[b] and matrix[b][f]["status"] == "unsupported"})
