@@ -36,7 +36,10 @@ def make_routing(case: Case, g: torch.Generator):
         logits = logits - 1.5 * torch.arange(E, dtype=torch.float64)
     gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, dtype=torch.float64).clamp_min(1e-12)))
     ids = torch.argsort(logits + gumbel, dim=1, descending=True)[:, :k].to(torch.int32)
-    w = torch.softmax(torch.randn(T, k, generator=g), dim=1).to(torch.float32)
+    w = torch.softmax(torch.randn(T, k, generator=g), dim=1)
+    if k == 1:   # a softmax over one slot is exactly 1.0 and would hide a missing or doubled weight
+        w = 0.25 + 0.75 * torch.rand(T, 1, generator=g)
+    w = w.to(torch.float32)
     return w.contiguous(), ids.contiguous()
 
 

@@ -154,8 +154,9 @@ class LoRAExpertsMixin:
         k = int(topk_weights.shape[1])
         if self.config.activation == "swigluoai" and len(a) == 2:
             I = int(b[0].shape[2])
+            # into zeros with add_inputs=True: rnd(0 + rnd(d)) = rnd(d), and valid under fully_sharded too
             delta = torch.zeros(y.shape[0], k, 2 * I, dtype=y.dtype, device=y.device)
-            run_lora_op(delta, x, a, b, topk_weights, align, top_k=k, mul_routed_weight=False, add_inputs=False,
+            run_lora_op(delta, x, a, b, topk_weights, align, top_k=k, mul_routed_weight=False, add_inputs=True,
                         fully_sharded=ctx.fully_sharded)
             if add_inputs:
                 y[..., 0::2] += delta[..., :I]

@@ -28,7 +28,9 @@ _FP32 = "the Marlin-style dequant GEMM computes in 16-bit (fp16/bf16) only"
 
 
 def _plain_activation(name: str) -> Callable:
+    """The default activation hook: cache2 = act(cache1) with the production roundings."""
     def act(cache1, cache2):
+        """cache2 = act(cache1), no LoRA."""
         cache2.copy_(torch_activation(cache1, name))
     return act
 
@@ -128,11 +130,13 @@ class MarlinExperts(LoRAExpertsMixin, FusedMoEExperts):
         plain = _plain_activation(c.activation)
 
         def activation_with_lora(cache1, cache2):
+            """w13 delta into cache1 (before the activation), then the activation."""
             self.apply_w13_lora(ctx, y=cache1.view(T, k, c.N1), x=x_lora, topk_ids=local, topk_weights=topk_weights,
                                 expert_map=expert_map is not None, align=align)
             plain(cache1, cache2)
 
         def moe_sum_with_lora(cache3, out, cache2):
+            """Weighted w2 delta into cache3 (before the sum), then moe_sum."""
             self.apply_w2_lora(ctx, y=cache3.view(T, k, c.H), x=cache2, topk_weights=topk_weights, align=align)
             moe_sum(cache3.view(T, k, c.H), out, valid)
 

@@ -36,6 +36,8 @@ class FusedMoEExperts:
     Data: devices, dtypes (device -> dtype names) with dtype_reasons, activations, supports_non_gated,
     quant_schemes, supports_bias, supports_ep, supports_fully_sharded, max_lora_rank (None = any) and
     shape_rules. LoRA support is `supports_lora()` (False here; LoRAExpertsMixin turns it on).
+    Construction does not consult is_supported_config (the oracle does), so a harness can probe a
+    declined config; a class refuses at construction only what it cannot compute at all.
     """
 
     name: ClassVar[str] = "abstract"
@@ -256,6 +258,7 @@ class FusedMoEKernel:
 
     @property
     def config(self) -> MoEConfig:
+        """The experts stage's MoEConfig."""
         return self.experts.config
 
     def supports_lora(self) -> bool:

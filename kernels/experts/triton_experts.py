@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
-from kernels.experts.config import MoEConfig
 from kernels.experts.lora_context import MoELoRAContext
 from kernels.experts.lora_mixin import LoRAAlignment, LoRAExpertsMixin
 from kernels.experts.modular import (

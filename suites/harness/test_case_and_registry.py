@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from hypothesis import given
 
 from harness.case import Case
@@ -120,3 +121,13 @@ def test_console_script_check_runs(tmp_path):
     data = json.loads((tmp_path / "m.json").read_text())
     assert data["matrix"]["eager"]["fp16"]["status"] == "pass"
     assert "| feature |" in (tmp_path / "m.md").read_text()
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_routing_weights_are_distinct_and_never_trivial(k):
+    """A weight of exactly 1.0 everywhere (softmax over one slot) would hide a missing or doubled weight."""
+    from harness.builders import make_routing, _gen
+    c = Case(T=16, E=8, top_k=k, seed=3)
+    w, ids = make_routing(c, _gen(c, 1))
+    assert not torch.any(w == 1.0) and torch.unique(w).numel() > w.numel() // 2
+    assert all(len(set(r.tolist())) == k for r in ids)
