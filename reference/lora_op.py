@@ -290,6 +290,16 @@ def _check_stacked(ws, arg: str, out_dtype) -> list:
     return list(ws)
 
 
+def _check_devices(output, **named) -> None:
+    """Every tensor argument must live on output's device (num_active_loras may stay on the CPU)."""
+    for arg, t in named.items():
+        for i, v in enumerate(t if isinstance(t, (list, tuple)) else [t]):
+            if isinstance(v, torch.Tensor) and v.device != output.device:
+                where = f"{arg}[{i}]" if isinstance(t, (list, tuple)) else arg
+                name = "qcurr_hidden_states" if arg == "x" else where
+                raise ValueError(f"{name} is on {v.device}; every tensor must be on the output's device {output.device}")
+
+
 def _validate(
     output, x, A, B, topk_weights, sorted_token_ids, expert_ids, ntpp, mapping, max_lora_rank,
     top_k_num, lora_ids, num_active_loras, adapter_enabled, block_size_m, mul_routed_weight, offset,
@@ -301,6 +311,9 @@ def _validate(
     _check_float(topk_weights, "topk_weights", 2)
     A = _check_stacked(A, "lora_a_stacked", output.dtype)
     B = _check_stacked(B, "lora_b_stacked", output.dtype)
+    _check_devices(output, x=x, topk_weights=topk_weights, lora_a_stacked=A, lora_b_stacked=B,
+                   sorted_token_ids=sorted_token_ids, expert_ids=expert_ids, num_tokens_post_padded=ntpp,
+                   token_lora_mapping=mapping, lora_ids=lora_ids, adapter_enabled=adapter_enabled)
     if len(A) != len(B):
         raise ValueError(f"lora_a_stacked and lora_b_stacked must have the same length S; got {len(A)} and {len(B)}")
     T, k = topk_weights.shape

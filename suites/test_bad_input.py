@@ -61,6 +61,9 @@ def _mutations():
         ("naive-expert-ids-2d", naive, lambda kw: dict(kw, expert_ids=kw["expert_ids"].view(2, -1)), "expert_ids"),
         ("block-size-not-pow2", BASE, setk(shrink_block_size_m=24), "shrink_block_size_m"),
         ("negative-offset", BASE, setk(offset=-1), "offset"),
+        ("x-on-another-device", BASE,
+         lambda kw: dict(kw, qcurr_hidden_states=kw["qcurr_hidden_states"].to("meta")), "qcurr_hidden_states"),
+        ("lora-b-on-another-device", BASE, lists("lora_b_stacked", lambda t: t.to("meta")), "lora_b_stacked"),
         ("adapter-enabled-dtype", BASE, lambda kw: dict(kw, adapter_enabled=kw["adapter_enabled"].bool()),
          "adapter_enabled"),
     ]
