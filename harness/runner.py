@@ -84,6 +84,15 @@ def _op_coords(case: Case, cpu):
     return coords
 
 
+def _expert_coords(inp):
+    ids, mapping = inp.topk_ids, inp.token_lora_mapping
+
+    def coords(idx):
+        t = idx[0]
+        return f"experts={ids[t].tolist()} lora={int(mapping[t])}"
+    return coords
+
+
 def run_op(spec: BackendSpec, case: Case, device: str):
     """Run the backend's op on the case; returns (verdict, cpu inputs) or raises what the backend raised."""
     cpu, truth, emu = op_expectations(case, spec.precision_for(case))
@@ -141,7 +150,9 @@ def _explain(spec, case, device, verdict, err, cpu, backend_ref) -> str:
     else:
         lines.append(f"  {verdict.kind}: {verdict.message}")
         if verdict.worst:
-            coords = _op_coords(case, cpu) if (case.level == "op" and cpu is not None) else None
+            coords = None
+            if cpu is not None:
+                coords = _op_coords(case, cpu) if case.level == "op" else _expert_coords(cpu)
             names = ("t", "j", "col") if case.level == "op" else ("t", "h")
             lines.append(format_worst(verdict, names, coords))
     lines.append(f"CASE: {case.to_json()}")
