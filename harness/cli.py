@@ -63,8 +63,7 @@ def cmd_check(args) -> int:
         for feat, i, case in cases:
             if case.level not in spec.capabilities.levels:   # not a claim either way: no entry point
                 continue
-            o = run_case(spec, case, device, probe=args.probe_unsupported,
-                         backend_ref=spec.origin if spec.origin not in _builtin_refs() else None)
+            o = run_case(spec, case, device, probe=args.probe_unsupported)
             feature_of[id(o)] = feat.name
             outcomes.append(o)
             if o.failed and args.verbose:
@@ -93,11 +92,6 @@ def cmd_check(args) -> int:
     print(f"\n{total} runs: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
           + f" in {time.time() - t0:.0f}s on {device}")
     return 1 if failures else 0
-
-
-def _builtin_refs():
-    from harness.registry import BUILTIN_REFS
-    return BUILTIN_REFS
 
 
 def cmd_replay(args) -> int:
@@ -147,7 +141,7 @@ def cmd_fuzz(args) -> int:
     dtypes = ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
     found = {}
 
-    @settings(max_examples=args.max_examples, derandomize=args.seed is None and False,
+    @settings(max_examples=args.max_examples,
               database=None if args.no_db else settings.default.database)
     @given(st.data())
     def search(data):
@@ -158,6 +152,9 @@ def cmd_fuzz(args) -> int:
             found["outcome"] = o
             raise AssertionError(o.detail)
 
+    if args.seed is not None:
+        from hypothesis import seed as hseed
+        search = hseed(args.seed)(search)
     try:
         search()
     except AssertionError:
@@ -199,7 +196,7 @@ def main(argv=None) -> int:
     f = sub.add_parser("fuzz", help="search for the smallest failing case of one backend")
     common(f)
     f.add_argument("--max-examples", type=int, default=300)
-    f.add_argument("--seed", type=int, default=None)
+    f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
     f.add_argument("--no-db", action="store_true", help="do not use the example database")
     f.set_defaults(fn=cmd_fuzz)
     args = p.parse_args(argv)

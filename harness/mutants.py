@@ -117,7 +117,7 @@ def _spec(name, fn):
            lora_ids=lora_ids, num_active_loras=num_active_loras, adapter_enabled=adapter_enabled, **kw)
     return BackendSpec(name=f"mutant-{name}", description=fn.__doc__.strip(),
                        capabilities=Capabilities(levels=frozenset({"op"})), op=op, precision="one_shot",
-                       origin=f"harness.mutants:MUTANTS[{name}]")
+                       origin="harness.mutants:MUTANTS")
 
 
 MUTANTS = [_spec(n, f) for n, f in MUTANT_FUNCTIONS.items()]

@@ -114,6 +114,10 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     With `probe`, a case the backend declines is run anyway; if it passes the outcome is
     `works-unclaimed` (reported, not a failure).
     """
+    if backend_ref is None and spec.origin:
+        from harness.registry import BUILTIN_REFS
+        if spec.origin not in BUILTIN_REFS:   # a user backend: the replay must load it again
+            backend_ref = spec.origin
     ok, reason = support_for(spec, case, device)
     if not ok and not probe:
         return Outcome(spec.name, case, device, "unsupported", reason)

@@ -41,3 +41,14 @@ def test_control_passes(case):
 
 def test_every_mutant_has_an_exposing_case():
     assert set(EXPOSING) == {m.name.removeprefix("mutant-") for m in MUTANTS} - {"control"}
+
+
+def test_repro_line_replays_the_failure_alone():
+    """The REPRO command, run as printed, loads the same backend and fails the same way."""
+    import shlex
+    from harness.cli import main
+    out = run_case(BY_NAME["mutant-wrong-x-row"], EXPOSING["wrong-x-row"], "cpu")
+    line = next(l for l in out.detail.splitlines() if l.startswith("REPRO: "))
+    argv = shlex.split(line.removeprefix("REPRO: "))
+    assert argv[0] == "moe-lora-harness" and "--backend" in argv
+    assert main(argv[1:]) == 1
