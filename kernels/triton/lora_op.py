@@ -97,10 +97,7 @@ def fused_moe_lora(
     `collective` (keyword-only, fully_sharded only): a callable taking the (S, T, k, R_local) rank cache
     and returning the joined cache; default torch.distributed's group, or identity on one rank.
     """
-    loc = locals()
-    args = tuple(loc[n] for n in _ARG_NAMES)
-    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
-    call = _prepare(args, kwargs)
+    call = _prepare_from(locals())
     path = select_path(naive=call.naive, max_lora_rank=call.rank, num_pairs=call.num_pairs,
                        fully_sharded=call.fully_sharded)
     _run(path, call, collective)
@@ -115,10 +112,7 @@ def fused_moe_lora_one_shot(
     mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True,
 ) -> None:
     """`fused_moe_lora` forced onto the one-shot kernel (rank <= 128, not fully_sharded; else ValueError)."""
-    loc = locals()
-    args = tuple(loc[n] for n in _ARG_NAMES)
-    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
-    _run("one_shot", _prepare(args, kwargs), None)
+    _run("one_shot", _prepare_from(locals()), None)
 
 
 def fused_moe_lora_small_batch(
@@ -130,10 +124,7 @@ def fused_moe_lora_small_batch(
     mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True,
 ) -> None:
     """`fused_moe_lora` forced onto the small-batch kernel (naive, rank <= 64, T*k*rank <= 1024; else ValueError)."""
-    loc = locals()
-    args = tuple(loc[n] for n in _ARG_NAMES)
-    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
-    _run("small_batch", _prepare(args, kwargs), None)
+    _run("small_batch", _prepare_from(locals()), None)
 
 
 def fused_moe_lora_two_kernel(
@@ -145,10 +136,7 @@ def fused_moe_lora_two_kernel(
     mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, collective=None,
 ) -> None:
     """`fused_moe_lora` forced onto the two-kernel path (any rank; fully_sharded with `collective` as above)."""
-    loc = locals()
-    args = tuple(loc[n] for n in _ARG_NAMES)
-    kwargs = dict(mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
-    _run("two_kernel", _prepare(args, kwargs), collective)
+    _run("two_kernel", _prepare_from(locals()), collective)
 
 
 _ARG_NAMES = (
@@ -159,6 +147,12 @@ _ARG_NAMES = (
     "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps", "expand_num_stages",
     "expand_split_k",
 )
+
+def _prepare_from(loc: dict):
+    """Validate an entry point's arguments (its `locals()`) into an OpCall."""
+    flags = ("mul_routed_weight", "fully_sharded", "offset", "add_inputs")
+    return _prepare(tuple(loc[n] for n in _ARG_NAMES), {f: loc[f] for f in flags})
+
 
 ENTRY_POINTS = {
     "one_shot": fused_moe_lora_one_shot,
