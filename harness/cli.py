@@ -2,7 +2,7 @@
 
   moe-lora-harness check [--backend MOD:ATTR] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
   moe-lora-harness replay --case JSON [--only NAME] [--backend MOD:ATTR] [--device D]
-  moe-lora-harness fuzz --only NAME [--max-examples N] [--device D]
+  moe-lora-harness fuzz --only NAME [--level op|expert] [--max-examples N] [--device D]
   moe-lora-harness list
 """
 from __future__ import annotations
@@ -127,12 +127,12 @@ def cmd_list(args) -> int:
 
 
 def cmd_fuzz(args) -> int:
-    """Search for a failing op case with hypothesis and shrink it to the smallest one."""
+    """Search for a failing case (op or expert level) with hypothesis and shrink it to the smallest one."""
     device = _prepare(args.device)
     from hypothesis import given, settings
     from hypothesis import strategies as st
     from harness.runner import run_case
-    from harness.strategies import load_profile, op_cases
+    from harness.strategies import expert_cases, load_profile, op_cases
     load_profile("fuzz")
     specs = _backends(args)
     if len(specs) != 1:
@@ -145,8 +145,12 @@ def cmd_fuzz(args) -> int:
               database=None if args.no_db else settings.default.database)
     @given(st.data())
     def search(data):
-        case = data.draw(op_cases(dtypes=dtypes, max_T=12 if device == "cpu" else 256,
-                                  max_dim=96 if device == "cpu" else 1024))
+        if args.level == "expert":
+            case = data.draw(expert_cases(dtypes=dtypes, max_T=10 if device == "cpu" else 256,
+                                          max_dim=96 if device == "cpu" else 1024))
+        else:
+            case = data.draw(op_cases(dtypes=dtypes, max_T=12 if device == "cpu" else 256,
+                                      max_dim=96 if device == "cpu" else 1024))
         o = run_case(spec, case, device)
         if o.failed:
             found["outcome"] = o
@@ -196,6 +200,8 @@ def main(argv=None) -> int:
     f = sub.add_parser("fuzz", help="search for the smallest failing case of one backend")
     common(f)
     f.add_argument("--max-examples", type=int, default=300)
+    f.add_argument("--level", choices=("op", "expert"), default="op",
+                   help="attack the op (fused_moe_lora) or an expert backend's forward")
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
     f.add_argument("--no-db", action="store_true", help="do not use the example database")
     f.set_defaults(fn=cmd_fuzz)

@@ -79,3 +79,35 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
         layout=layout, block_size_m=draw(st.sampled_from((16, 32, 64))),
         fully_sharded=(ep == 1 and add_inputs and draw(st.booleans())),
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)))
+
+
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ",
+                      "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul")
+
+
+@st.composite
+def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, activations=EXPERT_ACTIVATIONS):
+    """Expert-level cases: activation, biases, LoRA mix, shared factors, EP, router weight on input, quant."""
+    quant = draw(st.sampled_from(("none", "none", "none", "int8_channel", "int4_g128")))
+    if quant == "int4_g128":
+        H, I = 128, 128
+    else:
+        dims = st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim))
+        H, I = draw(dims), draw(dims)
+    E = draw(st.integers(1, 8))
+    ep = draw(st.sampled_from((1, 1, 2)))
+    E = E * ep
+    top_k = draw(st.integers(1, min(E, 4)))
+    on_input = top_k == 1 and draw(st.booleans())
+    L = draw(st.integers(1, 3))
+    R = draw(st.sampled_from((1, 4, 8, 16, 32)))
+    return Case(
+        level="expert", T=draw(st.integers(0, max_T)), H=H, I=I, E=E, top_k=top_k,
+        dtype=draw(st.sampled_from(dtypes)), max_loras=L, max_rank=R,
+        ranks=tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), max_size=L))),
+        mapping=draw(st.sampled_from(("uniform", "mixed", "skewed", "none", "disabled"))),
+        routing=draw(st.sampled_from(("uniform", "skewed"))),
+        shared_a=draw(st.booleans()), shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+        activation=draw(st.sampled_from(activations)), bias=draw(st.booleans()), lora=draw(st.booleans()),
+        apply_router_weight_on_input=on_input, quant=quant,
+        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import selected_backends, selected_device
 from harness.features import FEATURES, feature_cases
 from harness.runner import run_case
-from harness.strategies import op_cases
+from harness.strategies import expert_cases, op_cases
 
 
 class UnclaimedCapabilityWarning(UserWarning):
@@ -39,7 +39,9 @@ def pytest_generate_tests(metafunc):
                 ids.append(f"{name}/{feat.name}/{i}")
         metafunc.parametrize(("backend_name", "feature_case"), params, ids=ids)
     else:
-        metafunc.parametrize("backend_name", names)
+        specs = selected_backends(config)
+        level = "expert" if "expert" in metafunc.function.__name__ else "op"
+        metafunc.parametrize("backend_name", [n for n in names if level in specs[n].capabilities.levels])
 
 
 def judge(outcome):
@@ -66,6 +68,21 @@ def test_op_random(backend_name, backends, device, data):
     dtypes = ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
     case = data.draw(op_cases(dtypes=dtypes, max_T=12 if device == "cpu" else 200,
                               max_dim=96 if device == "cpu" else 700), label="case")
+    outcome = run_case(spec, case, device)
+    note(f"CASE: {case.to_json()}")
+    if outcome.status in ("unsupported", "xfail"):
+        return
+    if outcome.failed:
+        pytest.fail(outcome.detail, pytrace=False)
+
+
+@given(data=st.data())
+def test_expert_random(backend_name, backends, device, data):
+    """Hypothesis-drawn expert-level cases for every expert backend (activation, LoRA mix, EP, quant...)."""
+    spec = backends[backend_name]
+    dtypes = ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
+    case = data.draw(expert_cases(dtypes=dtypes, max_T=10 if device == "cpu" else 128,
+                                  max_dim=96 if device == "cpu" else 512), label="case")
     outcome = run_case(spec, case, device)
     note(f"CASE: {case.to_json()}")
     if outcome.status in ("unsupported", "xfail"):
