@@ -22,7 +22,7 @@ _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filte
 
 def register_profiles() -> None:
     """Register ci / dev / fuzz with hypothesis (idempotent)."""
-    settings.register_profile("ci", max_examples=8, derandomize=True, deadline=None, print_blob=True,
+    settings.register_profile("ci", max_examples=20, derandomize=True, deadline=None, print_blob=True,
                               database=None, suppress_health_check=_SUPPRESS)
     settings.register_profile("dev", max_examples=40, deadline=None, print_blob=True,
                               suppress_health_check=_SUPPRESS)
