@@ -61,31 +61,31 @@ def test_feature(backend_name, feature_case, backends, device, probe_unsupported
     judge(run_case(backends[backend_name], feature_case, device, probe=probe_unsupported))
 
 
+def run_drawn(spec, case, device):
+    """Judge a hypothesis-drawn case: declined or ledgered cases pass quietly, failures fail with REPRO."""
+    outcome = run_case(spec, case, device)
+    note(f"CASE: {case.to_json()}")
+    if outcome.failed:
+        pytest.fail(outcome.detail, pytrace=False)
+
+
+def _dtypes(device):
+    return ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
+
+
 @given(data=st.data())
 def test_op_random(backend_name, backends, device, data):
     """Hypothesis-drawn op cases; failures shrink to a minimal case and print its REPRO line."""
     spec = backends[backend_name]
-    dtypes = ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
-    case = data.draw(op_cases(dtypes=dtypes, max_T=12 if device == "cpu" else 200,
+    case = data.draw(op_cases(dtypes=_dtypes(device), max_T=12 if device == "cpu" else 200,
                               max_dim=96 if device == "cpu" else 700), label="case")
-    outcome = run_case(spec, case, device)
-    note(f"CASE: {case.to_json()}")
-    if outcome.status in ("unsupported", "xfail"):
-        return
-    if outcome.failed:
-        pytest.fail(outcome.detail, pytrace=False)
+    run_drawn(spec, case, device)
 
 
 @given(data=st.data())
 def test_expert_random(backend_name, backends, device, data):
     """Hypothesis-drawn expert-level cases for every expert backend (activation, LoRA mix, EP, quant...)."""
     spec = backends[backend_name]
-    dtypes = ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
-    case = data.draw(expert_cases(dtypes=dtypes, max_T=10 if device == "cpu" else 128,
+    case = data.draw(expert_cases(dtypes=_dtypes(device), max_T=10 if device == "cpu" else 128,
                                   max_dim=96 if device == "cpu" else 512), label="case")
-    outcome = run_case(spec, case, device)
-    note(f"CASE: {case.to_json()}")
-    if outcome.status in ("unsupported", "xfail"):
-        return
-    if outcome.failed:
-        pytest.fail(outcome.detail, pytrace=False)
+    run_drawn(spec, case, device)
