@@ -6,6 +6,10 @@ A program owns (a sub-block of one align block | one pair in naive mode) x (an N
 (one or two slices) x (one LoRA of lora_ids). Sub-blocks smaller than the align block and an
 N split (NPID programs per block, each recomputing the cheap shrink) give enough programs at
 small T; two slices per program share the x loads at large T.
+Split-K (SPLIT_K > 1, for a long K with few rows): the SPLIT_K programs of a group each reduce one K
+chunk into an fp32 workspace and bump the group's counter; the last to arrive sums the chunks in a
+fixed order (deterministic whatever the arrival order), rounds u once and runs the expand. Still one
+launch; only the fp32 partials leave registers.
 """
 from __future__ import annotations
 
@@ -99,23 +103,52 @@ def _expand_tile_prefetched(u, b_ptrs, out_ptrs, omask, bmask, wv, prev, MUL_W: 
 
 
 @triton.jit
+def _split_k_join(acc0, acc1, ws_ptr, count_ptr, group, ks, pid_s, pid_l, n_groups, n_s,
+                  TWO_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, SUB_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Publish this program's K-chunk partials; the group's last arriver gets the chunk sums (fixed order).
+
+    Returns (acc0, acc1, last). Workspace: fp32 [group id, SPLIT_K, 2, SUB_M, BLOCK_R]; counters: int32
+    [group id], zero on entry, each group's last arriver resets its own to zero for the next launch.
+    """
+    gid = (pid_l * n_s + pid_s) * n_groups + group
+    tile = tl.arange(0, SUB_M)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
+    base = ws_ptr + gid.to(tl.int64) * (SPLIT_K * 2 * SUB_M * BLOCK_R)
+    tl.store(base + ks * (2 * SUB_M * BLOCK_R) + tile, acc0)
+    if TWO_SLICES:
+        tl.store(base + ks * (2 * SUB_M * BLOCK_R) + SUB_M * BLOCK_R + tile, acc1)
+    tl.debug_barrier()  # every thread's partial is stored before the (release) arrival below
+    arrived = tl.atomic_add(count_ptr + gid, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    if last:
+        acc0 = tl.zeros((SUB_M, BLOCK_R), dtype=tl.float32)
+        acc1 = tl.zeros((SUB_M, BLOCK_R), dtype=tl.float32)
+        for j in range(SPLIT_K):  # fixed order: the sum does not depend on who arrived last
+            acc0 += tl.load(base + j * (2 * SUB_M * BLOCK_R) + tile, cache_modifier=".cg")
+            if TWO_SLICES:
+                acc1 += tl.load(base + j * (2 * SUB_M * BLOCK_R) + SUB_M * BLOCK_R + tile, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + gid, 0, sem="relaxed", scope="gpu")
+    return acc0, acc1, last.to(tl.int32)
+
+
+@triton.jit
 def _one_shot_kernel(
     x_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, out_ptr, w_ptr,
-    sorted_ptr, expert_ptr, ntpp_ptr, map_ptr, lora_ids_ptr, enabled_ptr,
-    N, K, num_pairs, top_k, max_loras, em, col0, npid, n_per_prog,
+    sorted_ptr, expert_ptr, ntpp_ptr, map_ptr, lora_ids_ptr, enabled_ptr, ws_ptr, count_ptr,
+    N, K, num_pairs, top_k, max_loras, em, col0, npid, n_per_prog, k_per_split,
     stride_xm, stride_xk, stride_al, stride_ae, stride_ar, stride_ak,
     stride_bl, stride_be, stride_bn, stride_br, stride_om, stride_on, stride_sl, stride_el,
     X_ROW_DIV: tl.constexpr, NAIVE: tl.constexpr, MUL_W: tl.constexpr, ADD_INPUTS: tl.constexpr,
     TWO_SLICES: tl.constexpr, SLICE_FROM_GRID: tl.constexpr,
     BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_R: tl.constexpr, RANK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Grid (m programs * npid, slice groups, active LoRAs); see the module docstring."""
-    pid0 = tl.program_id(0)
+    """Grid (m programs * npid * SPLIT_K, slice groups, active LoRAs); see the module docstring."""
     pid_s = tl.program_id(1)
-    m_id = pid0 // npid
-    n_id = pid0 % npid
+    group = tl.program_id(0) // SPLIT_K  # (m, n) group; its SPLIT_K programs are adjacent in launch order
+    ks = tl.program_id(0) % SPLIT_K
+    m_id = group // npid
+    n_id = group % npid
     sub_start = m_id * SUB_M
     lora, expert, valid = resolve_lora_expert(
         m_id, tl.program_id(2), sub_start, top_k, max_loras, map_ptr, lora_ids_ptr, enabled_ptr,
@@ -142,14 +175,17 @@ def _one_shot_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < RANK
     r_safe = tl.where(rmask, offs_r, 0)
+    k_lo = ks * k_per_split  # k_per_split: a multiple of BLOCK_K (all of K when SPLIT_K == 1)
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + (tok // X_ROW_DIV)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    a_off = lora * stride_al + expert * stride_ae + r_safe[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    x_ptrs = x_ptr + (tok // X_ROW_DIV)[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
+    a_off = (lora * stride_al + expert * stride_ae + r_safe[None, :] * stride_ar
+             + (k_lo + offs_k)[:, None] * stride_ak)
     a_ptrs0 = a_ptr + a_off
     a_ptrs1 = a1_ptr + a_off
     acc0 = tl.zeros((SUB_M, BLOCK_R), dtype=tl.float32)
     acc1 = tl.zeros((SUB_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kmask = offs_k < K - k0
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=tmask[:, None], other=0.0)
@@ -162,6 +198,12 @@ def _one_shot_kernel(
         a_ptrs0 += BLOCK_K * stride_ak
         a_ptrs1 += BLOCK_K * stride_ak
 
+    if SPLIT_K > 1:
+        acc0, acc1, last = _split_k_join(acc0, acc1, ws_ptr, count_ptr, group, ks, pid_s, tl.program_id(2),
+                                         tl.num_programs(0) // SPLIT_K, tl.num_programs(1),
+                                         TWO_SLICES, SPLIT_K, SUB_M, BLOCK_R)
+        if last == 0:
+            return
     dt = out_ptr.dtype.element_ty
     u0 = acc0.to(dt)  # the rank intermediate is rounded to the output dtype (spec 1.4)
     u1 = acc1.to(dt)
@@ -223,6 +265,7 @@ class OneShotConfig:
     num_warps: int
     num_stages: int
     prefetch: bool = False  # load the next N tile's prev before this tile's store
+    split_k: int = 1  # programs sharing one block's shrink over K chunks (last arriver expands)
 
 
 def next_pow2(n: int) -> int:
@@ -244,15 +287,17 @@ def block_k_for(K: int) -> int:
     return 128 if K >= 128 else max(16, next_pow2(K))
 
 
-# Cost model for the N split (fit to H200 sweeps, bench/bench_lora_op.py --sweep): a program streams
-# its shrink operands and its share of the expand at PROGRAM_BW; SLOTS_PER_SM programs run at once per
-# SM; the redundant shrinks together are bounded by L2_BW.
+# Cost model for the N split (fit to H200 sweeps, bench/bench_lora_op.py --sweep; the 2026-11-29 sweep is
+# bench/results/2026-11-29-h200-s2/lora_op_sweep.json): a program streams its share of the shrink
+# operands (1/split_k of them) and, if it expands, its share of the expand at PROGRAM_BW; SLOTS_PER_SM
+# programs run at once per SM; the shrinks, repeated once per N split, are bounded by L2_BW.
 PROGRAM_BW = 20e9
-SLOTS_PER_SM = 3
-L2_BW = 4e12
+SLOTS_PER_SM = 6
+L2_BW = 6e12
 
 
-def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall, block_n: int, sm: int) -> int:
+def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall, block_n: int, sm: int,
+               split_k: int = 1) -> int:
     esz = call.output.element_size()
     shrink = (s_prog * call.rank * call.hidden + rows * call.hidden) * esz
     expand = s_prog * call.n_out * (call.rank * esz + 2 * rows * esz)
@@ -260,47 +305,51 @@ def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall,
     for npid in (1, 2, 4, 8, 16, 32):
         if npid > 1 and npid * block_n > call.n_out:
             break
-        progs = live * npid * groups
-        t = max((shrink + expand / npid) / PROGRAM_BW * max(1.0, progs / (SLOTS_PER_SM * sm)), progs * shrink / L2_BW)
+        progs = live * npid * groups * split_k
+        waves = max(1.0, progs / (SLOTS_PER_SM * sm))
+        t = max((shrink / split_k + expand / npid) / PROGRAM_BW * waves, progs / split_k * shrink / L2_BW)
         if t < best[0]:
             best = (t, npid)
     return best[1]
 
 
 def choose_config(call: OpCall) -> OneShotConfig:
-    """Heuristic launch config (rules read off H200 sweeps): rows per program from pairs per bucket,
-    wide K/N tiles when few programs run, N split chosen by a small cost model, 4 warps."""
+    """Heuristic launch config (rules read off H200 sweeps): rows per program from pairs per bucket;
+    when few blocks are live ("small"): wide K/N tiles, one slice per program, the next tile's prev
+    prefetched; split-K for a long K (>= 8192); N split from a small cost model; 8 warps for rank-64
+    blocks of 64 rows over a wide N."""
     info = device_info(call.output.device)
     rank_pad = max(16, next_pow2(call.rank))
     K, N = call.hidden, call.n_out
-    two = call.num_slices >= 2 and rank_pad <= 32 and N <= 4096
-    groups = 1 if (two or call.num_slices == 1) else 2
     if call.naive:
         sub_m, live, rows, per_bucket = 16, float(call.num_pairs), 1.0, 1.0
     else:
         nonempty, per_bucket = _bucket_stats(call)
-        if per_bucket < 4:
-            sub_m = 16
-        elif per_bucket < 32:
-            sub_m = 64 if K >= 8192 else 32
-        else:
-            sub_m = 64
+        pb = round(per_bucket, 3)  # an exact 32 pairs per bucket must not flip on float noise
+        sub_m = 16 if pb < 12 else 32 if (pb < 32 or (pb == 32 and rank_pad <= 32)) else 64
         sub_m = min(sub_m, call.block_m)
         live = nonempty * math.ceil(per_bucket / sub_m)
         rows = min(per_bucket, sub_m)
-    small = live * groups < info.sm_count
-    block_k = 512 if (small and sub_m == 16 and K >= 2880) else 128
+    small = per_bucket < 32 and live < info.sm_count
+    two = call.num_slices >= 2 and rank_pad <= 32 and N <= 4096 and not small
+    groups = 1 if (two or call.num_slices == 1) else 2
+    block_k = 256 if (small and K >= 2048) else 128
     block_k = min(block_k, max(16, next_pow2(K)))
     block_n = 256 if (small and K >= 2048 and per_bucket < 32) else 128
     if rank_pad >= 64 and per_bucket >= 32 and call.num_slices == 1:
         block_n = 256  # rank 64, full blocks, one slice: measured better (w2 shapes)
     block_n = min(block_n, max(16, next_pow2(N)))
-    npid = _pick_npid(live, groups, 2 if two else 1, rows, call, block_n, info.sm_count)
+    split_k = 1
+    if K >= 8192 and not call.naive and (live * groups < info.sm_count / 2 or rank_pad >= 64):
+        split_k = 4 if per_bucket < 4 else 2  # a long shrink that few programs would run alone
+    npid = _pick_npid(live, groups, 2 if two else 1, rows, call, block_n, info.sm_count, split_k)
+    num_warps = 8 if (rank_pad >= 64 and N >= 8192 and sub_m == 64) else 4
+    prefetch = small and call.add_inputs and call.num_slices >= 2
     stages = 3
     smem = stages * (sub_m * block_k + (2 if two else 1) * block_k * rank_pad) * call.output.element_size()
     if smem > info.max_shared_mem * 0.75:
         stages = 2
-    return OneShotConfig(sub_m, npid, block_n, block_k, two, 4, stages)
+    return OneShotConfig(sub_m, npid, block_n, block_k, two, num_warps, stages, prefetch, split_k)
 
 
 _FALLBACK_STAGES: dict = {}
@@ -349,16 +398,25 @@ def run_one_shot(call: OpCall, config: OneShotConfig | None = None) -> None:
     stride_ae = 0 if call.experts_a == 1 else A0.stride(1)
     stride_be = 0 if call.experts_b == 1 else B0.stride(1)
     rank_pad = max(16, next_pow2(call.rank))
+    split_k = max(1, min(int(cfg.split_k), triton.cdiv(call.hidden, cfg.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(call.hidden, split_k), cfg.block_k) * cfg.block_k
+    split_k = triton.cdiv(call.hidden, k_per_split)  # no empty K chunk
     for first, count in slice_pairs(call.num_slices):
         two = cfg.two_slices and count == 2
         a1 = call.lora_a[first + count - 1]
         b1 = call.lora_b[first + count - 1]
-        grid = (m_programs * npid, 1 if two else count, n_lora)
+        grid = (m_programs * npid * split_k, 1 if two else count, n_lora)
+        ws = count_buf = out  # unused when split_k == 1
+        if split_k > 1:
+            groups = m_programs * npid * grid[1] * n_lora
+            ws = torch.empty(groups * split_k * 2 * cfg.sub_m * rank_pad, dtype=torch.float32, device=out.device)
+            count_buf = torch.zeros(groups, dtype=torch.int32, device=out.device)
         args = (
             x, call.lora_a[first], a1, call.lora_b[first], b1, out, call.weights,
             sorted_ids, call.expert_ids, ntpp, call.token_lora_mapping, call.lora_ids, call.adapter_enabled,
+            ws, count_buf,
             call.n_out, call.hidden, P, call.top_k, call.max_loras, call.em, call.offset + first * call.n_out,
-            npid, n_per_prog,
+            npid, n_per_prog, k_per_split if split_k > 1 else call.hidden,
             x.stride(0), x.stride(1), A0.stride(0), stride_ae, A0.stride(2), A0.stride(3),
             B0.stride(0), stride_be, B0.stride(2), B0.stride(3), out.stride(1), out.stride(2), stride_sl, stride_el,
         )
@@ -367,6 +425,7 @@ def run_one_shot(call: OpCall, config: OneShotConfig | None = None) -> None:
             TWO_SLICES=two, SLICE_FROM_GRID=(not two and count == 2), BLOCK_M=call.block_m if not call.naive else 16,
             SUB_M=cfg.sub_m, BLOCK_R=rank_pad, RANK=call.rank, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_K=call.hidden % cfg.block_k == 0, IEEE=out.dtype == torch.float32, PREFETCH=cfg.prefetch,
+            SPLIT_K=split_k,
         )
         key = ("one_shot", out.dtype, tuple(sorted(meta.items())), cfg.num_warps)
         launch(_one_shot_kernel, grid, args, meta, cfg.num_warps, cfg.num_stages, key)
