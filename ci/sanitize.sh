@@ -72,27 +72,23 @@ EOF
 )
 PROGRAM=${PROGRAM//MARKER/$MARKER}
 
+source ci/sanitize_verdict.sh  # verdict(): why a run does not count as a clean, finished run
+
 rc=0
 : > "$OUT/sanitize_summary.txt"
-for tool in racecheck synccheck; do
+for tool in ${SANITIZE_TOOLS:-racecheck synccheck}; do
   log="$OUT/sanitize_${tool}.log"; stdout="$OUT/sanitize_${tool}.stdout"
   rm -f "$log"
   timeout "${SANITIZE_TIMEOUT:-900}" "$SAN" --tool "$tool" --error-exitcode 86 --print-limit 50 \
     --log-file "$log" "$PY" -c "$PROGRAM" > "$stdout" 2>&1
   code=$?
-  why=""
-  [[ -s $log ]] || why="no sanitizer log written"
-  [[ -z $why ]] && ! grep -q "ERROR SUMMARY" "$log" && why="no 'ERROR SUMMARY' line in the log (the tool did not finish)"
-  [[ -z $why ]] && ! grep -q "$MARKER" "$stdout" && why="the forward did not complete (no '$MARKER' in its output)"
-  [[ -z $why && $code -eq 86 ]] && why="the sanitizer reported errors: $(grep 'ERROR SUMMARY' "$log" | tail -1)"
-  [[ -z $why && $code -ne 0 ]] && why="exit code $code"
-  [[ -z $why ]] && ! grep -Eq "ERROR SUMMARY: 0 errors" "$log" && why="$(grep 'ERROR SUMMARY' "$log" | tail -1)"
+  why=$(verdict "$tool" "$log" "$stdout" "$code")
   if [[ -n $why ]]; then
     echo "FAIL $tool: $why (log: $log, output: $stdout)" | tee -a "$OUT/sanitize_summary.txt"
     tail -20 "$stdout"
     rc=1
   else
-    echo "ok   $tool: $(grep 'ERROR SUMMARY' "$log" | tail -1 | sed 's/^=* *//')" | tee -a "$OUT/sanitize_summary.txt"
+    echo "ok   $tool: $(summary_line "$log")" | tee -a "$OUT/sanitize_summary.txt"
   fi
 done
 exit $rc
