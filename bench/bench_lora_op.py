@@ -100,6 +100,44 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 29) / (ms * 1e-3)
 
 
+def rmw_floor_ms(c: dict, warmup: int, rep: int) -> tuple[float, dict]:
+    """Best graph-replay ms of a pure read-modify-write of the rows the op touches, in the sorted layout
+    (out[pair, :] += 1 for every pair of an active LoRA), over a few tilings: what the access pattern
+    of gathered output rows alone costs, without the shrink, the B loads or the dot."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rmw(out_ptr, sorted_ptr, ntpp_ptr, em, num_pairs, ncols, stride_om, stride_sl,
+             SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, N_PER: tl.constexpr):
+        m_id = tl.program_id(0)
+        lora = tl.program_id(1)
+        pos = m_id * SUB_M + tl.arange(0, SUB_M)
+        tok = tl.load(sorted_ptr + lora * stride_sl + pos, mask=pos < tl.load(ntpp_ptr + lora), other=num_pairs)
+        tmask = tok < num_pairs
+        rows = out_ptr + tl.where(tmask, tok, 0).to(tl.int64)[:, None] * stride_om
+        n_lo = tl.program_id(2) * N_PER
+        for n0 in range(n_lo, tl.minimum(n_lo + N_PER, ncols), BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            m = tmask[:, None] & (cols < ncols)[None, :]
+            v = tl.load(rows + cols[None, :], mask=m, other=0.0)
+            tl.store(rows + cols[None, :], v + 1.0, mask=m)
+
+    sids, _, ntpp = c["sorted"]
+    out = c["out"].clone().view(c["T"] * c["k"], -1)
+    ncols = out.shape[1]
+    best = (float("inf"), {})
+    for sub_m, block_n, n_split in ((64, 128, 1), (64, 256, 1), (32, 256, 4), (16, 512, 4), (64, 128, 8)):
+        n_per = triton.cdiv(triton.cdiv(ncols, n_split), block_n) * block_n
+        grid = (triton.cdiv(sids.shape[1], sub_m), sids.shape[0], triton.cdiv(ncols, n_per))
+        fn = lambda: _rmw[grid](out, sids, ntpp, sids.shape[1], out.shape[0], ncols, out.stride(0), sids.stride(0),  # noqa: E731
+                                SUB_M=sub_m, BLOCK_N=block_n, N_PER=n_per, num_warps=4)
+        ms = _graph_ms(fn, warmup, rep)
+        if ms < best[0]:
+            best = (ms, dict(sub_m=sub_m, block_n=block_n, n_split=n_split))
+    return best
+
+
 def plan(c: dict) -> dict:
     """name -> (entry point, layout) of what runs for this case."""
     from kernels.triton import lora_op
@@ -191,9 +229,11 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
              "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
              "expand_num_stages", "expand_split_k")
     plans = [("one_shot", "sorted", one_shot.choose_config, one_shot.run_one_shot,
-              dict(npid=(1, 2, 4, 8, 16, 32), sub_m=(16, 32, 64), block_k=(64, 128, 256, 512),
-                   block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4), prefetch=(False, True),
-                   two_slices=(True, False) if c["S"] == 2 else ()))]
+              dict(split_k=(1, 2, 4, 8, 16), npid=(1, 2, 4, 8, 16, 32), sub_m=(16, 32, 64),
+                   block_k=(64, 128, 256, 512), block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4),
+                   prefetch=(False, True),
+                   two_slices=(True, False) if c["S"] == 2 else (),
+                   **{"split_k ": (1, 2, 4, 8, 16), "npid ": (1, 2, 4, 8, 16)}))]  # second pass
     if c["T"] * c["k"] * c["R"] <= 1024:
         plans.append(("small_batch", "naive", small_batch.choose_config, small_batch.run_small_batch,
                       dict(block_k=(128, 256, 512, 1024), n_chunks=(1, 2, 4, 8, 16, 32, 64), block_n=(32, 64, 128),
@@ -218,9 +258,15 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
 
         best = choose(call)
         best_ms = timed(best)
+        if path == "one_shot":
+            from kernels.triton.two_kernel import run_two_kernel
+            try:
+                res.append(("two_kernel", {}, _graph_ms(lambda: run_two_kernel(call), warmup, rep)))
+            except Exception as e:  # noqa: BLE001
+                res.append(("two_kernel", {}, f"error {e}"))
         for kn, vals in knobs.items():
             for v in vals:
-                cand = dataclasses.replace(best, **{kn: v})
+                cand = dataclasses.replace(best, **{kn.strip(): v})
                 if path == "one_shot" and cand.sub_m > call.block_m:
                     continue
                 ms = timed(cand)
@@ -252,8 +298,9 @@ def vllm_best(anchor: dict | None) -> tuple[float | None, str]:
 def summarize(rows: list, anchors: dict) -> tuple[str, dict]:
     """Markdown table and the target checks (dispatch vs vLLM best, one-shot vs two-kernel, floor)."""
     lines = ["| model | which | R | T | floor | one_shot | two_kernel | small_batch | dispatch (path) | "
-             "vLLM best (path) | disp/vLLM | 1shot/2k | disp/floor | verify |", "|" + "---|" * 14]
-    ratios, wins, os_wins, floor_ok, n_floor = [], 0, 0, 0, 0
+             "vLLM best (path) | disp/vLLM | 1shot/2k | disp/floor | rmw floor | disp/rmw | verify |",
+             "|" + "---|" * 16]
+    ratios, wins, os_wins, floor_ok, n_floor, rmw_ok, n_rmw = [], 0, 0, 0, 0, 0, 0
 
     def us(v):
         return f"{v * 1000:.1f}" if isinstance(v, float) else "-"
@@ -274,17 +321,23 @@ def summarize(rows: list, anchors: dict) -> tuple[str, dict]:
         if r["T"] >= 1024 and fr is not None:
             n_floor += 1
             floor_ok += fr <= 1.5
+        rmw = r.get("rmw_floor_ms")
+        rr = disp / rmw if (disp and rmw) else None
+        if rr is not None:
+            n_rmw += 1
+            rmw_ok += rr <= 1.5
         ver = r.get("verify")
         ver = "-" if not ver else ("ok" if all(v["ok"] for v in ver.values()) else "FAIL")
         lines.append(
             f"| {r['model']} | {r['which']} | {r['R']} | {r['T']} | {us(r['floor_ms'])} | {us(o)} | {us(tk)} | "
             f"{us(t.get('small_batch_graph'))} | {us(disp)} ({r['dispatch_path']}) | {us(best)} ({best_name or '-'}) | "
-            f"{rat(ratio)} | {rat(o / tk if o and tk else None)} | {rat(fr)} | {ver} |")
+            f"{rat(ratio)} | {rat(o / tk if o and tk else None)} | {rat(fr)} | {us(rmw)} | {rat(rr)} | {ver} |")
     geo = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
     summary = dict(
         shapes=len(rows), compared_with_vllm=len(ratios), dispatch_at_or_below_vllm_best=wins,
         geomean_dispatch_over_vllm_best=geo, one_shot_faster_than_two_kernel=os_wins,
         dispatch_within_1p5x_floor_at_T_ge_1024=f"{floor_ok}/{n_floor}",
+        dispatch_within_1p5x_gathered_rmw_floor=f"{rmw_ok}/{n_rmw}",
     )
     lines += ["", "Times in microseconds (CUDA-graph replay of 10 calls / 10). " + json.dumps(summary)]
     return "\n".join(lines), summary
@@ -308,6 +361,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify-all", action="store_true", help="verify every shape (default: T <= 128, else skip)")
     p.add_argument("--checked", action="store_true", help="keep the id-range check (a sync) in eager calls")
     p.add_argument("--sweep", action="store_true", help="time one-shot configs around the heuristic instead")
+    p.add_argument("--shapes", default=None, help="explicit shapes model:which:R:T,... (instead of the grid)")
+    p.add_argument("--no-rmw-floor", action="store_true", help="skip the gathered-row RMW floor (T >= 1024)")
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new shapes after this many seconds")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -324,46 +379,51 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
-    for model in a.models.split(","):
-        for R in Rs:
-            for T in Ts:
-                for which in a.which.split(","):
-                    if time.time() - t0 > a.budget_s:
-                        print(f"budget reached: skipping {model} R={R} T={T} {which}")
-                        continue
-                    c = build_case(model, which, T, R)
-                    if a.sweep:
-                        res = sweep_case(c, 5, 20)
-                        for path in ("one_shot", "small_batch"):
-                            mine = [r for r in res if r[0] == path]
-                            if not mine:
-                                continue
-                            ok = [r for r in mine if isinstance(r[2], float)]
-                            best = min(ok, key=lambda r: r[2]) if ok else None
-                            h = mine[0][2]
-                            print(f"SWEEP {model} {which} R={R} T={T} {path}: heuristic "
-                                  f"{h * 1e3 if isinstance(h, float) else h} us {mine[0][1]} | best "
-                                  f"{best[2] * 1e3 if best else float('nan'):.1f} us {best[1] if best else ''}", flush=True)
-                        rows.append(dict(model=model, which=which, R=R, T=T, sweep=res))
-                        continue
-                    runs = plan(c)
-                    from kernels.triton import lora_op
-                    row = dict(model=model, which=which, R=R, T=T, floor_ms=floor_bytes(c) / bw * 1e3,
-                               dispatch_layout=runs["dispatch"][1],
-                               dispatch_path=lora_op.select_path(naive=runs["dispatch"][1] == "naive",
-                                                                 max_lora_rank=R, num_pairs=T * c["k"]))
-                    if not a.no_verify and (a.verify_all or T <= 128):
-                        row["verify"] = verify(c, runs)
-                        bad = {k: v for k, v in row["verify"].items() if not v["ok"]}
-                        if bad:
-                            print(f"VERIFY FAILED {model} {which} R={R} T={T}: {bad}")
-                    row["times"] = time_case(c, runs, a.warmup, a.rep, not a.no_graph)
-                    rows.append(row)
-                    tt = row["times"]
-                    print(f"{model:9s} {which} R={R:3d} T={T:5d} floor={row['floor_ms'] * 1e3:7.1f}us  " + "  ".join(
-                        f"{k}={v * 1e3:.1f}" for k, v in tt.items() if k.endswith("_graph")), flush=True)
-                    del c
-                    torch.cuda.empty_cache()
+    if a.shapes:
+        shapes = [(m, int(r), int(t), w) for m, w, r, t in (v.split(":") for v in a.shapes.split(","))]
+    else:
+        shapes = [(m, R, T, w) for m in a.models.split(",") for R in Rs for T in Ts for w in a.which.split(",")]
+    for model, R, T, which in shapes:
+        if time.time() - t0 > a.budget_s:
+            print(f"budget reached: skipping {model} R={R} T={T} {which}")
+            continue
+        c = build_case(model, which, T, R)
+        if a.sweep:
+            res = sweep_case(c, 5, 20)
+            tk = [r[2] for r in res if r[0] == "two_kernel"]
+            print(f"SWEEP {model} {which} R={R} T={T} two_kernel: {tk[0] * 1e3 if tk and isinstance(tk[0], float) else tk} us")
+            for path in ("one_shot", "small_batch"):
+                mine = [r for r in res if r[0] == path]
+                if not mine:
+                    continue
+                ok = [r for r in mine if isinstance(r[2], float)]
+                best = min(ok, key=lambda r: r[2]) if ok else None
+                h = mine[0][2]
+                print(f"SWEEP {model} {which} R={R} T={T} {path}: heuristic "
+                      f"{h * 1e3 if isinstance(h, float) else h} us {mine[0][1]} | best "
+                      f"{best[2] * 1e3 if best else float('nan'):.1f} us {best[1] if best else ''}", flush=True)
+            rows.append(dict(model=model, which=which, R=R, T=T, sweep=res))
+            continue
+        runs = plan(c)
+        from kernels.triton import lora_op
+        row = dict(model=model, which=which, R=R, T=T, floor_ms=floor_bytes(c) / bw * 1e3,
+                   dispatch_layout=runs["dispatch"][1],
+                   dispatch_path=lora_op.select_path(naive=runs["dispatch"][1] == "naive",
+                                                     max_lora_rank=R, num_pairs=T * c["k"]))
+        if not a.no_verify and (a.verify_all or T <= 128):
+            row["verify"] = verify(c, runs)
+            bad = {k: v for k, v in row["verify"].items() if not v["ok"]}
+            if bad:
+                print(f"VERIFY FAILED {model} {which} R={R} T={T}: {bad}")
+        row["times"] = time_case(c, runs, a.warmup, a.rep, not a.no_graph)
+        if T >= 1024 and not a.no_rmw_floor and not a.no_graph:
+            row["rmw_floor_ms"], row["rmw_floor_cfg"] = rmw_floor_ms(c, a.warmup, a.rep)
+        rows.append(row)
+        tt = row["times"]
+        print(f"{model:9s} {which} R={R:3d} T={T:5d} floor={row['floor_ms'] * 1e3:7.1f}us  " + "  ".join(
+            f"{k}={v * 1e3:.1f}" for k, v in tt.items() if k.endswith("_graph")), flush=True)
+        del c
+        torch.cuda.empty_cache()
     if a.sweep:
         if a.out:
             pathlib.Path(a.out).write_text(json.dumps(dict(rows=rows), indent=1))
