@@ -1,7 +1,7 @@
 """`moe-lora-harness`: check every registered backend (the matrix), replay one case, list, fuzz.
 
   moe-lora-harness check [--backend MOD:ATTR] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
-  moe-lora-harness replay --case JSON [--only NAME] [--backend MOD:ATTR] [--device D]
+  moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend MOD:ATTR] [--device D]
   moe-lora-harness fuzz --only NAME [--level op|expert] [--max-examples N] [--device D]
   moe-lora-harness list
 """
@@ -94,11 +94,38 @@ def cmd_check(args) -> int:
     return 1 if failures else 0
 
 
-def cmd_replay(args) -> int:
-    device = _prepare(args.device)
+def read_case_arg(arg: str):
+    """--case: the case JSON itself, a file holding it, or '-' for stdin -> Case (ValueError saying which)."""
+    import json
+    import pathlib
+    import sys
+
     from harness.case import Case
+    text = arg
+    if arg == "-":
+        text = sys.stdin.read()
+    elif not arg.lstrip().startswith("{"):
+        path = pathlib.Path(arg)
+        if not path.is_file():
+            raise ValueError(f"--case: expected the case JSON (as printed after CASE:), a file holding it, or '-'; "
+                             f"got {arg[:80]!r}, which is neither JSON nor an existing file")
+        text = path.read_text()
+    try:
+        return Case.from_json(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--case: not valid JSON ({e})") from None
+    except TypeError as e:
+        raise ValueError(f"--case: {e}") from None
+
+
+def cmd_replay(args) -> int:
+    try:
+        case = read_case_arg(args.case)
+    except ValueError as e:
+        print(f"moe-lora-harness replay: {e}", file=sys.stderr)
+        return 2
+    device = _prepare(args.device)
     from harness.runner import run_case
-    case = Case.from_json(args.case)
     specs = _backends(args)
     rc = 0
     for name, spec in specs.items():
@@ -192,7 +219,8 @@ def main(argv=None) -> int:
     c.set_defaults(fn=cmd_check)
     r = sub.add_parser("replay", help="replay one case (JSON) against the backends")
     common(r)
-    r.add_argument("--case", required=True, help="the case JSON printed by a failure")
+    r.add_argument("--case", required=True,
+                   help="the case JSON printed by a failure (after CASE:), a file holding it, or - for stdin")
     r.set_defaults(fn=cmd_replay)
     l_ = sub.add_parser("list", help="list backends and their declared capabilities")
     common(l_)

@@ -112,6 +112,17 @@ def test_cli_replay_and_list():
                  "--case", '{"T":3}']) == 1
 
 
+def test_cli_replay_reads_a_case_file_and_names_a_bad_case(tmp_path, capsys):
+    from harness.cli import main
+    f = tmp_path / "case.json"
+    f.write_text('{"T": 3, "layout": "naive"}')
+    assert main(["replay", "--only", "eager", "--case", str(f)]) == 0
+    for bad, why in (('{"T": 3,', "not valid JSON"), ("nonexistent.json", "neither JSON nor an existing file"),
+                     ('{"tokens": 3}', "unknown Case field(s) ['tokens']")):
+        assert main(["replay", "--only", "eager", "--case", bad]) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_console_script_check_runs(tmp_path):
     """The main job, end to end, on a restricted backend set (the full run is CI's other half)."""
     out = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--only", "eager", "--cases-per-feature", "1",
