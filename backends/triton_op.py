@@ -71,3 +71,23 @@ TRITON_TWO_KERNEL = BackendSpec(
     name="triton_two_kernel", description="two-kernel path (shrink to HBM, collective, expand; any rank)",
     capabilities=_caps(), op=_fn("fused_moe_lora_two_kernel"), precision="two_kernel",
     origin="backends.triton_op:TRITON_TWO_KERNEL")
+
+
+def _forced_split_k(call):
+    """The heuristic config with split-K forced on: 16-wide K tiles in 3 chunks (fewer when K has fewer tiles)."""
+    import dataclasses
+
+    from kernels.triton.one_shot import choose_config
+    return dataclasses.replace(choose_config(call), split_k=3, block_k=16)
+
+
+def _one_shot_split_k(*args, **kw):
+    return _ops.fused_moe_lora_one_shot(*args, **kw, config=_forced_split_k)
+
+
+TRITON_ONE_SHOT_SPLIT_K = BackendSpec(
+    name="triton_one_shot_split_k",
+    description="one-shot kernel forced into split-K at every shape (K chunks in separate programs, the last "
+                "to arrive sums them in a fixed order and expands); the heuristic uses it only for a long K",
+    capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
+    op=_one_shot_split_k, precision="one_shot", origin="backends.triton_op:TRITON_ONE_SHOT_SPLIT_K")

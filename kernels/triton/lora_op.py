@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from kernels.validate import OpCall, check_value_ranges, validate_call
-from kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, run_one_shot
+from kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, OneShotConfig, run_one_shot
 from kernels.triton.small_batch import run_small_batch, small_batch_unsupported
 from kernels.triton.two_kernel import run_two_kernel
 
@@ -55,7 +55,7 @@ def _prepare(args: tuple, kwargs: dict) -> OpCall:
     return call
 
 
-def _run(path: str, call: OpCall, collective: Callable | None) -> None:
+def _run(path: str, call: OpCall, collective: Callable | None, one_shot_config=None) -> None:
     if path == "small_batch":
         why = small_batch_unsupported(call.naive, call.rank, call.num_pairs, call.fully_sharded)
     elif path == "one_shot":
@@ -70,16 +70,20 @@ def _run(path: str, call: OpCall, collective: Callable | None) -> None:
     dev = call.output.device
     if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):  # Triton launches on the current device
-            _launch(path, call, collective)
+            _launch(path, call, collective, one_shot_config)
     else:
-        _launch(path, call, collective)
+        _launch(path, call, collective, one_shot_config)
 
 
-def _launch(path: str, call: OpCall, collective: Callable | None) -> None:
+def _launch(path: str, call: OpCall, collective: Callable | None, one_shot_config=None) -> None:
     if path == "small_batch":
         run_small_batch(call)
     elif path == "one_shot":
-        run_one_shot(call)
+        cfg = one_shot_config(call) if callable(one_shot_config) else one_shot_config
+        if cfg is not None and not isinstance(cfg, OneShotConfig):
+            raise TypeError(f"config must be a OneShotConfig or a callable OpCall -> OneShotConfig; got "
+                            f"{type(cfg).__name__}")
+        run_one_shot(call, cfg)
     else:
         run_two_kernel(call, collective)
 
@@ -109,10 +113,13 @@ def fused_moe_lora_one_shot(
     adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
     shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
     expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
-    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True,
+    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, config=None,
 ) -> None:
-    """`fused_moe_lora` forced onto the one-shot kernel (rank <= 128, not fully_sharded; else ValueError)."""
-    _run("one_shot", _prepare_from(locals()), None)
+    """`fused_moe_lora` forced onto the one-shot kernel (rank <= 128, not fully_sharded; else ValueError).
+
+    `config` (keyword-only): a OneShotConfig, or a callable OpCall -> OneShotConfig, replacing the launch
+    heuristic (tests and sweeps use it to force split-K, N splits, tiles)."""
+    _run("one_shot", _prepare_from(locals()), None, config)
 
 
 def fused_moe_lora_small_batch(
