@@ -379,7 +379,7 @@ def run_one_shot(call: OpCall, config: OneShotConfig | None = None) -> None:
 
     With split_k > 1 each launch allocates an fp32 workspace of (m programs * npid * slice groups * LoRA
     slots) * split_k * 2 * sub_m * BLOCK_R and zeroed int32 counters: sized for every program of the grid,
-    not only the live ones (44-89 MB at mixtral w2 R64 T4096 with 5 slots; most groups exit unused)."""
+    not only the live ones (89 MB at mixtral w2 R64 T4096 with 5 slots, split_k 2; most groups exit unused)."""
     if call.rank > MAX_RANK:
         raise ValueError(f"the one-shot kernel needs max_lora_rank <= {MAX_RANK}; got {call.rank}")
     P = call.num_pairs
