@@ -1,31 +1,60 @@
 #!/usr/bin/env bash
-# GPU lane, run on the H200 through the device tool (never in CPU CI): the GPU suites, the conformance
-# matrix on CUDA and the op benchmark. Everything lands in $OUT (default bench/results/latest).
-#   usage: bash ci/gpu.sh [tests|check|bench|all] [extra bench args]
+# GPU lane, run on the H200 through the device tool (never in CPU CI). Everything lands in $OUT
+# (default bench/results/latest). Targets, in the order `all` runs them (about 8 min on one H200):
+#   tests     all suites on CUDA, 1 case per feature, 3 hypothesis examples (~80 s)
+#   bench     the op benchmark, 60 shapes, with vLLM's figures beside ours (~150 s)
+#   experts   the expert benchmark: kernel level and expert level with/without LoRA (~95 s)
+#   dual      the dual-stream benchmark, 15 shapes (~25 s)
+#   sanitize  compute-sanitizer racecheck + synccheck on a dual-stream forward (~60 s)
+#   check     the conformance matrix on CUDA (not in `all`: over 220 s; run it alone)
+#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|check ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:-all}; shift || true
+targets=()
+while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
+[[ ${1:-} == -- ]] && shift
+[[ ${#targets[@]} -eq 0 ]] && targets=(all)
+[[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize)
+for t in "${targets[@]}"; do
+  case $t in tests|bench|experts|dual|sanitize|check) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, check)"; exit 2 ;; esac
+done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
-export MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-5}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu_env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu_env.txt"
+ANCHORS=bench/anchors/vllm-0.33.0-fused_moe_lora-h200.json
 rc=0
-if [[ $what == tests || $what == all ]]; then
-  timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-6} --device cuda \
-    suites --durations=12 --junitxml="$OUT/gpu_junit.xml" 2>&1 | tail -80 > "$OUT/gpu_tests.log"
-  rc=${PIPESTATUS[0]}
-  tail -30 "$OUT/gpu_tests.log"
-fi
-if [[ $what == check || $what == all ]]; then
-  timeout ${CHECK_TIMEOUT:-200} python3 -m harness.cli check --device cuda --json "$OUT/check_cuda.json" \
-    --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1
-  tail -5 "$OUT/check_cuda.txt"
-fi
-if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_lora_op.py --anchors bench/anchors/vllm-0.33.0-fused_moe_lora-h200.json \
-    --out "$OUT/bench_lora_op.json" --md "$OUT/bench_lora_op.md" "$@" > "$OUT/bench_lora_op.txt" 2>&1 || rc=1
-  tail -8 "$OUT/bench_lora_op.txt"
-fi
+for t in "${targets[@]}"; do
+  start=$(date +%s)
+  case $t in
+    tests)
+      MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-3} timeout ${TEST_TIMEOUT:-330} \
+        python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-12} --device cuda \
+        --cases-per-feature ${CASES_PER_FEATURE:-1} suites --durations=12 --junitxml="$OUT/gpu_suites.junit.xml" \
+        > "$OUT/gpu_suites.log" 2>&1 || rc=1
+      tail -3 "$OUT/gpu_suites.log" ;;
+    bench)
+      timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_lora_op.py --anchors $ANCHORS --budget-s 250 \
+        --out "$OUT/lora_op_bench.json" --md "$OUT/lora_op_bench.md" "$@" > "$OUT/lora_op_bench.txt" 2>&1 || rc=1
+      tail -3 "$OUT/lora_op_bench.txt" | cut -c1-400 ;;
+    experts)
+      timeout ${EXPERTS_TIMEOUT:-240} python3 bench/bench_experts.py --levels kernel,expert --budget-s 200 \
+        --out "$OUT/bench_experts.json" --md "$OUT/bench_experts.md" > "$OUT/bench_experts.txt" 2>&1 || rc=1
+      grep -c '"error"' "$OUT/bench_experts.txt" | sed 's/^/expert bench rows with an error: /' ;;
+    dual)
+      timeout ${DUAL_TIMEOUT:-150} python3 bench/bench_dual_stream.py --budget-s 120 \
+        --out "$OUT/bench_dual_stream.json" --md "$OUT/bench_dual_stream.md" > "$OUT/bench_dual_stream.txt" 2>&1 || rc=1
+      tail -2 "$OUT/bench_dual_stream.txt" ;;
+    sanitize)
+      SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-300} OUT="$OUT" bash ci/sanitize.sh > "$OUT/sanitize_run.txt" 2>&1 || rc=1
+      cat "$OUT/sanitize_summary.txt" ;;
+    check)
+      timeout ${CHECK_TIMEOUT:-500} python3 -m harness.cli check --device cuda --json "$OUT/check_cuda.json" \
+        --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1
+      tail -5 "$OUT/check_cuda.txt" ;;
+  esac
+  echo "[$t: $(( $(date +%s) - start )) s]"
+done
 exit $rc
