@@ -108,7 +108,7 @@ def _split_k_join(acc0, acc1, ws_ptr, count_ptr, group, ks, pid_s, pid_l, n_grou
     """Publish this program's K-chunk partials; the group's last arriver gets the chunk sums (fixed order).
 
     Returns (acc0, acc1, last). Workspace: fp32 [group id, SPLIT_K, 2, SUB_M, BLOCK_R]; counters: int32
-    [group id], zero on entry, each group's last arriver resets its own to zero for the next launch.
+    [group id], zero on entry (the launcher zeroes them per launch; the last arriver also resets its own).
     """
     gid = (pid_l * n_s + pid_s) * n_groups + group
     tile = tl.arange(0, SUB_M)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
