@@ -69,7 +69,7 @@ def _capabilities() -> Capabilities:
         dtype_reasons=dict(cls.dtype_reasons), activations=frozenset(cls.activations),
         non_gated=cls.supports_non_gated, bias=cls.supports_bias, lora=True, base_only=True,
         quant=frozenset(cls.quant_schemes), expert_map=cls.supports_ep, fully_sharded=cls.supports_fully_sharded,
-        max_rank=cls.max_lora_rank, shared_lora=True,
+        max_rank=cls.max_lora_rank, shared_lora=True, tensor_parallel=True,
         rules=(Rule(f"{cls.name}.is_supported_config", _claims,
                     "declined by the class's is_supported_config (kernels.experts.oracle.explain says why)"),))
 

@@ -10,13 +10,14 @@ def run_experts(call):
         w13_bias=call.w13_bias, w2_bias=call.w2_bias, w13_lora_a=call.w13_lora_a, w13_lora_b=call.w13_lora_b,
         w2_lora_a=call.w2_lora_a, w2_lora_b=call.w2_lora_b, adapter_enabled=call.adapter_enabled,
         token_lora_mapping=call.token_lora_mapping, expert_map=call.expert_map,
-        apply_router_weight_on_input=call.apply_router_weight_on_input)
+        apply_router_weight_on_input=call.apply_router_weight_on_input, fully_sharded=call.fully_sharded,
+        tp_rank=call.tp_rank, lora_collective=call.lora_collective)
 
 
 BACKEND = BackendSpec(
     name="eager",
     description="pure-PyTorch eager op and experts (one-shot rounding points, loops over (LoRA, expert) groups)",
-    capabilities=Capabilities(levels=frozenset({"op", "expert"}),
+    capabilities=Capabilities(levels=frozenset({"op", "expert"}), tensor_parallel=True,
                               activations=frozenset(eager_experts.SUPPORTED)),
     op=eager.fused_moe_lora,
     experts=run_experts,

@@ -33,9 +33,10 @@ def _here() -> str:
 
 
 def config_from_case(case: Case, device: str | None = None) -> "MoEConfig":
-    """The MoEConfig an expert-level case describes on `device` (cpu/cuda; default: this machine's)."""
+    """The MoEConfig one rank of an expert-level case runs on `device` (cpu/cuda; default: this machine's)."""
     return MoEConfig(
-        device=device or _here(), dtype=_DTYPES[case.dtype], activation=case.activation, H=case.H, I=case.I,
+        device=device or _here(), dtype=_DTYPES[case.dtype], activation=case.activation, H=case.H,
+        I=case.I // case.tp_size if case.I % case.tp_size == 0 else case.I,  # one TP rank's slice
         E=case.local_experts, top_k=case.top_k, has_bias=case.bias, quant=case.quant, lora_enabled=case.lora,
         max_lora_rank=case.max_rank if case.lora else 0, expert_map=case.ep_size > 1,
         fully_sharded=case.fully_sharded and case.lora,
@@ -50,7 +51,8 @@ def config_from_call(call: ExpertCall) -> "MoEConfig":
         device=x.device.type, dtype=x.dtype, activation=call.activation, H=int(x.shape[1]), I=int(call.w2.shape[2]),
         E=int(call.w13.shape[0]), top_k=int(call.topk_ids.shape[1]), has_bias=call.w13_bias is not None,
         quant=call.quant, lora_enabled=lora, max_lora_rank=int(call.w2_lora_a[0].shape[2]) if lora else 0,
-        expert_map=call.expert_map is not None, apply_router_weight_on_input=call.apply_router_weight_on_input)
+        expert_map=call.expert_map is not None, apply_router_weight_on_input=call.apply_router_weight_on_input,
+        fully_sharded=bool(call.fully_sharded) and lora)
 
 
 def context_from_call(call: ExpertCall, config: "MoEConfig") -> "MoELoRAContext | None":
@@ -66,7 +68,8 @@ def context_from_call(call: ExpertCall, config: "MoEConfig") -> "MoELoRAContext 
         token_lora_mapping=call.token_lora_mapping,
         local_token_lora_mapping=call.token_lora_mapping if call.expert_map is not None else None,
         enable_moe_shared_loras=any(int(w.shape[1]) == 1 for w in ws) and config.E > 1,
-        fully_sharded=config.fully_sharded)
+        fully_sharded=config.fully_sharded, tp_rank=call.tp_rank, tp_size=call.tp_size,
+        lora_collective=call.lora_collective)
 
 
 def run_call(call: ExpertCall, experts_cls=None) -> None:
@@ -118,7 +121,7 @@ def _caps_of(cls) -> Capabilities:
         dtype_reasons=dict(cls.dtype_reasons), activations=frozenset(cls.activations),
         non_gated=cls.supports_non_gated, bias=cls.supports_bias, lora=cls.supports_lora(), base_only=True,
         quant=frozenset(cls.quant_schemes), expert_map=cls.supports_ep, fully_sharded=cls.supports_fully_sharded,
-        max_rank=cls.max_lora_rank, shared_lora=True, rules=rules)
+        max_rank=cls.max_lora_rank, shared_lora=True, tensor_parallel=True, rules=rules)
 
 
 def spec_for(cls, description: str) -> BackendSpec:
@@ -150,7 +153,7 @@ def _oracle_spec() -> BackendSpec:
                     + ", ".join(c.name for c in classes) + ")",
         capabilities=Capabilities(levels=frozenset({"expert"}), devices=devices, dtypes=dtypes,
                                   dtype_reasons=reasons, quant=frozenset({"none", "int4_g128", "int8_channel"}),
-                                  rules=(rule,)),
+                                  tensor_parallel=True, rules=(rule,)),
         experts=run_call,
         precision=lambda case: _oracle_precision(case, picked),
         origin="backends.experts:EXPERTS_ORACLE")

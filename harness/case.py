@@ -117,6 +117,15 @@ class Case:
         need(0 <= self.ep_rank < self.ep_size, f"ep_rank must lie in [0, {self.ep_size})")
         need(0 <= self.tp_rank < self.tp_size, f"tp_rank must lie in [0, {self.tp_size})")
         need(not (self.ep_size > 1 and self.fully_sharded), "EP with fully_sharded LoRA is not supported (vLLM rejects it)")
+        if self.level == "expert" and self.tp_size > 1:   # every TP rank is simulated; tp_rank is not used
+            need(self.ep_size == 1, "expert level: tp_size > 1 with ep_size > 1 is not modelled (vLLM's MoE TP is 1 "
+                                    "under EP)")
+            need(self.I % self.tp_size == 0, f"expert level: I ({self.I}) must be divisible by tp_size ({self.tp_size})")
+            need(self.quant == "none", "expert level: tensor parallel with quantized weights is not modelled")
+            if self.fully_sharded and self.lora:
+                need(self.max_rank % self.tp_size == 0 and self.H % self.tp_size == 0,
+                     f"fully_sharded: max_rank ({self.max_rank}) and H ({self.H}) must be divisible by tp_size "
+                     f"({self.tp_size})")
         need(not (self.ep_size > 1 and self.layout == "naive"), "naive block assignment is disabled under EP")
         need(self.add_inputs or not self.fully_sharded,
              "fully_sharded needs add_inputs=True (vLLM asserts add_inputs or not fully_sharded)")

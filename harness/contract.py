@@ -85,6 +85,13 @@ class ExpertCall:
     w13_scales: object = None
     w2_q: object = None
     w2_scales: object = None
+    # tensor parallelism: this call is TP rank `tp_rank` of `tp_size`, its weights already sliced; with
+    # `fully_sharded` the LoRA joins its shrink outputs through `lora_collective(cache, which)` (which:
+    # "w13" all-gather on the rank dim, "w2" all-reduce), None = torch.distributed's default group
+    tp_rank: int = 0
+    tp_size: int = 1
+    fully_sharded: bool = False
+    lora_collective: object = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,8 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
             return False, f"quant scheme {case.quant} not supported (supported: {sorted(cap.quant)})"
         if case.tp_size > 1 and not cap.tensor_parallel:
             return False, "tensor-parallel ranks not supported"
+        if case.fully_sharded and case.lora and not cap.fully_sharded:
+            return False, "fully_sharded LoRA not supported"
     for rule in cap.rules:
         if not rule.holds(case):
             return False, f"{rule.name}: {rule.reason}"

@@ -1,6 +1,8 @@
 """Expert-level runs: a backend's (T, H) forward against the float64 reference under the error model."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from harness.builders import build_expert_inputs, torch_dtype
@@ -9,30 +11,114 @@ from harness.compare import compare_written
 from harness.contract import BackendSpec
 from reference.experts import LoRAInputs, moe_experts_forward
 from reference.precision import precision as make_precision
+from reference.sharding import all_reduce_sum, sharded_experts_forward, tp_slice_base, tp_slice_lora
 
 
 def expert_expectations(case: Case, backend_precision: str):
-    """(cpu inputs, truth, emulation) for an expert-level case."""
+    """(cpu inputs, truth, emulation) for an expert-level case (tp_size > 1: the sharded forward over all
+    simulated ranks, recombined with the collectives)."""
     inp = build_expert_inputs(case)
     lora = LoRAInputs(inp.stacked, inp.token_lora_mapping) if inp.stacked is not None else None
     kw = dict(activation=case.activation, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, lora=lora,
-              expert_map=inp.expert_map, apply_router_weight_on_input=case.apply_router_weight_on_input)
-    truth = moe_experts_forward(inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids,
-                                precision=make_precision("exact", None), **kw)
-    emu = moe_experts_forward(inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids,
-                              precision=make_precision(backend_precision, torch_dtype(case)), **kw)
+              apply_router_weight_on_input=case.apply_router_weight_on_input)
+    if case.tp_size > 1:
+        forward = sharded_experts_forward
+        kw.update(tp_size=case.tp_size, fully_sharded=case.fully_sharded and case.lora)
+    else:
+        forward = moe_experts_forward
+        kw.update(expert_map=inp.expert_map)
+    truth = forward(inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids,
+                    precision=make_precision("exact", None), **kw)
+    emu = forward(inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids,
+                  precision=make_precision(backend_precision, torch_dtype(case)), **kw)
     return inp, truth, emu
 
 
+class SimulatedTPGroup:
+    """The fully-sharded LoRA joins of `size` TP ranks that run one after another, by replay.
+
+    A rank cannot wait for the others inside its forward, so the forward runs in passes over all ranks:
+    pass 1 records every rank's w13 shrink output (the join returns a stand-in of the right shape), pass 2
+    joins w13 from those records and records the w2 shrink outputs (which depend on the w13 join), pass 3
+    joins both; only pass 3's outputs count. Needs a backend that computes the same caches when run again
+    on the same inputs (a nondeterministic one differs only in rounding). Joins as NCCL would: w13
+    all-gather on the last (rank) dim in rank order; w2 all-reduce, summed in fp32 (float64 caches in
+    float64) and rounded once.
+    """
+
+    PASSES = 3
+
+    def __init__(self, size: int):
+        self.size = size
+        self.records: dict = {}   # (which, call index, rank) -> cache of the latest pass
+
+    def hook(self, rank: int, pass_no: int):
+        """The `lora_collective(cache, which)` for one rank's forward in pass `pass_no` (1-based)."""
+        calls: dict = {}
+
+        def collective(cache: torch.Tensor, which: str) -> torch.Tensor:
+            if which not in ("w13", "w2"):
+                raise ValueError(f"lora_collective: which must be 'w13' or 'w2'; got {which!r}")
+            idx = calls[which] = calls.get(which, -1) + 1
+            self.records[(which, idx, rank)] = cache.detach().clone()
+            ready = pass_no >= (2 if which == "w13" else 3)
+            if not ready:
+                return torch.cat([cache] * self.size, dim=-1) if which == "w13" else cache
+            parts = [cache if r == rank else self.records.get((which, idx, r)) for r in range(self.size)]
+            if any(p is None for p in parts):
+                raise RuntimeError(f"simulated TP: rank(s) {[r for r, p in enumerate(parts) if p is None]} never "
+                                   f"joined {which} call {idx} (a fully-sharded rank skipped its collective)")
+            if which == "w13":
+                return torch.cat(parts, dim=-1)
+            acc = torch.promote_types(cache.dtype, torch.float32)   # fp32 for 16-bit caches, float64 stays
+            return torch.stack([p.to(acc) for p in parts]).sum(0).to(cache.dtype)
+        return collective
+
+
+def _rank_call(inp, case: Case, rank: int, device, collective):
+    """The ExpertCall of TP rank `rank`: base weights and LoRA sliced as vLLM shards them."""
+    from reference.activations import lookup_activation
+    act = lookup_activation(case.activation)
+    w13, w2, b13, b2 = tp_slice_base(inp.w13, inp.w2, case.tp_size, rank, act.gated, inp.w13_bias, inp.w2_bias,
+                                     interleaved=act.interleaved)
+    fs = case.fully_sharded and case.lora
+    stacked = tp_slice_lora(inp.stacked, case.tp_size, rank, fs) if inp.stacked is not None else None
+    call = dataclasses.replace(inp, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2, stacked=stacked).call(device)
+    return dataclasses.replace(call, tp_rank=rank, tp_size=case.tp_size, fully_sharded=fs,
+                               lora_collective=collective if fs else None)
+
+
+def run_tp_ranks(spec: BackendSpec, inp, case: Case, device) -> torch.Tensor:
+    """Every simulated TP rank's forward, their (T, H) outputs all-reduced (float64 sum, one rounding):
+    what the layer returns after vLLM's final reduction."""
+    fs = case.fully_sharded and case.lora
+    group = SimulatedTPGroup(case.tp_size)
+    outs = []
+    for pass_no in range(1, (SimulatedTPGroup.PASSES if fs else 1) + 1):
+        outs = []
+        for r in range(case.tp_size):
+            call = _rank_call(inp, case, r, device, group.hook(r, pass_no))
+            spec.experts(call)
+            outs.append(call.output)
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    total = all_reduce_sum([o.cpu() for o in outs], torch_dtype(case))
+    return total.to(torch_dtype(case)).to(outs[0].device)
+
+
 def run_expert(spec: BackendSpec, case: Case, device: str):
-    """Run the backend's experts on the case; returns (verdict, cpu inputs)."""
+    """Run the backend's experts on the case (every TP rank when tp_size > 1); returns (verdict, cpu inputs)."""
     inp, truth, emu = expert_expectations(case, spec.precision_for(case))
-    call = inp.call(device)
-    spec.experts(call)
+    if case.tp_size > 1:
+        output = run_tp_ranks(spec, inp, case, device)
+    else:
+        call = inp.call(device)
+        spec.experts(call)
+        output = call.output
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
     written = torch.ones(case.T, case.H, dtype=torch.bool)
-    verdict = compare_written(call.output, truth.value, emu.value, truth.scale, written,
+    verdict = compare_written(output, truth.value, emu.value, truth.scale, written,
                               dtype=torch_dtype(case), k_plus_r=case.H + case.I + case.max_rank,
                               names=("t", "h"))
     return verdict, inp

@@ -116,6 +116,8 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: router weight on input", "expert", lambda s: dict(top_k=1, apply_router_weight_on_input=True)),
     Feature("experts: non-gated, biases, EP", "expert",
             lambda s: dict(activation="relu2_no_mul", bias=True, ep_size=2, ep_rank=1, E=2 * s.E)),
+    Feature("experts: TP 2 (sliced weights, outputs all-reduced)", "expert", lambda s: dict(tp_size=2)),
+    Feature("experts: fully-sharded LoRA, TP 2", "expert", lambda s: dict(tp_size=2, fully_sharded=True)),
     Feature("experts: int4 g128", "expert", lambda s: dict(quant="int4_g128", H=128, I=128)),
     Feature("experts: int8 per-channel", "expert", lambda s: dict(quant="int8_channel")),
 )

@@ -1,7 +1,8 @@
-"""Planted bugs: op backends that are wrong in one known way each, to prove the harness catches them.
+"""Planted bugs: op and expert backends that are wrong in one known way each, to prove the harness catches them.
 
-Each mutant is the reference op (one-shot rounding, so a correct one would pass) with one defect of a
-class seen in real kernels. `suites/harness/test_mutants.py` requires every one of them to fail on a case
+Each op mutant is the reference op (one-shot rounding, so a correct one would pass) with one defect of a
+class seen in real kernels; each expert mutant is one TP rank's reference expert forward (for the
+simulated tensor-parallel ranks) with one defect of sharding. `suites/harness/test_mutants.py` requires every one of them to fail on a case
 where its defect shows, and the unmutated control to pass. They double as examples of `--backend`:
 `moe-lora-harness check --backend harness.mutants:MUTANTS --only mutant-drops-slice`.
 """
@@ -120,4 +121,55 @@ def _spec(name, fn):
                        origin="harness.mutants:MUTANTS")
 
 
-MUTANTS = [_spec(n, f) for n, f in MUTANT_FUNCTIONS.items()]
+def _rank_forward(call, *, w2_offset_rank=None, join=True):
+    """One TP rank's expert forward by the reference (one-shot rounding), written into call.output."""
+    from reference.adapters import StackedMoELoRA
+    from reference.experts import LoRACollectives, LoRAInputs, moe_experts_forward
+    from reference.precision import precision
+
+    dt = call.output.dtype
+    cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
+    lora = coll = None
+    offset = 0
+    if call.w13_lora_a is not None:
+        stacked = StackedMoELoRA([cpu(t) for t in call.w13_lora_a], [cpu(t) for t in call.w13_lora_b],
+                                 [cpu(t) for t in call.w2_lora_a], [cpu(t) for t in call.w2_lora_b],
+                                 cpu(call.adapter_enabled))
+        lora = LoRAInputs(stacked, cpu(call.token_lora_mapping))
+        if call.fully_sharded:
+            rank = call.tp_rank if w2_offset_rank is None else w2_offset_rank
+            offset = rank * int(call.w2_lora_b[0].shape[2])
+            if join:
+                coll = LoRACollectives(w13=lambda c: call.lora_collective(c, "w13"),
+                                       w2=lambda c: call.lora_collective(c, "w2"))
+            else:   # each rank keeps its own share: zeros for the other ranks' rank rows, no w2 reduce
+                def own_w13(c):
+                    parts = [c if r == call.tp_rank else torch.zeros_like(c) for r in range(call.tp_size)]
+                    return torch.cat(parts, dim=-1)
+                coll = LoRACollectives(w13=own_w13, w2=lambda c: c)
+    out = moe_experts_forward(cpu(call.hidden_states), cpu(call.w13), cpu(call.w2), cpu(call.topk_weights),
+                              cpu(call.topk_ids), activation=call.activation, precision=precision("one_shot", dt),
+                              w13_bias=cpu(call.w13_bias), w2_bias=cpu(call.w2_bias), lora=lora,
+                              apply_router_weight_on_input=call.apply_router_weight_on_input,
+                              lora_collectives=coll, w2_lora_offset=offset)
+    call.output.copy_(out.value.to(dt))
+
+
+EXPERT_MUTANT_FUNCTIONS = {
+    "experts-control": (lambda call: _rank_forward(call), "No defect: each TP rank's reference forward."),
+    "tp-w2-offset-zero": (lambda call: _rank_forward(call, w2_offset_rank=0),
+                          "Fully sharded: every rank writes its H/tp slice of the w2 delta at column 0."),
+    "tp-skips-lora-collectives": (lambda call: _rank_forward(call, join=False),
+                                  "Fully sharded: no all-gather / all-reduce between shrink and expand (each "
+                                  "rank uses only its own share)."),
+}
+
+
+def _expert_spec(name, fn, doc):
+    return BackendSpec(name=f"mutant-{name}", description=doc,
+                       capabilities=Capabilities(levels=frozenset({"expert"}), tensor_parallel=True),
+                       experts=fn, precision="one_shot", origin="harness.mutants:MUTANTS")
+
+
+MUTANTS = ([_spec(n, f) for n, f in MUTANT_FUNCTIONS.items()]
+           + [_expert_spec(n, f, d) for n, (f, d) in EXPERT_MUTANT_FUNCTIONS.items()])

@@ -87,7 +87,8 @@ EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_unint
 
 @st.composite
 def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, activations=EXPERT_ACTIVATIONS):
-    """Expert-level cases: activation, biases, LoRA mix, shared factors, EP, router weight on input, quant."""
+    """Expert-level cases: activation, biases, LoRA mix, shared factors, EP, simulated TP ranks (plain or
+    fully-sharded LoRA), router weight on input, quant."""
     quant = draw(st.sampled_from(("none", "none", "none", "int8_channel", "int4_g128")))
     if quant == "int4_g128":
         H, I = 128, 128
@@ -101,6 +102,10 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
     on_input = top_k == 1 and draw(st.booleans())
     L = draw(st.integers(1, 3))
     R = draw(st.sampled_from((1, 4, 8, 16, 32)))
+    tp = draw(st.sampled_from((1, 1, 1, 2))) if (quant == "none" and ep == 1) else 1
+    fully_sharded = tp > 1 and R % tp == 0 and draw(st.booleans())
+    I += I % tp                                  # TP shards I; fully-sharded LoRA also shards H and R
+    H += H % tp if fully_sharded else 0
     return Case(
         level="expert", T=draw(st.integers(0, max_T)), H=H, I=I, E=E, top_k=top_k,
         dtype=draw(st.sampled_from(dtypes)), max_loras=L, max_rank=R,
@@ -110,4 +115,4 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
         activation=draw(st.sampled_from(activations)), bias=draw(st.booleans()), lora=draw(st.booleans()),
         apply_router_weight_on_input=on_input, quant=quant,
-        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)))
+        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), tp_size=tp, fully_sharded=fully_sharded)

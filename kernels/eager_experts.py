@@ -62,8 +62,12 @@ def activation(cache1: torch.Tensor, name: str) -> torch.Tensor:
 def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, activation_name, *,
                         w13_bias=None, w2_bias=None, w13_lora_a=None, w13_lora_b=None, w2_lora_a=None,
                         w2_lora_b=None, adapter_enabled=None, token_lora_mapping=None, expert_map=None,
-                        apply_router_weight_on_input=False):
-    """Writes the (T, H) expert output into `output` (dt) in place."""
+                        apply_router_weight_on_input=False, fully_sharded=False, tp_rank=0, lora_collective=None):
+    """Writes the (T, H) expert output into `output` (dt) in place.
+
+    fully_sharded (a TP rank's sliced LoRA): the shrink outputs are joined by `lora_collective(cache, which)`
+    ("w13" all-gather, "w2" all-reduce; None = no join, one rank) and the w2 delta is written at
+    tp_rank * (this rank's H rows of w2 B)."""
     T, H = hidden_states.shape
     k = topk_ids.shape[1]
     dt = hidden_states.dtype
@@ -96,15 +100,21 @@ def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, 
         c1 = cache1.view(T, k, N1)
         args = dict(topk_weights=topk_weights, sorted_token_ids=None, expert_ids=eids,
                     num_tokens_post_padded=None, token_lora_mapping=token_lora_mapping, max_lora_rank=R,
-                    top_k_num=k, lora_ids=lora_ids, num_active_loras=num_active, adapter_enabled=adapter_enabled)
+                    top_k_num=k, lora_ids=lora_ids, num_active_loras=num_active, adapter_enabled=adapter_enabled,
+                    fully_sharded=fully_sharded)
+
+        def join(which):
+            return {} if lora_collective is None else {"collective": lambda c: lora_collective(c, which)}
         if activation_name == "swigluoai" and len(w13_lora_a) == 2:
+            # into zeros with add_inputs=True: rnd(0 + rnd(d)) = rnd(d), and allowed under fully_sharded
             delta = torch.zeros(T, k, N1, dtype=dt, device=dev)
             fused_moe_lora(delta, hidden_states, w13_lora_a, w13_lora_b, **args, mul_routed_weight=False,
-                           add_inputs=False)
+                           **join("w13"))
             c1[..., 0::2] += delta[..., :N1 // 2]
             c1[..., 1::2] += delta[..., N1 // 2:]
         else:
-            fused_moe_lora(c1, hidden_states, w13_lora_a, w13_lora_b, **args, mul_routed_weight=False)
+            fused_moe_lora(c1, hidden_states, w13_lora_a, w13_lora_b, **args, mul_routed_weight=False,
+                           **join("w13"))
     cache2 = activation(cache1, activation_name)
     cache3 = torch.zeros(T * k, H, dtype=dt, device=dev)
     wf = w.reshape(-1)
@@ -117,7 +127,10 @@ def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, 
             acc = acc * wf[rows].unsqueeze(1)
         cache3[rows] = acc.to(dt)
     if lora:
-        fused_moe_lora(cache3.view(T, k, H), cache2, w2_lora_a, w2_lora_b, **args, mul_routed_weight=True)
+        offset = int(w2_lora_b[0].shape[2]) * tp_rank if fully_sharded else 0
+        args["max_lora_rank"] = int(w2_lora_a[0].shape[2])   # fully_sharded: w13 A holds R/tp, w2 A all of R
+        fused_moe_lora(cache3.view(T, k, H), cache2, w2_lora_a, w2_lora_b, **args, mul_routed_weight=True,
+                       offset=offset, **join("w2"))
     keep = (flat_local >= 0).view(T, k, 1)
     out = (cache3.view(T, k, H).float() * keep).sum(dim=1)
     output.copy_(out.to(dt))

@@ -37,6 +37,9 @@ class MoELoRAContext:
     Weights: w13 A S x (L, E|1, R, H), w13 B S x (L, E|1, N, R), w2 A 1 x (L, E, R, I), w2 B 1 x (L, E|1, H', R)
     (expert dim 1 = shared, allowed only with enable_moe_shared_loras). `token_lora_mapping` (T,) int32
     gives each token's slot in [0, L) or -1; under EP `local_token_lora_mapping` replaces it.
+    `lora_collective` (fully_sharded only; not in vLLM, which always uses its TP group) joins the shrink
+    outputs across TP ranks: (cache, "w13") all-gathers the rank dim, (cache, "w2") all-reduces; None uses
+    torch.distributed's default group (identity on one rank). The harness passes one to simulate ranks.
     `original_hidden_states` is set by FusedMoEKernel.apply around the experts call (the unweighted,
     unquantized input the w13 LoRA reads). `punica_wrapper`/`use_tuned_config` are carried for parity
     with the production context and unused here (there is no punica layer and no tuned-config table).
@@ -63,6 +66,7 @@ class MoELoRAContext:
     events: object = None
     original_hidden_states: torch.Tensor | None = None
     dual_stream: bool = False
+    lora_collective: object = None  # fully_sharded: (cache, "w13"|"w2") -> joined cache; None = torch.distributed
 
     def __post_init__(self):
         for name in ("max_loras", "top_k", "w13_num_slices", "local_num_experts", "tp_size"):
@@ -77,6 +81,9 @@ class MoELoRAContext:
         for name in ("fully_sharded", "enable_moe_shared_loras", "use_tuned_config", "dual_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MoELoRAContext.{name} must be a bool; got {getattr(self, name)!r}")
+        if self.lora_collective is not None and not callable(self.lora_collective):
+            raise TypeError(f"MoELoRAContext.lora_collective must be a callable (cache, 'w13'|'w2') -> cache or "
+                            f"None; got {type(self.lora_collective).__name__}")
         S, L, E = self.w13_num_slices, self.max_loras, self.local_num_experts
         a13 = _stack(self.w13_lora_a_stacked, "w13_lora_a_stacked", S)
         b13 = _stack(self.w13_lora_b_stacked, "w13_lora_b_stacked", S)

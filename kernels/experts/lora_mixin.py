@@ -107,13 +107,22 @@ def build_lora_alignment(ctx: MoELoRAContext, local_ids: torch.Tensor, *, expert
 
 def run_lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, topk_weights: torch.Tensor,
                 align: LoRAAlignment, *, top_k: int, mul_routed_weight: bool, add_inputs: bool,
-                fully_sharded: bool = False, offset: int = 0) -> None:
-    """One fused_moe_lora call with `align`'s metadata, on the path the alignment names."""
+                fully_sharded: bool = False, offset: int = 0, collective=None) -> None:
+    """One fused_moe_lora call with `align`'s metadata, on the path the alignment names (`collective`:
+    the fully-sharded join, passed to the two-kernel path, the only one with a collective)."""
+    extra = {"collective": collective} if (collective is not None and align.path == "two_kernel") else {}
     lora_op.ENTRY_POINTS[align.path](y, x, lora_a, lora_b, topk_weights, align.sorted_token_ids, align.expert_ids,
        align.num_tokens_post_padded, align.token_lora_mapping, int(lora_a[0].shape[2]), top_k, align.lora_ids,
        align.num_active_loras, align.adapter_enabled, shrink_block_size_m=align.block_size,
        expand_block_size_m=align.block_size, **_TUNING, mul_routed_weight=mul_routed_weight,
-       fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
+       fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs, **extra)
+
+
+def _collective(ctx: MoELoRAContext, which: str):
+    """The op's collective hook for one delta: the context's lora_collective bound to w13 / w2, or None."""
+    if not ctx.fully_sharded or ctx.lora_collective is None:
+        return None
+    return lambda cache: ctx.lora_collective(cache, which)
 
 
 class LoRAExpertsMixin:
@@ -157,7 +166,7 @@ class LoRAExpertsMixin:
             # into zeros with add_inputs=True: rnd(0 + rnd(d)) = rnd(d), and valid under fully_sharded too
             delta = torch.zeros(y.shape[0], k, 2 * I, dtype=y.dtype, device=y.device)
             run_lora_op(delta, x, a, b, topk_weights, align, top_k=k, mul_routed_weight=False, add_inputs=True,
-                        fully_sharded=ctx.fully_sharded)
+                        fully_sharded=ctx.fully_sharded, collective=_collective(ctx, "w13"))
             if add_inputs:
                 y[..., 0::2] += delta[..., :I]
                 y[..., 1::2] += delta[..., I:]
@@ -166,7 +175,7 @@ class LoRAExpertsMixin:
                 y[..., 1::2] = delta[..., I:]
             return align
         run_lora_op(y, x, a, b, topk_weights, align, top_k=k, mul_routed_weight=False, add_inputs=add_inputs,
-                    fully_sharded=ctx.fully_sharded)
+                    fully_sharded=ctx.fully_sharded, collective=_collective(ctx, "w13"))
         return align
 
     def apply_w2_lora(self, ctx: MoELoRAContext, *, y: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -183,7 +192,8 @@ class LoRAExpertsMixin:
         _check_y(y, "y", topk_weights, None)
         offset = int(b[0].shape[2]) * ctx.tp_rank if ctx.fully_sharded else 0
         run_lora_op(y, x, a, b, topk_weights, align, top_k=int(topk_weights.shape[1]), mul_routed_weight=True,
-                    add_inputs=add_inputs, fully_sharded=ctx.fully_sharded, offset=offset)
+                    add_inputs=add_inputs, fully_sharded=ctx.fully_sharded, offset=offset,
+                    collective=_collective(ctx, "w2"))
 
 
 def _check_y(y, name, topk_weights, width):

@@ -10,6 +10,8 @@ from harness.runner import run_case
 BY_NAME = {m.name: m for m in MUTANTS}
 BASE = Case(T=6, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=8, seed=7)
 W2 = dict(which="w2", num_slices=1, mul_routed_weight=True)
+TP_FS = Case(level="expert", T=5, H=32, I=32, E=4, top_k=2, max_loras=2, max_rank=8, tp_size=2, fully_sharded=True,
+             seed=7)
 
 # mutant -> a case on which its defect must show
 EXPOSING = {
@@ -22,6 +24,8 @@ EXPOSING = {
     "clobbers-offset": BASE.replace(**W2, offset=5),
     "skips-write-add-inputs-false": BASE.replace(add_inputs=False),
     "wrong-x-row": BASE.replace(**W2),
+    "tp-w2-offset-zero": TP_FS,
+    "tp-skips-lora-collectives": TP_FS,
 }
 
 
@@ -32,15 +36,24 @@ def test_mutant_is_caught(name):
     assert "REPRO: moe-lora-harness replay" in out.detail and "CASE: {" in out.detail
 
 
-@pytest.mark.parametrize("case", [c for c in EXPOSING.values()] + [BASE.replace(dtype="float32")],
+@pytest.mark.parametrize("case", [c for c in EXPOSING.values() if c.level == "op"] + [BASE.replace(dtype="float32")],
                          ids=lambda c: c.id)
 def test_control_passes(case):
     out = run_case(BY_NAME["mutant-control"], case, "cpu")
     assert out.status == "pass", out.detail
 
 
+@pytest.mark.parametrize("case", [TP_FS, TP_FS.replace(fully_sharded=False), TP_FS.replace(tp_size=4, I=64, H=64),
+                                  TP_FS.replace(activation="swigluoai", bias=True, mapping="mixed", dtype="float32")],
+                         ids=lambda c: c.id)
+def test_expert_control_passes_on_simulated_tp_ranks(case):
+    """One TP rank's reference forward per simulated rank, joined and all-reduced, matches the sharded reference."""
+    out = run_case(BY_NAME["mutant-experts-control"], case, "cpu")
+    assert out.status == "pass", out.detail
+
+
 def test_every_mutant_has_an_exposing_case():
-    assert set(EXPOSING) == {m.name.removeprefix("mutant-") for m in MUTANTS} - {"control"}
+    assert set(EXPOSING) == {m.name.removeprefix("mutant-") for m in MUTANTS} - {"control", "experts-control"}
 
 
 def test_repro_line_replays_the_failure_alone():
