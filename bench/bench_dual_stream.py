@@ -31,43 +31,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-try:   # shared with the base-expert benchmark when it is there
-    from bench_experts import MODELS, T_ALL, time_graph  # noqa: E402
-except Exception:  # noqa: BLE001
-    MODELS = {"qwen3moe": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2), "gptoss20b": (2880, 2880, 32, 4)}
-    T_ALL = (1, 16, 128, 1024, 4096)
-    time_graph = None
+from bench_experts import time_eager, time_graph  # noqa: E402
+from shapes import MODELS, T_ALL  # noqa: E402
 
 T_QUICK = (16, 1024)
 RANK, NUM_LORAS = 16, 4
 VARIANTS = ("base", "seq", "dual")
-
-
-def _time_graph(fn, warmup=25, rep=100) -> float:
-    """Median ms per call of fn from CUDA-graph replays (bench_experts.time_graph when available)."""
-    if time_graph is not None:
-        return time_graph(fn, warmup=warmup, rep=rep)
-    import triton
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(), fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(5):
-            fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / 5
-
-
-def _time_eager(fn, warmup=25, rep=100) -> float:
-    """Median ms per eager call of fn (host launch overhead included)."""
-    import triton
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def build_model(model: str, seed: int = 0) -> dict:
@@ -185,13 +154,13 @@ def main(argv=None) -> int:
             runs = build_runs(m, T)
             chk = check(runs)
             failed |= not chk["ok"]
-            ms = {v: _time_graph(runs["fns"][v]) for v in VARIANTS}
+            ms = {v: time_graph(runs["fns"][v]) for v in VARIANTS}
             lora = ms["seq"] - ms["base"]
             row = dict(model=model, T=T, path=runs["path"], base_ms=ms["base"], seq_ms=ms["seq"], dual_ms=ms["dual"],
                        lora_ms=lora, hidden=(ms["seq"] - ms["dual"]) / lora if lora > 1e-4 else None, check=chk)
             if a.eager:
-                row["eager_seq_ms"] = _time_eager(runs["fns"]["seq"])
-                row["eager_dual_ms"] = _time_eager(runs["fns"]["dual"])
+                row["eager_seq_ms"] = time_eager(runs["fns"]["seq"], 25, 100)
+                row["eager_dual_ms"] = time_eager(runs["fns"]["dual"], 25, 100)
             rows.append(row)
             hid = "n/a" if row["hidden"] is None else f"{row['hidden']:.0%}"
             print(f"{model:10s} T={T:5d} {runs['path']:11s} base {ms['base']:.4f}  seq {ms['seq']:.4f}  "

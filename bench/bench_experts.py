@@ -31,15 +31,11 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-MODELS = {  # name: (H, I, E, top_k)
-    "qwen3moe": (2048, 768, 128, 8),
-    "mixtral": (4096, 14336, 8, 2),
-    "gptoss20b": (2880, 2880, 32, 4),
-}
-T_ALL = (1, 16, 128, 1024, 4096)
+from shapes import MODELS, T_ALL  # noqa: E402
 T_QUICK = (1, 128, 1024)
 PATHS = ("triton", "oai", "int4", "int8")
 PATHS_QUICK = ("triton", "int4")

@@ -24,15 +24,11 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-MODELS = {  # name: (H, I, E, top_k)
-    "qwen3moe": (2048, 768, 128, 8),
-    "mixtral": (4096, 14336, 8, 2),
-    "gptoss20b": (2880, 2880, 32, 4),
-}
-T_ALL = (1, 16, 128, 1024, 4096)
+from shapes import MODELS, T_ALL  # noqa: E402
 R_ALL = (16, 64)
 NUM_LORAS = 4
 ALIGN_BLOCK = 64
@@ -229,16 +225,17 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
              "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
              "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
              "expand_num_stages", "expand_split_k")
+    # (knob, values) in visiting order; split_k and npid come round twice (they trade against each other)
     plans = [("one_shot", "sorted", one_shot.choose_config, one_shot.run_one_shot,
-              dict(split_k=(1, 2, 4, 8, 16), npid=(1, 2, 4, 8, 16, 32), sub_m=(16, 32, 64),
-                   block_k=(64, 128, 256, 512), block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4),
-                   prefetch=(False, True),
-                   two_slices=(True, False) if c["S"] == 2 else (),
-                   **{"split_k ": (1, 2, 4, 8, 16), "npid ": (1, 2, 4, 8, 16)}))]  # second pass
+              [("split_k", (1, 2, 4, 8, 16)), ("npid", (1, 2, 4, 8, 16, 32)), ("sub_m", (16, 32, 64)),
+               ("block_k", (64, 128, 256, 512)), ("block_n", (64, 128, 256)), ("num_warps", (4, 8)),
+               ("num_stages", (2, 3, 4)), ("prefetch", (False, True)),
+               ("two_slices", (True, False) if c["S"] == 2 else ()),
+               ("split_k", (1, 2, 4, 8, 16)), ("npid", (1, 2, 4, 8, 16))])]
     if c["T"] * c["k"] * c["R"] <= 1024:
         plans.append(("small_batch", "naive", small_batch.choose_config, small_batch.run_small_batch,
-                      dict(block_k=(128, 256, 512, 1024), n_chunks=(1, 2, 4, 8, 16, 32, 64), block_n=(32, 64, 128),
-                           num_warps=(4, 8), num_stages=(1, 2, 3))))
+                      [("block_k", (128, 256, 512, 1024)), ("n_chunks", (1, 2, 4, 8, 16, 32, 64)),
+                       ("block_n", (32, 64, 128)), ("num_warps", (4, 8)), ("num_stages", (1, 2, 3))]))
     res = []
     for path, layout, choose, run, knobs in plans:
         out = c["out"].clone()
@@ -265,9 +262,9 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
                 res.append(("two_kernel", {}, _graph_ms(lambda: run_two_kernel(call), warmup, rep)))
             except Exception as e:  # noqa: BLE001
                 res.append(("two_kernel", {}, f"error {e}"))
-        for kn, vals in knobs.items():
+        for kn, vals in knobs:
             for v in vals:
-                cand = dataclasses.replace(best, **{kn.strip(): v})
+                cand = dataclasses.replace(best, **{kn: v})
                 if path == "one_shot" and cand.sub_m > call.block_m:
                     continue
                 ms = timed(cand)
