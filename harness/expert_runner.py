@@ -75,8 +75,8 @@ class SimulatedTPGroup:
         return collective
 
 
-def _rank_call(inp, case: Case, rank: int, device, collective):
-    """The ExpertCall of TP rank `rank`: base weights and LoRA sliced as vLLM shards them."""
+def _rank_call(inp, case: Case, rank: int, device):
+    """The ExpertCall of TP rank `rank`: base weights and LoRA sliced as vLLM shards them (no collective yet)."""
     from reference.activations import lookup_activation
     act = lookup_activation(case.activation)
     w13, w2, b13, b2 = tp_slice_base(inp.w13, inp.w2, case.tp_size, rank, act.gated, inp.w13_bias, inp.w2_bias,
@@ -84,20 +84,21 @@ def _rank_call(inp, case: Case, rank: int, device, collective):
     fs = case.fully_sharded and case.lora
     stacked = tp_slice_lora(inp.stacked, case.tp_size, rank, fs) if inp.stacked is not None else None
     call = dataclasses.replace(inp, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2, stacked=stacked).call(device)
-    return dataclasses.replace(call, tp_rank=rank, tp_size=case.tp_size, fully_sharded=fs,
-                               lora_collective=collective if fs else None)
+    return dataclasses.replace(call, tp_rank=rank, tp_size=case.tp_size, fully_sharded=fs)
 
 
 def run_tp_ranks(spec: BackendSpec, inp, case: Case, device) -> torch.Tensor:
     """Every simulated TP rank's forward, their (T, H) outputs all-reduced (float64 sum, one rounding):
-    what the layer returns after vLLM's final reduction."""
+    what the layer returns after vLLM's final reduction. Each pass writes fresh NaN-poisoned outputs."""
     fs = case.fully_sharded and case.lora
     group = SimulatedTPGroup(case.tp_size)
+    calls = [_rank_call(inp, case, r, device) for r in range(case.tp_size)]
     outs = []
     for pass_no in range(1, (SimulatedTPGroup.PASSES if fs else 1) + 1):
         outs = []
-        for r in range(case.tp_size):
-            call = _rank_call(inp, case, r, device, group.hook(r, pass_no))
+        for r, call in enumerate(calls):
+            call = dataclasses.replace(call, output=torch.full_like(call.output, float("nan")),
+                                       lora_collective=group.hook(r, pass_no) if fs else None)
             spec.experts(call)
             outs.append(call.output)
     if str(device).startswith("cuda"):

@@ -93,15 +93,16 @@ def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, 
     lora = w13_lora_a is not None
     if lora:
         L = w13_lora_a[0].shape[0]
-        R = w13_lora_a[0].shape[2]
         lora_ids = torch.cat([torch.unique(token_lora_mapping), torch.full((L + 1,), -1, dtype=torch.int32, device=dev)])[:L + 1].to(torch.int32)
         num_active = torch.tensor([L + 1], dtype=torch.int32)
         eids = flat_local.to(torch.int32)
         c1 = cache1.view(T, k, N1)
         args = dict(topk_weights=topk_weights, sorted_token_ids=None, expert_ids=eids,
-                    num_tokens_post_padded=None, token_lora_mapping=token_lora_mapping, max_lora_rank=R,
+                    num_tokens_post_padded=None, token_lora_mapping=token_lora_mapping,
                     top_k_num=k, lora_ids=lora_ids, num_active_loras=num_active, adapter_enabled=adapter_enabled,
                     fully_sharded=fully_sharded)
+
+        r13 = int(w13_lora_a[0].shape[2])   # fully_sharded: w13 A holds R/tp rank rows, w2 A all R
 
         def join(which):
             return {} if lora_collective is None else {"collective": lambda c: lora_collective(c, which)}
@@ -109,12 +110,12 @@ def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, 
             # into zeros with add_inputs=True: rnd(0 + rnd(d)) = rnd(d), and allowed under fully_sharded
             delta = torch.zeros(T, k, N1, dtype=dt, device=dev)
             fused_moe_lora(delta, hidden_states, w13_lora_a, w13_lora_b, **args, mul_routed_weight=False,
-                           **join("w13"))
+                           max_lora_rank=r13, **join("w13"))
             c1[..., 0::2] += delta[..., :N1 // 2]
             c1[..., 1::2] += delta[..., N1 // 2:]
         else:
             fused_moe_lora(c1, hidden_states, w13_lora_a, w13_lora_b, **args, mul_routed_weight=False,
-                           **join("w13"))
+                           max_lora_rank=r13, **join("w13"))
     cache2 = activation(cache1, activation_name)
     cache3 = torch.zeros(T * k, H, dtype=dt, device=dev)
     wf = w.reshape(-1)
@@ -128,9 +129,8 @@ def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, 
         cache3[rows] = acc.to(dt)
     if lora:
         offset = int(w2_lora_b[0].shape[2]) * tp_rank if fully_sharded else 0
-        args["max_lora_rank"] = int(w2_lora_a[0].shape[2])   # fully_sharded: w13 A holds R/tp, w2 A all of R
         fused_moe_lora(cache3.view(T, k, H), cache2, w2_lora_a, w2_lora_b, **args, mul_routed_weight=True,
-                       offset=offset, **join("w2"))
+                       max_lora_rank=int(w2_lora_a[0].shape[2]), offset=offset, **join("w2"))
     keep = (flat_local >= 0).view(T, k, 1)
     out = (cache3.view(T, k, H).float() * keep).sum(dim=1)
     output.copy_(out.to(dt))
