@@ -287,13 +287,27 @@ def block_k_for(K: int) -> int:
     return 128 if K >= 128 else max(16, next_pow2(K))
 
 
-# Cost model for the N split (fit to H200 sweeps, bench/bench_lora_op.py --sweep; the 2026-11-29 sweep is
-# bench/results/2026-11-29-h200-s2/lora_op_sweep.json): a program streams its share of the shrink
-# operands (1/split_k of them) and, if it expands, its share of the expand at PROGRAM_BW; SLOTS_PER_SM
-# programs run at once per SM; the shrinks, repeated once per N split, are bounded by L2_BW.
-PROGRAM_BW = 20e9
-SLOTS_PER_SM = 6
-L2_BW = 6e12
+@dataclass(frozen=True)
+class CostModel:
+    """The N-split cost model's constants (each kernel fits its own to H200 sweeps): a program streams its
+    bytes at `program_bw`; `slots_per_sm` programs run at once per SM; the shrinks, repeated once per N
+    split, are bounded by `l2_bw`."""
+
+    program_bw: float
+    slots_per_sm: int
+    l2_bw: float
+
+    def time(self, shrink: float, expand: float, n_split: int, progs: float, sm: int, split_k: int = 1) -> float:
+        """Modelled launch time: each program streams shrink / split_k + expand / n_split (in waves of
+        slots_per_sm * sm programs), or the L2 bound on all programs' shrink reads, whichever is slower."""
+        waves = max(1.0, progs / (self.slots_per_sm * sm))
+        return max((shrink / split_k + expand / n_split) / self.program_bw * waves,
+                   progs / split_k * shrink / self.l2_bw)
+
+
+# One-shot constants, fit to H200 sweeps (bench/bench_lora_op.py --sweep; the 2026-11-29 sweeps are
+# bench/results/2026-11-29-h200-s2/lora_op_sweep*.json).
+ONE_SHOT_COST = CostModel(program_bw=20e9, slots_per_sm=6, l2_bw=6e12)
 
 
 def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall, block_n: int, sm: int,
@@ -305,9 +319,7 @@ def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall,
     for npid in (1, 2, 4, 8, 16, 32):
         if npid > 1 and npid * block_n > call.n_out:
             break
-        progs = live * npid * groups * split_k
-        waves = max(1.0, progs / (SLOTS_PER_SM * sm))
-        t = max((shrink / split_k + expand / npid) / PROGRAM_BW * waves, progs / split_k * shrink / L2_BW)
+        t = ONE_SHOT_COST.time(shrink, expand, npid, live * npid * groups * split_k, sm, split_k)
         if t < best[0]:
             best = (t, npid)
     return best[1]

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.validate import OpCall
-from kernels.triton.one_shot import launch, next_pow2, slice_pairs
+from kernels.triton.one_shot import CostModel, launch, next_pow2, slice_pairs
 from kernels.triton.platform import device_info
 
 MAX_RANK = 64
@@ -116,9 +116,7 @@ class SmallBatchConfig:
 
 # The N-chunk cost model's constants, fit to this kernel's H200 sweeps (first session). Its own: the one-shot
 # kernel's refit (SLOTS 6, L2 6e12) made mixtral's small-batch shapes up to 40% slower when shared.
-PROGRAM_BW = 20e9
-SLOTS_PER_SM = 3
-L2_BW = 4e12
+SMALL_BATCH_COST = CostModel(program_bw=20e9, slots_per_sm=3, l2_bw=4e12)
 
 
 def _pick_chunks(call: OpCall, block_n: int, sm: int) -> int:
@@ -132,8 +130,7 @@ def _pick_chunks(call: OpCall, block_n: int, sm: int) -> int:
     for n in (1, 2, 4, 8, 16, 32, 64, 128):
         if n > tiles:
             break
-        progs = pair_slices * n
-        t = max((shrink + expand / n) / PROGRAM_BW * max(1.0, progs / (SLOTS_PER_SM * sm)), progs * shrink / L2_BW)
+        t = SMALL_BATCH_COST.time(shrink, expand, n, pair_slices * n, sm)
         if t < best[0]:
             best = (t, n)
     return min(tiles, 2 * best[1])
