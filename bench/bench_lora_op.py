@@ -79,6 +79,21 @@ def op_args(c: dict, layout: str, out: torch.Tensor) -> tuple[tuple, dict]:
     return args, dict(mul_routed_weight=c["mul"])
 
 
+TUNING_NAMES = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
+                "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
+                "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
+                "expand_num_stages", "expand_split_k")
+
+
+def op_call(c: dict, layout: str, out: torch.Tensor):
+    """The validated OpCall of one case on `out` (for driving a path's launcher with an explicit config)."""
+    from kernels.validate import validate_call
+
+    args, kw = op_args(c, layout, out)
+    return validate_call(*args[:14], dict(zip(TUNING_NAMES, args[14:])), fully_sharded=False, add_inputs=True,
+                         offset=0, **kw)
+
+
 def floor_bytes(c: dict) -> int:
     """Bytes that must move: distinct (LoRA, expert) A and B once, x once, output read + written once."""
     esz = 2
@@ -219,12 +234,7 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
     import dataclasses
 
     from kernels.triton import one_shot, small_batch
-    from kernels.validate import validate_call
 
-    names = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
-             "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
-             "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
-             "expand_num_stages", "expand_split_k")
     # (knob, values) in visiting order; split_k and npid come round twice (they trade against each other)
     plans = [("one_shot", "sorted", one_shot.choose_config, one_shot.run_one_shot,
               [("split_k", (1, 2, 4, 8, 16)), ("npid", (1, 2, 4, 8, 16, 32)), ("sub_m", (16, 32, 64)),
@@ -238,10 +248,7 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
                        ("block_n", (32, 64, 128)), ("num_warps", (4, 8)), ("num_stages", (1, 2, 3))]))
     res = []
     for path, layout, choose, run, knobs in plans:
-        out = c["out"].clone()
-        args, kw = op_args(c, layout, out)
-        call = validate_call(*args[:14], dict(zip(names, args[14:])), fully_sharded=False, add_inputs=True,
-                             offset=0, **kw)
+        call = op_call(c, layout, c["out"].clone())
         seen = {}
 
         def timed(cfg):

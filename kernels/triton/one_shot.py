@@ -141,7 +141,7 @@ def _one_shot_kernel(
     TWO_SLICES: tl.constexpr, SLICE_FROM_GRID: tl.constexpr,
     BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_R: tl.constexpr, RANK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT_K: tl.constexpr, EXPAND_STAGES: tl.constexpr,
 ):
     """Grid (m programs * npid * SPLIT_K, slice groups, active LoRAs); see the module docstring."""
     pid_s = tl.program_id(1)
@@ -221,7 +221,7 @@ def _one_shot_kernel(
         p1 = p0
         if TWO_SLICES:
             p1 = tl.load(out_rows + (col + N + n_lo + offs_n)[None, :] * stride_on, mask=omask, other=0.0)
-        for n0 in range(n_lo, n_hi, BLOCK_N):
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=EXPAND_STAGES):
             cols = n0 + offs_n
             nmask = cols < n_hi
             omask = tmask[:, None] & nmask[None, :]
@@ -240,7 +240,7 @@ def _one_shot_kernel(
             p0 = q0
             p1 = q1
     else:
-        for n0 in range(n_lo, n_hi, BLOCK_N):
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=EXPAND_STAGES):
             cols = n0 + offs_n
             nmask = cols < n_hi
             omask = tmask[:, None] & nmask[None, :]
@@ -266,6 +266,8 @@ class OneShotConfig:
     num_stages: int
     prefetch: bool = False  # load the next N tile's prev before this tile's store
     split_k: int = 1  # programs sharing one block's shrink over K chunks (last arriver expands)
+    expand_stages: int = 0  # software-pipeline depth of the expand loop (0: num_stages, as the shrink)
+    maxnreg: int = 0  # register cap per thread (0: the compiler's choice)
 
 
 def next_pow2(n: int) -> int:
@@ -325,11 +327,18 @@ def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall,
     return best[1]
 
 
+# Streaming regime (many live blocks: the expand's output read-modify-write dominates). ncu on the H200
+# showed 2 blocks per SM, capped by registers and shared memory at once (one_shot_ncu.txt); the joint
+# grids (lora_op_grid_tiles.json, lora_op_grid_stages.json) found 4 warps with a 168-register cap and a
+# 2-deep pipeline for the shrink and the expand apart best (about 3 blocks per SM), 128-wide N tiles.
+STREAM_WARPS, STREAM_STAGES, STREAM_EXPAND_STAGES, STREAM_MAXNREG = 4, 2, 2, 168
+
+
 def choose_config(call: OpCall) -> OneShotConfig:
     """Heuristic launch config (rules read off H200 sweeps): rows per program from pairs per bucket;
     when few blocks are live ("small"): wide K/N tiles, one slice per program, the next tile's prev
-    prefetched; split-K for a long K (>= 8192); N split from a small cost model; 8 warps for rank-64
-    blocks of 64 rows over a wide N."""
+    prefetched; otherwise ("streaming") 4 warps capped at 168 registers, 2-deep pipelines, 128-wide N
+    tiles; split-K for a long K (>= 8192); N split from a small cost model."""
     info = device_info(call.output.device)
     rank_pad = max(16, next_pow2(call.rank))
     K, N = call.hidden, call.n_out
@@ -343,36 +352,38 @@ def choose_config(call: OpCall) -> OneShotConfig:
         live = nonempty * math.ceil(per_bucket / sub_m)
         rows = min(per_bucket, sub_m)
     small = per_bucket < 32 and live < info.sm_count
+    stream = not small and not call.naive
     two = call.num_slices >= 2 and rank_pad <= 32 and N <= 4096 and not small
     groups = 1 if (two or call.num_slices == 1) else 2
     block_k = 256 if (small and K >= 2048) else 128
     block_k = min(block_k, max(16, next_pow2(K)))
     block_n = 256 if (small and K >= 2048 and per_bucket < 32) else 128
-    if rank_pad >= 64 and per_bucket >= 32 and call.num_slices == 1:
-        block_n = 256  # rank 64, full blocks, one slice: measured better (w2 shapes)
     block_n = min(block_n, max(16, next_pow2(N)))
     split_k = 1
     if K >= 8192 and not call.naive and (live * groups < info.sm_count / 2 or rank_pad >= 64):
         split_k = 4 if per_bucket < 4 else 2  # a long shrink that few programs would run alone
     npid = _pick_npid(live, groups, 2 if two else 1, rows, call, block_n, info.sm_count, split_k)
-    num_warps = 8 if (rank_pad >= 64 and N >= 8192 and sub_m == 64) else 4
     prefetch = small and call.add_inputs and call.num_slices >= 2
+    if stream:
+        return OneShotConfig(sub_m, npid, block_n, block_k, two, STREAM_WARPS, STREAM_STAGES, prefetch, split_k,
+                             STREAM_EXPAND_STAGES, STREAM_MAXNREG)
     stages = 3
     smem = stages * (sub_m * block_k + (2 if two else 1) * block_k * rank_pad) * call.output.element_size()
     if smem > info.max_shared_mem * 0.75:
         stages = 2
-    return OneShotConfig(sub_m, npid, block_n, block_k, two, num_warps, stages, prefetch, split_k)
+    return OneShotConfig(sub_m, npid, block_n, block_k, two, 4, stages, prefetch, split_k)
 
 
 _FALLBACK_STAGES: dict = {}
 
 
-def launch(kernel, grid, args, meta: dict, num_warps: int, num_stages: int, key) -> None:
+def launch(kernel, grid, args, meta: dict, num_warps: int, num_stages: int, key, maxnreg: int = 0) -> None:
     """Launch; if the compiled config does not fit the device (OutOfResources), retry with fewer stages."""
     stages = _FALLBACK_STAGES.get(key, num_stages)
+    extra = dict(maxnreg=maxnreg) if maxnreg else {}
     while True:
         try:
-            kernel[grid](*args, **meta, num_warps=num_warps, num_stages=stages)
+            kernel[grid](*args, **meta, num_warps=num_warps, num_stages=stages, **extra)
             return
         except OutOfResources:
             if stages <= 1:
@@ -441,7 +452,7 @@ def run_one_shot(call: OpCall, config: OneShotConfig | None = None) -> None:
             TWO_SLICES=two, SLICE_FROM_GRID=(not two and count == 2), BLOCK_M=call.block_m if not call.naive else 16,
             SUB_M=cfg.sub_m, BLOCK_R=rank_pad, RANK=call.rank, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_K=call.hidden % cfg.block_k == 0, IEEE=out.dtype == torch.float32, PREFETCH=cfg.prefetch,
-            SPLIT_K=split_k,
+            SPLIT_K=split_k, EXPAND_STAGES=cfg.expand_stages or None,
         )
-        key = ("one_shot", out.dtype, tuple(sorted(meta.items())), cfg.num_warps)
-        launch(_one_shot_kernel, grid, args, meta, cfg.num_warps, cfg.num_stages, key)
+        key = ("one_shot", out.dtype, tuple(sorted(meta.items())), cfg.num_warps, cfg.maxnreg)
+        launch(_one_shot_kernel, grid, args, meta, cfg.num_warps, cfg.num_stages, key, cfg.maxnreg)
