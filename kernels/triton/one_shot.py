@@ -327,18 +327,30 @@ def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall,
     return best[1]
 
 
-# Streaming regime (many live blocks: the expand's output read-modify-write dominates). ncu on the H200
-# showed 2 blocks per SM, capped by registers and shared memory at once (one_shot_ncu.txt); the joint
-# grids (lora_op_grid_tiles.json, lora_op_grid_stages.json) found 4 warps with a 168-register cap and a
-# 2-deep pipeline for the shrink and the expand apart best (about 3 blocks per SM), 128-wide N tiles.
-STREAM_WARPS, STREAM_STAGES, STREAM_EXPAND_STAGES, STREAM_MAXNREG = 4, 2, 2, 168
+# Streaming regime (many live blocks; the expand's output read-modify-write dominates). ncu on the H200
+# (bench/results/2026-11-29-h200-s3/one_shot_ncu.txt) showed 2 blocks per SM, capped by registers and
+# shared memory at once, so no single knob helped; the joint grids there (lora_op_grid_*.json) found:
+# a 2-deep pipeline for the expand loop apart from the shrink's 3, 128-wide N tiles, and a register cap
+# that lets a third (or fourth) block in where the tile leaves room: 168 for 64-row, rank <= 32 tiles;
+# 128 for <= 32-row, rank >= 64 tiles (both measured 10-20% faster; a cap elsewhere spilled).
+STREAM_EXPAND_STAGES = 2
+
+
+def stream_maxnreg(sub_m: int, rank_pad: int, num_warps: int) -> int:
+    """Register cap of a streaming-regime program (0: none); see the note above."""
+    if sub_m == 64 and rank_pad <= 32 and num_warps == 4:
+        return 168
+    if sub_m <= 32 and rank_pad >= 64:
+        return 128
+    return 0
 
 
 def choose_config(call: OpCall) -> OneShotConfig:
     """Heuristic launch config (rules read off H200 sweeps): rows per program from pairs per bucket;
     when few blocks are live ("small"): wide K/N tiles, one slice per program, the next tile's prev
-    prefetched; otherwise ("streaming") 4 warps capped at 168 registers, 2-deep pipelines, 128-wide N
-    tiles; split-K for a long K (>= 8192); N split from a small cost model."""
+    prefetched; otherwise ("streaming") 128-wide N tiles, a 2-deep expand pipeline and a register cap;
+    split-K for a long K (>= 8192); N split from a small cost model; 8 warps for rank-64 blocks of 64
+    rows over a wide N."""
     info = device_info(call.output.device)
     rank_pad = max(16, next_pow2(call.rank))
     K, N = call.hidden, call.n_out
@@ -363,15 +375,16 @@ def choose_config(call: OpCall) -> OneShotConfig:
     if K >= 8192 and not call.naive and (live * groups < info.sm_count / 2 or rank_pad >= 64):
         split_k = 4 if per_bucket < 4 else 2  # a long shrink that few programs would run alone
     npid = _pick_npid(live, groups, 2 if two else 1, rows, call, block_n, info.sm_count, split_k)
+    num_warps = 8 if (rank_pad >= 64 and N >= 8192 and sub_m == 64) else 4
     prefetch = small and call.add_inputs and call.num_slices >= 2
-    if stream:
-        return OneShotConfig(sub_m, npid, block_n, block_k, two, STREAM_WARPS, STREAM_STAGES, prefetch, split_k,
-                             STREAM_EXPAND_STAGES, STREAM_MAXNREG)
     stages = 3
     smem = stages * (sub_m * block_k + (2 if two else 1) * block_k * rank_pad) * call.output.element_size()
     if smem > info.max_shared_mem * 0.75:
         stages = 2
-    return OneShotConfig(sub_m, npid, block_n, block_k, two, 4, stages, prefetch, split_k)
+    expand_stages = STREAM_EXPAND_STAGES if stream else 0
+    maxnreg = stream_maxnreg(sub_m, rank_pad, num_warps) if stream else 0
+    return OneShotConfig(sub_m, npid, block_n, block_k, two, num_warps, stages, prefetch, split_k, expand_stages,
+                         maxnreg)
 
 
 _FALLBACK_STAGES: dict = {}
