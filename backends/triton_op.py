@@ -91,3 +91,24 @@ TRITON_ONE_SHOT_SPLIT_K = BackendSpec(
                 "to arrive sums them in a fixed order and expands); the heuristic uses it only for a long K",
     capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
     op=_one_shot_split_k, precision="one_shot", origin="backends.triton_op:TRITON_ONE_SHOT_SPLIT_K")
+
+
+def _forced_stream(call):
+    """The heuristic config with the streaming regime's compiler knobs forced on: a 2-deep expand pipeline
+    apart from the shrink's 3 stages and a register cap (128: fits every test tile without spilling much)."""
+    import dataclasses
+
+    from kernels.triton.one_shot import choose_config
+    return dataclasses.replace(choose_config(call), num_warps=4, num_stages=3, expand_stages=2, maxnreg=128)
+
+
+def _one_shot_stream(*args, **kw):
+    return _ops.fused_moe_lora_one_shot(*args, **kw, config=_forced_stream)
+
+
+TRITON_ONE_SHOT_STREAM = BackendSpec(
+    name="triton_one_shot_stream",
+    description="one-shot kernel forced into the streaming regime's launch (separate expand pipeline depth, "
+                "register cap) at every shape; the heuristic uses it only when many blocks are live",
+    capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
+    op=_one_shot_stream, precision="one_shot", origin="backends.triton_op:TRITON_ONE_SHOT_STREAM")

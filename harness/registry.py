@@ -24,6 +24,7 @@ BUILTIN_REFS = (
     "backends.triton_op:TRITON",
     "backends.triton_op:TRITON_ONE_SHOT",
     "backends.triton_op:TRITON_ONE_SHOT_SPLIT_K",
+    "backends.triton_op:TRITON_ONE_SHOT_STREAM",
     "backends.triton_op:TRITON_SMALL_BATCH",
     "backends.triton_op:TRITON_TWO_KERNEL",
     "backends.experts:TRITON_EXPERTS",

@@ -34,7 +34,8 @@ def test_case_rejects_unknown_fields_and_malformed_values():
 
 def test_builtin_backends_load_and_declare():
     specs = available_backends()
-    assert {"eager", "triton", "triton_one_shot", "triton_one_shot_split_k", "triton_small_batch",
+    assert {"eager", "triton", "triton_one_shot", "triton_one_shot_split_k", "triton_one_shot_stream",
+            "triton_small_batch",
             "triton_two_kernel"} <= set(specs)
     for s in specs.values():
         assert s.description and s.capabilities.levels

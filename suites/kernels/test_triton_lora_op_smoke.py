@@ -122,13 +122,16 @@ def test_shared_lora_and_padded_rank(dev, shared):
 @pytest.mark.parametrize("dev", DEVICES)
 def test_one_shot_configs_sub_block_npid_and_slices(dev):
     """Sub-blocks below the align block, N split across programs, split-K (last arriver expands; split_k=8
-    exceeds the K tiles and is clamped), fused and separate slices agree."""
+    exceeds the K tiles and is clamped), fused and separate slices, the streaming regime's expand pipeline
+    depth and register cap (compiled on a GPU; no-ops in the interpreter) agree."""
     for cfg in (OneShotConfig(16, 3, 16, 16, True, 4, 2), OneShotConfig(32, 1, 32, 32, False, 4, 2),
                 OneShotConfig(64, 2, 16, 64, True, 4, 2, prefetch=True),
                 OneShotConfig(16, 2, 16, 32, False, 4, 2, prefetch=True),
                 OneShotConfig(16, 1, 16, 16, True, 4, 2, split_k=3), OneShotConfig(32, 2, 32, 16, False, 4, 2, split_k=8),
                 OneShotConfig(64, 2, 16, 32, True, 4, 2, prefetch=True, split_k=2),
-                OneShotConfig(32, 3, 16, 32, False, 4, 2, split_k=2)):
+                OneShotConfig(32, 3, 16, 32, False, 4, 2, split_k=2),
+                OneShotConfig(32, 2, 16, 32, False, 4, 3, expand_stages=2, maxnreg=128),
+                OneShotConfig(64, 1, 32, 16, True, 8, 3, prefetch=True, expand_stages=3, maxnreg=168)):
         args, kw = make_case(dev, torch.float32, T=9, k=3, E=3, K=70, N=50, S=3, bm=64, mul=True, seed=11)
         call = validate_call(*args[:14], dict(zip(TUNING_NAMES, args[14:])), fully_sharded=False, **kw)
         ulps = check_against_reference("one_shot", args, kw, run=lambda: run_one_shot(call, cfg))
