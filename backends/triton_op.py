@@ -73,42 +73,32 @@ TRITON_TWO_KERNEL = BackendSpec(
     origin="backends.triton_op:TRITON_TWO_KERNEL")
 
 
-def _forced_split_k(call):
-    """The heuristic config with split-K forced on: 16-wide K tiles in 3 chunks (fewer when K has fewer tiles)."""
+def _one_shot_forced(name: str, description: str, **knobs) -> BackendSpec:
+    """The one-shot kernel with the heuristic's launch config overridden by `knobs` at every shape, so the
+    conformance suite covers a mode the heuristic picks only at some (e.g. large) shapes."""
     import dataclasses
 
-    from kernels.triton.one_shot import choose_config
-    return dataclasses.replace(choose_config(call), split_k=3, block_k=16)
+    def config(call):
+        from kernels.triton.one_shot import choose_config
+        return dataclasses.replace(choose_config(call), **knobs)
+
+    def op(*args, **kw):
+        return _ops.fused_moe_lora_one_shot(*args, **kw, config=config)
+
+    op.__name__ = f"fused_moe_lora_one_shot_{name}"
+    return BackendSpec(
+        name=f"triton_one_shot_{name}", description=description,
+        capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
+        op=op, precision="one_shot", origin=f"backends.triton_op:TRITON_ONE_SHOT_{name.upper()}")
 
 
-def _one_shot_split_k(*args, **kw):
-    return _ops.fused_moe_lora_one_shot(*args, **kw, config=_forced_split_k)
-
-
-TRITON_ONE_SHOT_SPLIT_K = BackendSpec(
-    name="triton_one_shot_split_k",
-    description="one-shot kernel forced into split-K at every shape (K chunks in separate programs, the last "
-                "to arrive sums them in a fixed order and expands); the heuristic uses it only for a long K",
-    capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
-    op=_one_shot_split_k, precision="one_shot", origin="backends.triton_op:TRITON_ONE_SHOT_SPLIT_K")
-
-
-def _forced_stream(call):
-    """The heuristic config with the streaming regime's compiler knobs forced on: a 2-deep expand pipeline
-    apart from the shrink's 3 stages and a register cap (128: fits every test tile without spilling much)."""
-    import dataclasses
-
-    from kernels.triton.one_shot import choose_config
-    return dataclasses.replace(choose_config(call), num_warps=4, num_stages=3, expand_stages=2, maxnreg=128)
-
-
-def _one_shot_stream(*args, **kw):
-    return _ops.fused_moe_lora_one_shot(*args, **kw, config=_forced_stream)
-
-
-TRITON_ONE_SHOT_STREAM = BackendSpec(
-    name="triton_one_shot_stream",
-    description="one-shot kernel forced into the streaming regime's launch (separate expand pipeline depth, "
-                "register cap) at every shape; the heuristic uses it only when many blocks are live",
-    capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
-    op=_one_shot_stream, precision="one_shot", origin="backends.triton_op:TRITON_ONE_SHOT_STREAM")
+# 16-wide K tiles in 3 chunks (fewer when K has fewer tiles).
+TRITON_ONE_SHOT_SPLIT_K = _one_shot_forced(
+    "split_k", "one-shot kernel forced into split-K at every shape (K chunks in separate programs, the last to "
+               "arrive sums them in a fixed order and expands); the heuristic uses it only for a long K",
+    split_k=3, block_k=16)
+# A 2-deep expand pipeline apart from the shrink's 3 stages and a register cap (128 holds every test tile).
+TRITON_ONE_SHOT_STREAM = _one_shot_forced(
+    "stream", "one-shot kernel forced into the streaming regime's launch (separate expand pipeline depth, "
+              "register cap) at every shape; the heuristic uses it only when many blocks are live",
+    num_warps=4, num_stages=3, expand_stages=2, maxnreg=128)
