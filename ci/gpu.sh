@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU lane, run on the H200 through the device tool (never in CPU CI). Everything lands in $OUT
-# (default bench/results/latest). Targets, in the order `all` runs them (about 8 min on one H200):
+# (default bench/results/latest). Targets, in the order `all` runs them (about 9 min on one H200):
 #   tests     all suites on CUDA, 1 case per feature, 3 hypothesis examples (~80 s)
-#   bench     the op benchmark, 60 shapes, with vLLM's figures beside ours (~150 s)
+#   bench     the op benchmark, 60 shapes, every path verified first, vLLM's figures beside ours (~200 s)
 #   experts   the expert benchmark: kernel level and expert level with/without LoRA (~95 s)
 #   dual      the dual-stream benchmark, 15 shapes (~25 s)
 #   sanitize  compute-sanitizer racecheck + synccheck on a dual-stream forward (~60 s)
@@ -36,7 +36,7 @@ for t in "${targets[@]}"; do
         > "$OUT/gpu_suites.log" 2>&1 || rc=1
       tail -3 "$OUT/gpu_suites.log" ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_lora_op.py --anchors $ANCHORS --budget-s 250 \
+      timeout ${BENCH_TIMEOUT:-330} python3 bench/bench_lora_op.py --anchors $ANCHORS --budget-s 280 --verify-all \
         --out "$OUT/lora_op_bench.json" --md "$OUT/lora_op_bench.md" "$@" > "$OUT/lora_op_bench.txt" 2>&1 || rc=1
       tail -3 "$OUT/lora_op_bench.txt" | cut -c1-400 ;;
     experts)
