@@ -336,8 +336,11 @@ def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall,
 STREAM_EXPAND_STAGES = 2
 
 
-def stream_maxnreg(sub_m: int, rank_pad: int, num_warps: int) -> int:
-    """Register cap of a streaming-regime program (0: none); see the note above."""
+def stream_maxnreg(sub_m: int, rank_pad: int, num_warps: int, elem_bytes: int = 2) -> int:
+    """Register cap of a streaming-regime program (0: none); see the note above. Fit on bf16 tiles only:
+    fp32 tiles need twice the registers, so they get no cap."""
+    if elem_bytes != 2:
+        return 0
     if sub_m == 64 and rank_pad <= 32 and num_warps == 4:
         return 168
     if sub_m <= 32 and rank_pad >= 64:
@@ -382,7 +385,7 @@ def choose_config(call: OpCall) -> OneShotConfig:
     if smem > info.max_shared_mem * 0.75:
         stages = 2
     expand_stages = STREAM_EXPAND_STAGES if stream else 0
-    maxnreg = stream_maxnreg(sub_m, rank_pad, num_warps) if stream else 0
+    maxnreg = stream_maxnreg(sub_m, rank_pad, num_warps, call.output.element_size()) if stream else 0
     return OneShotConfig(sub_m, npid, block_n, block_k, two, num_warps, stages, prefetch, split_k, expand_stages,
                          maxnreg)
 
