@@ -3,7 +3,8 @@
 Same declarations as TritonExperts (the class inherits them), checked by its own is_supported_config.
 Rounding model: the dual-stream add, rnd(cache + rnd(delta)), over the LoRA op path the class takes
 ("dual_stream", or "dual_stream_small_batch" when the delta comes from the small-batch kernel); with a
-fully-sharded LoRA the class runs on one stream and follows that path's own preset. One experts object
+fully-sharded LoRA, or a batch above the context's dual_stream_max_tokens (default 128), the class runs on
+one stream and follows that path's own preset. One experts object
 per configuration is kept, so the aux stream and events are created once, as a layer would.
 On the CPU every call also runs the Recorder's race check (a race raises, failing the case).
 """
@@ -16,6 +17,7 @@ try:
     import triton  # noqa: F401
     from backends.experts import config_from_call, config_from_case, context_from_call
     from kernels.experts.dual_stream_experts import DualStreamTritonExperts
+    from kernels.experts.lora_context import DUAL_STREAM_MAX_TOKENS
     from kernels.experts.modular import FusedMoEKernel
     from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
     _IMPORT_ERROR = ""
@@ -31,7 +33,7 @@ def dual_stream_precision(case: Case) -> str:
     if not case.lora:
         return "one_shot"
     path = DualStreamTritonExperts.lora_path(config_from_case(case), case.T, case.max_loras)
-    if case.fully_sharded:
+    if case.fully_sharded or case.T > DUAL_STREAM_MAX_TOKENS:
         return path                        # one stream: the path's own rounding
     return "dual_stream_small_batch" if path == "small_batch" else "dual_stream"
 

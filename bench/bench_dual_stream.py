@@ -4,7 +4,9 @@ Per model shape (qwen3moe, mixtral, gptoss20b) and T, bf16, rank 16, 4 LoRA slot
 adapter, silu, the Triton experts three ways:
   base    TritonExperts without LoRA;
   seq     TritonExperts with LoRA, deltas added in place on one stream;
-  dual    DualStreamTritonExperts: deltas on the aux stream into zeroed buffers, joined by events.
+  dual    DualStreamTritonExperts: deltas on the aux stream into zeroed buffers, joined by events, at every
+          T (dual_stream_max_tokens=None); `default mode` says what the layer's default batch-size gate
+          (lora_context.DUAL_STREAM_MAX_TOKENS) runs for that T.
 hidden = (seq - dual) / (seq - base): the fraction of the LoRA time the overlap hides (1 = all of it,
 0 = none, < 0 = the second stream costs more than it hides). Times are CUDA-graph replay medians
 (the captured graph keeps the fork/join, so the branches run concurrently as in vLLM), optionally eager
@@ -74,7 +76,7 @@ def build_runs(m: dict, T: int, seed: int = 1) -> dict:
         return MoELoRAContext(w13_lora_a_stacked=m["a13"], w13_lora_b_stacked=m["b13"], w2_lora_a_stacked=m["a2"],
                               w2_lora_b_stacked=m["b2"], adapter_enabled=m["enabled"], max_loras=NUM_LORAS,
                               top_k=k, w13_num_slices=2, local_num_experts=E, token_lora_mapping=mapping,
-                              dual_stream=dual)
+                              dual_stream=dual, dual_stream_max_tokens=None)  # measure the overlap at every T
 
     outs = {v: torch.empty(T, H, device=dev, dtype=torch.bfloat16) for v in VARIANTS}
     layers = {"base": (TritonExperts(base_cfg), None), "seq": (TritonExperts(lora_cfg), ctx(False)),
@@ -105,7 +107,10 @@ def check(runs: dict) -> dict:
 
 def markdown(rows: list[dict], eager: bool) -> str:
     """The results as a Markdown table, one row per (model, T)."""
-    head = "| model | T | LoRA path | base ms | seq ms | dual ms | LoRA ms | hidden | dual speedup | check |"
+    from kernels.experts.lora_context import DUAL_STREAM_MAX_TOKENS
+
+    head = ("| model | T | LoRA path | base ms | seq ms | dual ms | LoRA ms | hidden | dual speedup | check | "
+            "default mode |")
     if eager:
         head += " eager seq | eager dual |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -116,7 +121,8 @@ def markdown(rows: list[dict], eager: bool) -> str:
         hid = "n/a" if r["hidden"] is None else f"{r['hidden']:.0%}"
         line = (f"| {r['model']} | {r['T']} | {r['path']} | {r['base_ms']:.4f} | {r['seq_ms']:.4f} | "
                 f"{r['dual_ms']:.4f} | {r['lora_ms']:.4f} | {hid} | {r['seq_ms'] / r['dual_ms']:.2f}x | "
-                f"{'ok' if r['check']['ok'] else 'MISMATCH'} |")
+                f"{'ok' if r['check']['ok'] else 'MISMATCH'} | "
+                f"{'dual' if r['T'] <= DUAL_STREAM_MAX_TOKENS else 'one stream'} |")
         if eager:
             line += f" {r['eager_seq_ms']:.4f} | {r['eager_dual_ms']:.4f} |"
         lines.append(line)

@@ -1,7 +1,8 @@
 """`DualStreamTritonExperts`: TritonExperts whose LoRA deltas run on an aux stream (spec 5, dual-stream mode).
 
-Used when `lora_ctx.dual_stream` is set and the LoRA is not fully sharded (vLLM keeps the fully-sharded
-path on one stream); otherwise it is plain TritonExperts. The schedule (aux stream + four events) is
+Used when `lora_ctx.dual_stream` is set, the LoRA is not fully sharded (vLLM keeps the fully-sharded
+path on one stream) and the batch has at most `lora_ctx.dual_stream_max_tokens` tokens (measured: above
+that the aux stream competes with base GEMMs that already fill the GPU); otherwise it is plain TritonExperts. The schedule (aux stream + four events) is
 created once per experts object, on its first dual-stream call, and reused: on CUDA a CudaSchedule
 (adopting `lora_ctx.aux_stream` / `lora_ctx.events` when the layer provides them), on the CPU a
 Recorder, which also checks every call for races and raises if it finds one.
@@ -67,9 +68,13 @@ class DualStreamTritonExperts(TritonExperts):
         self.last_plan: str | None = None
 
     @staticmethod
-    def uses_dual_stream(ctx: MoELoRAContext | None) -> bool:
-        """Dual-stream runs need LoRA with ctx.dual_stream set and no fully-sharded collectives."""
-        return ctx is not None and ctx.dual_stream and not ctx.fully_sharded
+    def uses_dual_stream(ctx: MoELoRAContext | None, num_tokens: int | None = None) -> bool:
+        """Dual-stream runs need LoRA with ctx.dual_stream set, no fully-sharded collectives, and a batch of at
+        most ctx.dual_stream_max_tokens tokens (larger ones fill the GPU with the base GEMMs alone)."""
+        if ctx is None or not ctx.dual_stream or ctx.fully_sharded:
+            return False
+        cap = ctx.dual_stream_max_tokens
+        return cap is None or num_tokens is None or num_tokens <= cap
 
     def program_for(self, plan: Plan):
         """The Steps a call issues for `plan` (kernels.experts.dual_stream.dual_stream_program)."""
@@ -113,7 +118,7 @@ class DualStreamTritonExperts(TritonExperts):
     def apply(self, output, hidden_states, w13, w2, topk_weights, topk_ids, *, expert_map=None,
               w13_bias=None, w2_bias=None, lora_ctx: MoELoRAContext | None = None) -> None:
         """As TritonExperts.apply; with ctx.dual_stream (not fully sharded) the LoRA deltas run on the aux stream."""
-        if not self.uses_dual_stream(lora_ctx):
+        if not self.uses_dual_stream(lora_ctx, int(hidden_states.shape[0])):
             return super().apply(output, hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map,
                                  w13_bias=w13_bias, w2_bias=w2_bias, lora_ctx=lora_ctx)
         plan = self.make_plan(output, hidden_states, w13, w2, topk_weights, topk_ids, expert_map=expert_map,

@@ -30,9 +30,18 @@ def _int_map(t, name: str, expect: str) -> None:
                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
 
 
+# Dual stream pays only while the base GEMMs leave SMs idle. On the H200 the aux-stream LoRA hid 8-67% of
+# the LoRA time at T <= 16 (mixtral, gpt-oss; qwen3 -1..21%), -5..12% at T = 128, and cost 12-40% of it at
+# T >= 1024 (bench/results/2026-11-29-h200-s3/bench_dual_stream.md): batches above this run on one stream.
+DUAL_STREAM_MAX_TOKENS = 128
+
+
 @dataclass
 class MoELoRAContext:
     """The LoRA state of one expert layer (spec 8's fields) plus `dual_stream` (reserved for dual-stream runs).
+
+    `dual_stream_max_tokens` (not in vLLM): a dual-stream layer runs batches of more tokens on one stream
+    (None: every batch on two); the default is the H200 crossover, DUAL_STREAM_MAX_TOKENS.
 
     Weights: w13 A S x (L, E|1, R, H), w13 B S x (L, E|1, N, R), w2 A 1 x (L, E, R, I), w2 B 1 x (L, E|1, H', R)
     (expert dim 1 = shared, allowed only with enable_moe_shared_loras). `token_lora_mapping` (T,) int32
@@ -66,6 +75,7 @@ class MoELoRAContext:
     events: object = None
     original_hidden_states: torch.Tensor | None = None
     dual_stream: bool = False
+    dual_stream_max_tokens: int | None = DUAL_STREAM_MAX_TOKENS
     lora_collective: object = None  # fully_sharded: (cache, "w13"|"w2") -> joined cache; None = torch.distributed
 
     def __post_init__(self):
@@ -81,6 +91,9 @@ class MoELoRAContext:
         for name in ("fully_sharded", "enable_moe_shared_loras", "use_tuned_config", "dual_stream"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MoELoRAContext.{name} must be a bool; got {getattr(self, name)!r}")
+        mt = self.dual_stream_max_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
+            raise ValueError(f"MoELoRAContext.dual_stream_max_tokens must be None or an int >= 0; got {mt!r}")
         if self.lora_collective is not None and not callable(self.lora_collective):
             raise TypeError(f"MoELoRAContext.lora_collective must be a callable (cache, 'w13'|'w2') -> cache or "
                             f"None; got {type(self.lora_collective).__name__}")

@@ -102,6 +102,7 @@ try:
     from backends.dual_stream import BACKEND, dual_stream_precision, run_experts
     from backends.experts import config_from_call, context_from_call
     from kernels.experts.dual_stream_experts import DualStreamTritonExperts
+    from kernels.experts.lora_context import MoELoRAContext
     from kernels.experts.modular import FusedMoEKernel
     from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
     from kernels.experts.triton_experts import TritonExperts
@@ -175,6 +176,31 @@ def test_single_stream_when_flag_off_or_fully_sharded():
 
 
 @needs_experts
+def test_batches_above_the_token_cap_run_on_one_stream():
+    """dual_stream_max_tokens gates the mode by batch size: above it the layer is plain TritonExperts (no
+    schedule, no aux launch, the same bits as single stream); None runs every batch on two streams."""
+    case = Case(**{**CASE.__dict__, "T": 9})
+    call = build_expert_inputs(case).call("cpu")
+    config = config_from_call(call)
+    seq = run_layer(TritonExperts(config), call, dual=False)
+    gated = DualStreamTritonExperts(config)
+    out = run_layer(gated, call, mutate_ctx=lambda c: setattr(c, "dual_stream_max_tokens", 8))
+    assert gated.dual_stream_schedule is None and gated.last_plan is None
+    assert same_bits(out, seq)
+    for cap in (9, None):
+        dual = DualStreamTritonExperts(config)
+        out = run_layer(dual, call, mutate_ctx=lambda c, cap=cap: setattr(c, "dual_stream_max_tokens", cap))
+        assert dual.last_plan == "both" and any(op.stream == AUX for op in dual.dual_stream_schedule.ops), cap
+        assert same_bits(out, seq)
+    ctx = context_from_call(call, config)
+    assert ctx.dual_stream_max_tokens == 128                               # the measured H200 crossover
+    ctx.dual_stream = True
+    assert DualStreamTritonExperts.uses_dual_stream(ctx, 128) and not DualStreamTritonExperts.uses_dual_stream(ctx, 129)
+    with pytest.raises(ValueError, match="dual_stream_max_tokens"):
+        MoELoRAContext(**{**ctx.__dict__, "dual_stream_max_tokens": -1})
+
+
+@needs_experts
 def test_no_lora_batch_takes_the_base_only_schedule():
     case = Case(**{**CASE.__dict__, "mapping": "none"})
     call = build_expert_inputs(case).call("cpu")
@@ -191,6 +217,7 @@ def test_backend_precision_follows_the_lora_path():
     assert dual_stream_precision(small) == "dual_stream_small_batch"
     assert dual_stream_precision(CASE) == "dual_stream"
     assert dual_stream_precision(Case(**{**CASE.__dict__, "lora": False})) == "one_shot"
+    assert dual_stream_precision(Case(**{**CASE.__dict__, "T": 129})) == "one_shot"   # above the cap: one stream
 
 
 @needs_experts
