@@ -239,7 +239,8 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
     plans = [("one_shot", "sorted", one_shot.choose_config, one_shot.run_one_shot,
               [("split_k", (1, 2, 4, 8, 16)), ("npid", (1, 2, 4, 8, 16, 32)), ("sub_m", (16, 32, 64)),
                ("block_k", (64, 128, 256, 512)), ("block_n", (64, 128, 256)), ("num_warps", (4, 8)),
-               ("num_stages", (2, 3, 4)), ("prefetch", (False, True)),
+               ("num_stages", (2, 3, 4)), ("expand_stages", (0, 2, 3)), ("maxnreg", (0, 128, 168)),
+               ("prefetch", (False, True)),
                ("two_slices", (True, False) if c["S"] == 2 else ()),
                ("split_k", (1, 2, 4, 8, 16)), ("npid", (1, 2, 4, 8, 16))])]
     if c["T"] * c["k"] * c["R"] <= 1024:
