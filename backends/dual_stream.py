@@ -17,7 +17,6 @@ try:
     import triton  # noqa: F401
     from backends.experts import config_from_call, config_from_case, context_from_call
     from kernels.experts.dual_stream_experts import DualStreamTritonExperts
-    from kernels.experts.lora_context import DUAL_STREAM_MAX_TOKENS
     from kernels.experts.modular import FusedMoEKernel
     from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
     _IMPORT_ERROR = ""
@@ -33,7 +32,7 @@ def dual_stream_precision(case: Case) -> str:
     if not case.lora:
         return "one_shot"
     path = DualStreamTritonExperts.lora_path(config_from_case(case), case.T, case.max_loras)
-    if case.fully_sharded or case.T > DUAL_STREAM_MAX_TOKENS:
+    if not DualStreamTritonExperts.dual_stream_applies(case.fully_sharded, case.T):
         return path                        # one stream: the path's own rounding
     return "dual_stream_small_batch" if path == "small_batch" else "dual_stream"
 

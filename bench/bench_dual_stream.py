@@ -107,7 +107,7 @@ def check(runs: dict) -> dict:
 
 def markdown(rows: list[dict], eager: bool) -> str:
     """The results as a Markdown table, one row per (model, T)."""
-    from kernels.experts.lora_context import DUAL_STREAM_MAX_TOKENS
+    from kernels.experts.dual_stream_experts import DualStreamTritonExperts
 
     head = ("| model | T | LoRA path | base ms | seq ms | dual ms | LoRA ms | hidden | dual speedup | check | "
             "default mode |")
@@ -122,7 +122,7 @@ def markdown(rows: list[dict], eager: bool) -> str:
         line = (f"| {r['model']} | {r['T']} | {r['path']} | {r['base_ms']:.4f} | {r['seq_ms']:.4f} | "
                 f"{r['dual_ms']:.4f} | {r['lora_ms']:.4f} | {hid} | {r['seq_ms'] / r['dual_ms']:.2f}x | "
                 f"{'ok' if r['check']['ok'] else 'MISMATCH'} | "
-                f"{'dual' if r['T'] <= DUAL_STREAM_MAX_TOKENS else 'one stream'} |")
+                f"{'dual' if DualStreamTritonExperts.dual_stream_applies(False, r['T']) else 'one stream'} |")
         if eager:
             line += f" {r['eager_seq_ms']:.4f} | {r['eager_dual_ms']:.4f} |"
         lines.append(line)

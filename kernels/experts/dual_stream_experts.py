@@ -2,8 +2,8 @@
 
 Used when `lora_ctx.dual_stream` is set, the LoRA is not fully sharded (vLLM keeps the fully-sharded
 path on one stream) and the batch has at most `lora_ctx.dual_stream_max_tokens` tokens (measured: above
-that the aux stream competes with base GEMMs that already fill the GPU); otherwise it is plain TritonExperts. The schedule (aux stream + four events) is
-created once per experts object, on its first dual-stream call, and reused: on CUDA a CudaSchedule
+that the aux stream competes with base GEMMs that already fill the GPU); otherwise it is plain
+TritonExperts. The schedule (aux stream + four events) is created once per experts object, on its first dual-stream call, and reused: on CUDA a CudaSchedule
 (adopting `lora_ctx.aux_stream` / `lora_ctx.events` when the layer provides them), on the CPU a
 Recorder, which also checks every call for races and raises if it finds one.
 Numerics: each delta is computed with add_inputs=False into a zeroed buffer and added on main,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.experts.dual_stream import AUX, EVENTS, PLANS, Plan, dual_stream_program, run_program
-from kernels.experts.lora_context import MoELoRAContext
+from kernels.experts.lora_context import DUAL_STREAM_MAX_TOKENS, MoELoRAContext
 from kernels.experts.triton_experts import ExpertsPlan, TritonExperts
 from kernels.schedule.interface import Schedule
 from kernels.schedule.recorder import Recorder
@@ -68,13 +68,17 @@ class DualStreamTritonExperts(TritonExperts):
         self.last_plan: str | None = None
 
     @staticmethod
-    def uses_dual_stream(ctx: MoELoRAContext | None, num_tokens: int | None = None) -> bool:
-        """Dual-stream runs need LoRA with ctx.dual_stream set, no fully-sharded collectives, and a batch of at
-        most ctx.dual_stream_max_tokens tokens (larger ones fill the GPU with the base GEMMs alone)."""
-        if ctx is None or not ctx.dual_stream or ctx.fully_sharded:
-            return False
-        cap = ctx.dual_stream_max_tokens
-        return cap is None or num_tokens is None or num_tokens <= cap
+    def dual_stream_applies(fully_sharded: bool, num_tokens: int | None,
+                            max_tokens: int | None = DUAL_STREAM_MAX_TOKENS) -> bool:
+        """The gate alone: no fully-sharded collectives, and a batch of at most `max_tokens` tokens (larger
+        ones fill the GPU with the base GEMMs alone; None: any batch)."""
+        return not fully_sharded and (max_tokens is None or num_tokens is None or num_tokens <= max_tokens)
+
+    @classmethod
+    def uses_dual_stream(cls, ctx: MoELoRAContext | None, num_tokens: int | None = None) -> bool:
+        """Dual-stream runs need LoRA with ctx.dual_stream set and the gate open for this batch."""
+        return (ctx is not None and ctx.dual_stream
+                and cls.dual_stream_applies(ctx.fully_sharded, num_tokens, ctx.dual_stream_max_tokens))
 
     def program_for(self, plan: Plan):
         """The Steps a call issues for `plan` (kernels.experts.dual_stream.dual_stream_program)."""
