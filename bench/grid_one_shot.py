@@ -41,7 +41,6 @@ GRIDS = {
     "regs": [dict(num_stages=ns, expand_stages=es, maxnreg=mr, block_n=bn, num_warps=4)
              for ns, es, mr, bn in itertools.product((2, 3), (0, 2, 3), (0, 128, 168), (64, 128))],
 }
-GRID = GRIDS["tiles"]
 
 
 def default_shapes() -> list:
@@ -64,17 +63,17 @@ def grid_point(base, g: dict, call):
     return cand if cand.sub_m <= call.block_m else None
 
 
-def configs(call, around=None) -> list:
+def configs(call, grid: list, around=None) -> list:
     """The heuristic config first, then `around` (if given), then every distinct applicable grid point."""
     out = bases(call, around)
-    for g in GRID:
+    for g in grid:
         cand = grid_point(out[-1], g, call)
         if cand is not None and cand not in out:
             out.append(cand)
     return out
 
 
-def compile_only(points: list, around: dict) -> None:
+def compile_only(points: list, grid: list, around: dict) -> None:
     """Run the given (shape, grid index) configs once each: fills Triton's on-disk cache for the timing
     process (index -1: the heuristic and `around` configs)."""
     from kernels.triton.one_shot import run_one_shot
@@ -88,7 +87,7 @@ def compile_only(points: list, around: dict) -> None:
         call = op_call(c, "sorted", c["out"].clone())
         b = bases(call, around.get(spec))
         for j in idx:
-            for cfg in (b if j < 0 else [grid_point(b[-1], GRID[j], call)]):
+            for cfg in (b if j < 0 else [grid_point(b[-1], grid[j], call)]):
                 if cfg is None:
                     continue
                 try:
@@ -100,7 +99,7 @@ def compile_only(points: list, around: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def time_shape(spec: str, rep: int, around: dict | None = None) -> dict:
+def time_shape(spec: str, rep: int, grid: list, around: dict | None = None) -> dict:
     """Heuristic, two-kernel, every grid config, then npid 1..16 around the best three (ms)."""
     from kernels.triton.one_shot import run_one_shot
     from kernels.triton.two_kernel import run_two_kernel
@@ -115,16 +114,16 @@ def time_shape(spec: str, rep: int, around: dict | None = None) -> dict:
         except Exception as e:  # noqa: BLE001
             return f"error {type(e).__name__}"
 
-    cfgs = configs(call, around)
-    res = [(dataclasses.asdict(cfg), ms(cfg)) for cfg in cfgs]
-    ok = sorted(((x[1], cfg) for cfg, x in zip(cfgs, res) if isinstance(x[1], float)), key=lambda p: p[0])
-    seen = {tuple(sorted(x[0].items())) for x in res}
+    cfgs = configs(call, grid, around)
+    times = [ms(cfg) for cfg in cfgs]
+    res = [(dataclasses.asdict(cfg), t) for cfg, t in zip(cfgs, times)]
+    ok = sorted(((t, cfg) for cfg, t in zip(cfgs, times) if isinstance(t, float)), key=lambda p: p[0])
+    seen = set(cfgs)
     for _, cfg in ok[:3]:
         for npid in (1, 2, 4, 8, 16):
             cand = dataclasses.replace(cfg, npid=npid)
-            key = tuple(sorted(dataclasses.asdict(cand).items()))
-            if key not in seen:
-                seen.add(key)
+            if cand not in seen:
+                seen.add(cand)
                 res.append((dataclasses.asdict(cand), ms(cand)))
     two = _graph_ms(lambda: run_two_kernel(call), 5, rep)
     best = min((x for x in res if isinstance(x[1], float)), key=lambda x: x[1])
@@ -148,33 +147,32 @@ def main(argv=None) -> int:
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--points", default="[]", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    global GRID
-    GRID = GRIDS[a.grid]
+    grid = GRIDS[a.grid]
     around = {}
     if a.around:
         around = {r["shape"]: r["best"][0] for r in json.loads(pathlib.Path(a.around).read_text())["rows"]}
     os.environ["MOE_LORA_UNCHECKED"] = "1"
     shapes = a.shapes.split(",") if a.shapes else default_shapes()
     if a.compile_only:
-        compile_only(json.loads(a.points), around)
+        compile_only(json.loads(a.points), grid, around)
         return 0
     t0 = time.time()
     if a.jobs > 0:
         extra = ["--grid", a.grid] + (["--around", a.around] if a.around else [])
-        n = len(shapes) * len(GRID)
+        n = len(shapes) * len(grid)
         chunks = [[] for _ in range(a.jobs)]
         for i, spec in enumerate(shapes):  # shapes are few: each process gets a slice of every shape's grid
-            for j in range(-1, len(GRID)):
-                chunks[(i * len(GRID) + j) % a.jobs].append((spec, j))
+            for j in range(-1, len(grid)):
+                chunks[(i * len(grid) + j) % a.jobs].append((spec, j))
         procs = [subprocess.Popen([sys.executable, __file__, "--compile-only", "--shapes", ",".join(shapes),
                                    "--points", json.dumps(ch)] + extra) for ch in chunks if ch]
         for pr in procs:
             pr.wait()
         print(f"compiled {n} configs in {time.time() - t0:.0f} s", flush=True)
-    rows = [time_shape(s, a.rep, around.get(s)) for s in shapes]
+    rows = [time_shape(s, a.rep, grid, around.get(s)) for s in shapes]
     print(f"total {time.time() - t0:.0f} s")
     if a.out:
-        pathlib.Path(a.out).write_text(json.dumps(dict(grid=GRID, rows=rows), indent=1))
+        pathlib.Path(a.out).write_text(json.dumps(dict(grid=grid, rows=rows), indent=1))
     return 0
 
 
