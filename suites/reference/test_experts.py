@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from reference.activations import SUPPORTED_ACTIVATIONS, apply_activation, is_gated
-from reference.adapters import ExpertAdapter, StackedMoELoRA, pack_moe_lora
+from reference.adapters import StackedMoELoRA
 from reference.experts import ExpertExpected, LoRACollectives, LoRAInputs, moe_experts_forward
 from reference.precision import PRESETS, eps, precision, rnd
+
+from random_layer import random_layer  # suites/reference/random_layer.py (pytest puts this folder on sys.path)
 
 F64 = torch.float64
 EXACT = precision("exact", None)
@@ -17,23 +19,8 @@ T, H, I, E, K, L, R = 6, 16, 8, 4, 2, 3, 8
 def make_layer(seed, *, gated=True, dtype=torch.float16, T=T, k=K, E=E, bias=False, shared=False,
                ranks=(R, 3), scaling=0.5):
     """Random non-trivial layer + LoRA: slot 0 full rank, slot 1 smaller rank, slot 2 empty (disabled)."""
-    g = torch.Generator().manual_seed(seed)
-    n1 = 2 * I if gated else I
-    layer = dict(
-        hidden=torch.randn(T, H, generator=g).to(dtype),
-        w13=(torch.randn(E, n1, H, generator=g) / H**0.5).to(dtype),
-        w2=(torch.randn(E, H, I, generator=g) / I**0.5).to(dtype),
-        topk_weights=torch.rand(T, k, generator=g) * 0.9 + 0.1,
-        topk_ids=torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32),
-    )
-    if bias:
-        layer["w13_bias"] = (torch.randn(E, n1, generator=g) * 0.3).to(dtype)
-        layer["w2_bias"] = (torch.randn(E, H, generator=g) * 0.3).to(dtype)
-    adapters = [ExpertAdapter.random(E, H, I, r, gated, scaling, g) for r in ranks] + [None]
-    stacked = pack_moe_lora(adapters, max_loras=L, max_rank=R, num_experts=E, hidden_size=H, intermediate_size=I,
-                            dtype=dtype, gated=gated, shared_a=shared, shared_b=shared)
-    mapping = torch.tensor([(0, 1, -1, 2, 1, 0)[i % 6] for i in range(T)], dtype=torch.int32)
-    return layer, LoRAInputs(stacked, mapping)
+    return random_layer(seed, T=T, H=H, I=I, E=E, k=k, L=L, max_rank=R, ranks=ranks, gated=gated, dtype=dtype,
+                        bias=bias, shared=shared, scaling=scaling)
 
 
 def fwd(layer, lora, prec, activation="silu", **kw):

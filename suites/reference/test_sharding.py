@@ -11,6 +11,8 @@ from reference.sharding import (
     sharded_experts_forward, tp_slice_base, tp_slice_lora,
 )
 
+from random_layer import random_layer  # suites/reference/random_layer.py (pytest puts this folder on sys.path)
+
 F64 = torch.float64
 EXACT = precision("exact", None)
 T, H, I, E, K, L, R = 7, 16, 8, 4, 2, 3, 8
@@ -18,23 +20,8 @@ T, H, I, E, K, L, R = 7, 16, 8, 4, 2, 3, 8
 
 def make_layer(seed, *, gated=True, dtype=torch.float32, shared=False, bias=True):
     """Random layer (biases on) and LoRA: slots 0/1 with adapters (rank R and 4), slot 2 empty."""
-    g = torch.Generator().manual_seed(seed)
-    n1 = 2 * I if gated else I
-    layer = dict(
-        hidden=torch.randn(T, H, generator=g).to(dtype),
-        w13=(torch.randn(E, n1, H, generator=g) / H**0.5).to(dtype),
-        w2=(torch.randn(E, H, I, generator=g) / I**0.5).to(dtype),
-        topk_weights=torch.rand(T, K, generator=g) * 0.9 + 0.1,
-        topk_ids=torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32),
-    )
-    if bias:
-        layer["w13_bias"] = (torch.randn(E, n1, generator=g) * 0.3).to(dtype)
-        layer["w2_bias"] = (torch.randn(E, H, generator=g) * 0.3).to(dtype)
-    ads = [ExpertAdapter.random(E, H, I, r, gated, 0.5, g) for r in (R, 4)] + [None]
-    st = pack_moe_lora(ads, max_loras=L, max_rank=R, num_experts=E, hidden_size=H, intermediate_size=I,
-                       dtype=dtype, gated=gated, shared_a=shared, shared_b=shared)
-    mapping = torch.tensor([0, 1, -1, 2, 1, 0, 0], dtype=torch.int32)
-    return layer, LoRAInputs(st, mapping)
+    return random_layer(seed, T=T, H=H, I=I, E=E, k=K, L=L, max_rank=R, ranks=(R, 4), gated=gated, dtype=dtype,
+                        bias=bias, shared=shared)
 
 
 def assert_close64(a, b, rel=1e-12):
