@@ -172,14 +172,15 @@ def _one_shot_kernel(
             b_ptr = b1_ptr
             col = col0 + N
 
+    # Rank offsets stay a plain arange (masked past RANK): a clamp such as where(rmask, offs_r, 0) hides their
+    # contiguity, and B's rank-contiguous tile then loads 2 bytes at a time and is not pipelined.
     offs_r = tl.arange(0, BLOCK_R)
     rmask = offs_r < RANK
-    r_safe = tl.where(rmask, offs_r, 0)
     k_lo = ks * k_per_split  # k_per_split: a multiple of BLOCK_K (all of K when SPLIT_K == 1)
     k_hi = tl.minimum(k_lo + k_per_split, K)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (tok // X_ROW_DIV)[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
-    a_off = (lora * stride_al + expert * stride_ae + r_safe[None, :] * stride_ar
+    a_off = (lora * stride_al + expert * stride_ae + offs_r[None, :] * stride_ar
              + (k_lo + offs_k)[:, None] * stride_ak)
     a_ptrs0 = a_ptr + a_off
     a_ptrs1 = a1_ptr + a_off
@@ -211,7 +212,7 @@ def _one_shot_kernel(
     if MUL_W:
         wv = tl.load(w_ptr + tok, mask=tmask, other=0.0).to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    b_off = lora * stride_bl + expert * stride_be + r_safe[:, None] * stride_br
+    b_off = lora * stride_bl + expert * stride_be + offs_r[:, None] * stride_br
     out_rows = out_ptr + tok[:, None] * stride_om
     if PREFETCH and ADD_INPUTS:
         # prev of the next N tile is loaded before this tile's dot and store (loads in flight).

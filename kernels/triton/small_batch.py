@@ -65,11 +65,10 @@ def _small_batch_kernel(
         col = col0 + N
 
     offs_r = tl.arange(0, BLOCK_R)
-    rmask = offs_r < RANK
-    r_safe = tl.where(rmask, offs_r, 0)
+    rmask = offs_r < RANK  # offsets unclamped (masked): a clamp hides B's rank contiguity from the compiler
     offs_k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + (pair // X_ROW_DIV).to(tl.int64) * stride_xm
-    a_base = a_ptr + lora * stride_al + expert * stride_ae + r_safe[:, None] * stride_ar
+    a_base = a_ptr + lora * stride_al + expert * stride_ae + offs_r[:, None] * stride_ar
     u = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -88,7 +87,7 @@ def _small_batch_kernel(
     n_lo = chunk * n_per_prog
     n_hi = tl.minimum(n_lo + n_per_prog, N)
     offs_n = tl.arange(0, BLOCK_N)
-    b_base = b_ptr + lora * stride_bl + expert * stride_be + r_safe[None, :] * stride_br
+    b_base = b_ptr + lora * stride_bl + expert * stride_be + offs_r[None, :] * stride_br
     out_row = out_ptr + pair.to(tl.int64) * stride_om
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + offs_n
