@@ -40,6 +40,8 @@ GRIDS = {
     # regs: around the streaming heuristic: pipeline depths, register cap, N tile (4 warps)
     "regs": [dict(num_stages=ns, expand_stages=es, maxnreg=mr, block_n=bn, num_warps=4)
              for ns, es, mr, bn in itertools.product((2, 3), (0, 2, 3), (0, 128, 168), (64, 128))],
+    # pipe: the expand loop's pipeline depth x register cap, all else the heuristic's (B tiles pipelined)
+    "pipe": [dict(expand_stages=es, maxnreg=mr) for es, mr in itertools.product((0, 2, 3, 4), (0, 128, 168, 200))],
 }
 
 
@@ -99,8 +101,8 @@ def compile_only(points: list, grid: list, around: dict) -> None:
         torch.cuda.empty_cache()
 
 
-def time_shape(spec: str, rep: int, grid: list, around: dict | None = None) -> dict:
-    """Heuristic, two-kernel, every grid config, then npid 1..16 around the best three (ms)."""
+def time_shape(spec: str, rep: int, grid: list, around: dict | None = None, npid_search: bool = True) -> dict:
+    """Heuristic, two-kernel, every grid config, then (npid_search) npid 1..16 around the best three (ms)."""
     from kernels.triton.one_shot import run_one_shot
     from kernels.triton.two_kernel import run_two_kernel
 
@@ -119,7 +121,7 @@ def time_shape(spec: str, rep: int, grid: list, around: dict | None = None) -> d
     res = [(dataclasses.asdict(cfg), t) for cfg, t in zip(cfgs, times)]
     ok = sorted(((t, cfg) for cfg, t in zip(cfgs, times) if isinstance(t, float)), key=lambda p: p[0])
     seen = set(cfgs)
-    for _, cfg in ok[:3]:
+    for _, cfg in (ok[:3] if npid_search else []):
         for npid in (1, 2, 4, 8, 16):
             cand = dataclasses.replace(cfg, npid=npid)
             if cand not in seen:
@@ -143,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=14, help="parallel compile processes (0: compile while timing)")
     p.add_argument("--rep", type=int, default=40, help="do_bench rep (ms) per config")
     p.add_argument("--grid", default="tiles", choices=sorted(GRIDS))
+    p.add_argument("--no-npid", action="store_true", help="skip the npid search around the best three")
     p.add_argument("--around", default=None, help="a grid JSON: search around each shape's best config there")
     p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--points", default="[]", help=argparse.SUPPRESS)
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
         for pr in procs:
             pr.wait()
         print(f"compiled {n} configs in {time.time() - t0:.0f} s", flush=True)
-    rows = [time_shape(s, a.rep, grid, around.get(s)) for s in shapes]
+    rows = [time_shape(s, a.rep, grid, around.get(s), not a.no_npid) for s in shapes]
     print(f"total {time.time() - t0:.0f} s")
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(dict(grid=grid, rows=rows), indent=1))

@@ -328,33 +328,29 @@ def _pick_npid(live: float, groups: int, s_prog: int, rows: float, call: OpCall,
     return best[1]
 
 
-# Streaming regime (many live blocks; the expand's output read-modify-write dominates). ncu on the H200
-# (bench/results/2026-11-29-h200-s3/one_shot_ncu.txt) showed 2 blocks per SM, capped by registers and
-# shared memory at once, so no single knob helped; the joint grids there (lora_op_grid_*.json) found:
-# a 2-deep pipeline for the expand loop apart from the shrink's 3, 128-wide N tiles, and a register cap
-# that lets a third (or fourth) block in where the tile leaves room: 168 for 64-row, rank <= 32 tiles;
-# 128 for <= 32-row, rank >= 64 tiles (both measured 10-20% faster; a cap elsewhere spilled).
-STREAM_EXPAND_STAGES = 2
+# The expand loop's pipeline and register cap (sorted layouts). With B's tile loaded 16 bytes at a time and
+# pipelined (it was not, before rank offsets stopped being clamped), the H200 grid of expand depth x register
+# cap over 36 shapes (bench/results/2026-11-29-h200-s4/lora_op_grid_pipe.json) put a 3-deep expand pipeline
+# at or near the best everywhere, and a cap of 168 registers ahead for rank <= 32 tiles (it lets a third
+# block onto each SM), except two-slice 64-row tiles, whose two accumulators then spill; rank >= 64 tiles run
+# best uncapped. (The 2026-11-29-h200-s3 grids had fit 2-deep and 168/128 caps to the old scalar B loads.)
+EXPAND_STAGES = 3
 
 
-def stream_maxnreg(sub_m: int, rank_pad: int, num_warps: int, elem_bytes: int = 2) -> int:
-    """Register cap of a streaming-regime program (0: none); see the note above. Fit on bf16 tiles only:
+def expand_maxnreg(sub_m: int, rank_pad: int, num_warps: int, two_slices: bool, elem_bytes: int = 2) -> int:
+    """Register cap of a sorted-layout program (0: none); see the note above. Fit on bf16 tiles only:
     fp32 tiles need twice the registers, so they get no cap."""
-    if elem_bytes != 2:
+    if elem_bytes != 2 or num_warps != 4 or rank_pad > 32:
         return 0
-    if sub_m == 64 and rank_pad <= 32 and num_warps == 4:
-        return 168
-    if sub_m <= 32 and rank_pad >= 64:
-        return 128
-    return 0
+    return 0 if (two_slices and sub_m >= 64) else 168
 
 
 def choose_config(call: OpCall) -> OneShotConfig:
     """Heuristic launch config (rules read off H200 sweeps): rows per program from pairs per bucket;
     when few blocks are live ("small"): wide K/N tiles, one slice per program, the next tile's prev
-    prefetched; otherwise ("streaming") 128-wide N tiles, a 2-deep expand pipeline and a register cap;
-    split-K for a long K (>= 8192); N split from a small cost model; 8 warps for rank-64 blocks of 64
-    rows over a wide N."""
+    prefetched; otherwise 128-wide N tiles; sorted layouts get a 3-deep expand pipeline and (rank <= 32) a
+    register cap; split-K for a long K (>= 8192); N split from a small cost model; 8 warps for rank-64
+    blocks of 64 rows over a wide N."""
     info = device_info(call.output.device)
     rank_pad = max(16, next_pow2(call.rank))
     K, N = call.hidden, call.n_out
@@ -368,7 +364,6 @@ def choose_config(call: OpCall) -> OneShotConfig:
         live = nonempty * math.ceil(per_bucket / sub_m)
         rows = min(per_bucket, sub_m)
     small = per_bucket < 32 and live < info.sm_count
-    stream = not small and not call.naive
     two = call.num_slices >= 2 and rank_pad <= 32 and N <= 4096 and not small
     groups = 1 if (two or call.num_slices == 1) else 2
     block_k = 256 if (small and K >= 2048) else 128
@@ -385,8 +380,8 @@ def choose_config(call: OpCall) -> OneShotConfig:
     smem = stages * (sub_m * block_k + (2 if two else 1) * block_k * rank_pad) * call.output.element_size()
     if smem > info.max_shared_mem * 0.75:
         stages = 2
-    expand_stages = STREAM_EXPAND_STAGES if stream else 0
-    maxnreg = stream_maxnreg(sub_m, rank_pad, num_warps, call.output.element_size()) if stream else 0
+    expand_stages = 0 if call.naive else EXPAND_STAGES
+    maxnreg = 0 if call.naive else expand_maxnreg(sub_m, rank_pad, num_warps, two, call.output.element_size())
     return OneShotConfig(sub_m, npid, block_n, block_k, two, num_warps, stages, prefetch, split_k, expand_stages,
                          maxnreg)
 
