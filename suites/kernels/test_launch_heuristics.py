@@ -80,19 +80,24 @@ def test_launch_configs_match_the_recorded_ones():
 
 
 @pytest.mark.parametrize("T", TOKENS)
-def test_streaming_regime_only_with_many_live_blocks(T):
-    """The streaming launch (expand pipeline apart, register cap) applies at large T only; small T keeps
-    the compiler defaults; fp32 tiles never get the bf16-fit register cap."""
+def test_expand_pipeline_and_register_cap_rules(T):
+    """Sorted layouts get the 3-deep expand pipeline; the naive layout keeps the compiler defaults; the
+    bf16-fit register cap goes to rank <= 32 tiles only, never to fp32 tiles or two-slice 64-row tiles."""
     configs = current_configs()
     for key, cfgs in configs.items():
         if f":T{T}:" not in key:
             continue
         cfg = cfgs["one_shot"]
-        if T >= 1024 and key.endswith("sorted"):
-            assert "expand_stages=2" in cfg, key
-            assert "maxnreg=0" in cfgs["one_shot_fp32"], key
-        if T == 1 or key.endswith("naive"):
+        assert "maxnreg=0" in cfgs.get("one_shot_fp32", "maxnreg=0"), key  # recorded at T >= 1024, sorted
+        if key.endswith("naive"):
             assert "expand_stages=0" in cfg and "maxnreg=0" in cfg, key
+            continue
+        assert "expand_stages=3" in cfg, key
+        capped = "maxnreg=168" in cfg
+        rank = int(key.split(":R")[1].split(":")[0])
+        two_wide = "two_slices=True" in cfg and "sub_m=64" in cfg
+        assert capped == (rank <= 32 and not two_wide and "num_warps=4" in cfg), key
+        assert capped or "maxnreg=0" in cfg, key
 
 
 if __name__ == "__main__":
