@@ -23,6 +23,11 @@ CASE = Case(level="expert", T=64, H=256, I=128, E=8, top_k=2, max_loras=3, max_r
 N_INPUTS = 3          # distinct hidden-state sets, cycled: stale data from the previous call is then wrong
 REPS = 12             # per program: 4 rounds of the three sleep modes
 CYCLES = 2_000_000    # about 1 ms of spinning per injected sleep on an H200
+# The caller's input write is held back longer than the host takes to issue the whole forward (Python and
+# eager launches: a few ms). With only CYCLES there, an idle H200 had finished the write before the aux
+# stream's first launch was even issued, so a missing input wait never showed (seen 2026-11-29, 4 runs of
+# 4 with the file alone; under a busy GPU it did show).
+INPUT_CYCLES = 40_000_000  # about 20 ms
 
 
 class Layer:
@@ -68,7 +73,7 @@ class Layer:
         """Write `src` into the input buffer on the main stream (after a spin when asked), then run the layer."""
         self.hidden.fill_(float("nan"))
         if delay_inputs:
-            torch.cuda._sleep(CYCLES)
+            torch.cuda._sleep(INPUT_CYCLES)
         self.hidden.copy_(src)
         return self.forward()
 
