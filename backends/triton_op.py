@@ -97,8 +97,9 @@ TRITON_ONE_SHOT_SPLIT_K = _one_shot_forced(
     "split_k", "one-shot kernel forced into split-K at every shape (K chunks in separate programs, the last to "
                "arrive sums them in a fixed order and expands); the heuristic uses it only for a long K",
     split_k=3, block_k=16)
-# A 2-deep expand pipeline apart from the shrink's 3 stages and a register cap (128 holds every test tile).
+# A 2-deep expand pipeline apart from the shrink's 3 stages and a register cap (128 holds every test tile):
+# the launch knobs at values the heuristic does not pick (it uses 3-deep, and 168 for rank <= 32 tiles).
 TRITON_ONE_SHOT_STREAM = _one_shot_forced(
-    "stream", "one-shot kernel forced into the streaming regime's launch (separate expand pipeline depth, "
-              "register cap) at every shape; the heuristic uses it only when many blocks are live",
+    "stream", "one-shot kernel forced to a 2-deep expand pipeline and a 128-register cap at every shape "
+              "(the heuristic: 3-deep on sorted layouts, cap 168 for rank <= 32 tiles)",
     num_warps=4, num_stages=3, expand_stages=2, maxnreg=128)
