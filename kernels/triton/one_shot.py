@@ -74,8 +74,8 @@ def _shrink_step(acc, xt, a_ptrs, kmask, rmask, IEEE: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def _expand_tile(u, b_ptrs, out_ptrs, omask, bmask, wv, MUL_W: tl.constexpr, ADD_INPUTS: tl.constexpr,
-                 IEEE: tl.constexpr):
+def _expand_delta(u, b_ptrs, bmask, wv, dt, MUL_W: tl.constexpr, IEEE: tl.constexpr):
+    """One N tile of the delta: fp32 u . B^T (times the routing weight), rounded once to `dt`."""
     bt = tl.load(b_ptrs, mask=bmask, other=0.0)
     if IEEE:
         d = tl.dot(u, bt, input_precision="ieee")
@@ -83,7 +83,13 @@ def _expand_tile(u, b_ptrs, out_ptrs, omask, bmask, wv, MUL_W: tl.constexpr, ADD
         d = tl.dot(u, bt)
     if MUL_W:
         d = d * wv[:, None]
-    d = d.to(out_ptrs.dtype.element_ty)
+    return d.to(dt)
+
+
+@triton.jit
+def _expand_tile(u, b_ptrs, out_ptrs, omask, bmask, wv, MUL_W: tl.constexpr, ADD_INPUTS: tl.constexpr,
+                 IEEE: tl.constexpr):
+    d = _expand_delta(u, b_ptrs, bmask, wv, out_ptrs.dtype.element_ty, MUL_W, IEEE)
     if ADD_INPUTS:
         prev = tl.load(out_ptrs, mask=omask, other=0.0)
         d = prev + d
@@ -92,14 +98,8 @@ def _expand_tile(u, b_ptrs, out_ptrs, omask, bmask, wv, MUL_W: tl.constexpr, ADD
 
 @triton.jit
 def _expand_tile_prefetched(u, b_ptrs, out_ptrs, omask, bmask, wv, prev, MUL_W: tl.constexpr, IEEE: tl.constexpr):
-    bt = tl.load(b_ptrs, mask=bmask, other=0.0)
-    if IEEE:
-        d = tl.dot(u, bt, input_precision="ieee")
-    else:
-        d = tl.dot(u, bt)
-    if MUL_W:
-        d = d * wv[:, None]
-    tl.store(out_ptrs, prev + d.to(out_ptrs.dtype.element_ty), mask=omask)
+    d = _expand_delta(u, b_ptrs, bmask, wv, out_ptrs.dtype.element_ty, MUL_W, IEEE)
+    tl.store(out_ptrs, prev + d, mask=omask)
 
 
 @triton.jit
