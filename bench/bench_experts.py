@@ -179,6 +179,12 @@ def torch_reference(c: dict, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
     return cache3.view(T, k, H).float().sum(1).to(torch.bfloat16)
 
 
+def rel_norm_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32 (ref's norm floored so an all-zero reference cannot divide by 0)."""
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def case_metrics(c: dict, path: str, ms: float) -> dict:
     """Effective TFLOP/s (2 GEMMs over T*k pairs) and weight bandwidth (bytes of the experts hit once)."""
     H, I, k = c["H"], c["I"], c["k"]
@@ -211,8 +217,7 @@ def kernel_level_rows(models, Ts, paths, warmup: int, rep: int, deadline: float)
                     fn()
                     torch.cuda.synchronize()
                     if T <= 1024:
-                        ref = torch_reference(c, w13, w2).float()
-                        rel = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                        rel = rel_norm_err(out, torch_reference(c, w13, w2))
                         row.update(rel_err=rel, ok=bool(rel <= eps and torch.isfinite(out.float()).all()))
                     row["ms"] = time_graph(fn, warmup, rep)
                     row.update(case_metrics(c, path, row["ms"]))
@@ -349,8 +354,7 @@ def expert_level_rows(models, Ts, backends, rank: int, loras: int, warmup: int, 
                         fn_ref, ref = expert_forward(TritonExperts, dataclasses.replace(lora_cfg, quant="none"), c,
                                                      d13, d2, ctx)
                         fn_ref()
-                        ref = ref.float()
-                        row["rel_vs_triton"] = float((out1.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+                        row["rel_vs_triton"] = rel_norm_err(out1, ref)
                     row.update(graph=graph, ms_base=timer(fn0), ms_lora=timer(fn1))
                     row["lora_overhead"] = row["ms_lora"] / row["ms_base"]
                 except Exception as exc:  # noqa: BLE001 - a failing case is reported, the sweep goes on

@@ -13,7 +13,8 @@ import pytest
 
 from sm90_codegen import global_accesses, job, ttgir_sm90, unavailable_reason  # suites/kernels (on sys.path)
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=f"sm_90 codegen: {unavailable_reason()}")
+UNAVAILABLE = unavailable_reason()
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"sm_90 codegen: {UNAVAILABLE}")
 
 LORA_UNIT_STRIDES = ("stride_xk", "stride_ak", "stride_br", "stride_on", "stride_cr")
 EXPAND_STAGES = 3  # kernels.triton.one_shot.EXPAND_STAGES (not imported: the parent runs the interpreter)
