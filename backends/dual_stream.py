@@ -10,15 +10,15 @@ On the CPU every call also runs the Recorder's race check (a race raises, failin
 """
 from __future__ import annotations
 
-from harness.case import Case
-from harness.contract import BackendSpec, Capabilities, Rule
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities, Rule
 
 try:
     import triton  # noqa: F401
-    from backends.experts import config_from_call, config_from_case, context_from_call
-    from kernels.experts.dual_stream_experts import DualStreamTritonExperts
-    from kernels.experts.modular import FusedMoEKernel
-    from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+    from moe_lora_harness.backends.experts import config_from_call, config_from_case, context_from_call
+    from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
+    from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+    from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
     _IMPORT_ERROR = ""
 except Exception as e:  # noqa: BLE001 - declared, not hidden: every case reports this reason
     DualStreamTritonExperts = None
@@ -82,5 +82,4 @@ BACKEND = BackendSpec(
     capabilities=_capabilities(),
     experts=run_experts if DualStreamTritonExperts is not None else (lambda call: None),
     precision=dual_stream_precision,
-    origin="backends.dual_stream:BACKEND",
 )

@@ -1,6 +1,6 @@
 """The pure-PyTorch eager backend: torch ops in the working dtype, no Triton, every device and dtype."""
-from harness.contract import BackendSpec, Capabilities
-from kernels import eager, eager_experts
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.kernels import eager, eager_experts
 
 
 def run_experts(call):
@@ -22,5 +22,4 @@ BACKEND = BackendSpec(
     op=eager.fused_moe_lora,
     experts=run_experts,
     precision="one_shot",
-    origin="backends.eager:BACKEND",
 )

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from harness.case import Case
-from harness.contract import BackendSpec, Capabilities, ExpertCall, Rule
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities, ExpertCall, Rule
 
 try:
     import triton  # noqa: F401
-    from kernels.experts import oracle
-    from kernels.experts.config import MoEConfig
-    from kernels.experts.lora_context import MoELoRAContext
-    from kernels.experts.modular import FusedMoEKernel
-    from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
-    from kernels.triton.quant_gemm import pack_weights
+    from moe_lora_harness.kernels.experts import oracle
+    from moe_lora_harness.kernels.experts.config import MoEConfig
+    from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+    from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+    from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+    from moe_lora_harness.kernels.triton.quant_gemm import pack_weights
     _IMPORT_ERROR = ""
 except Exception as e:  # noqa: BLE001 - declared, not hidden: every case reports this reason
     oracle = None
@@ -128,8 +128,7 @@ def spec_for(cls, description: str) -> BackendSpec:
     """A harness BackendSpec for an experts class: capabilities from its declarations, run through FusedMoEKernel."""
     return BackendSpec(
         name=cls.name, description=description, capabilities=_caps_of(cls),
-        experts=lambda call: run_call(call, cls), precision=precision_for(cls),
-        origin=f"backends.experts:{cls.name.upper()}")
+        experts=lambda call: run_call(call, cls), precision=precision_for(cls))
 
 
 def _oracle_spec() -> BackendSpec:
@@ -155,8 +154,7 @@ def _oracle_spec() -> BackendSpec:
                                   dtype_reasons=reasons, quant=frozenset({"none", "int4_g128", "int8_channel"}),
                                   tensor_parallel=True, rules=(rule,)),
         experts=run_call,
-        precision=lambda case: _oracle_precision(case, picked),
-        origin="backends.experts:EXPERTS_ORACLE")
+        precision=lambda case: _oracle_precision(case, picked))
 
 
 def _oracle_precision(case: Case, picked) -> str:
@@ -172,14 +170,14 @@ def _unavailable(name: str) -> BackendSpec:
     return BackendSpec(name=name, description=f"{name} (unavailable)",
                        capabilities=Capabilities(levels=frozenset({"expert"}), devices=frozenset(),
                                                  rules=(Rule("import", lambda c: False, _IMPORT_ERROR),)),
-                       experts=lambda call: None, origin=f"backends.experts:{name.upper()}")
+                       experts=lambda call: None)
 
 
 if oracle is not None:
-    from kernels.experts.gated_fast_experts import GatedFastExperts
-    from kernels.experts.marlin_experts import MarlinExperts
-    from kernels.experts.oai_experts import OAIExperts
-    from kernels.experts.triton_experts import TritonExperts
+    from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
+    from moe_lora_harness.kernels.experts.marlin_experts import MarlinExperts
+    from moe_lora_harness.kernels.experts.oai_experts import OAIExperts
+    from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 
     TRITON_EXPERTS = spec_for(TritonExperts, "Triton fused-MoE experts + LoRA mixin (every activation, bias, EP)")
     GATED_FAST_EXPERTS = spec_for(GatedFastExperts, "gated-SiLU fast path (fused silu-and-mul; I % 128 == 0; 16-bit)")

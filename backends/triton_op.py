@@ -5,12 +5,12 @@ On a machine without CUDA the kernels run in the Triton interpreter, which canno
 """
 from __future__ import annotations
 
-from harness.case import Case
-from harness.contract import BackendSpec, Capabilities, Rule
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities, Rule
 
 try:
     import triton  # noqa: F401
-    from kernels.triton import lora_op as _ops
+    from moe_lora_harness.kernels.triton import lora_op as _ops
     _IMPORT_ERROR = ""
 except Exception as e:  # noqa: BLE001 - declared, not hidden: every case reports this reason
     _ops, _IMPORT_ERROR = None, f"Triton kernels not importable: {type(e).__name__}: {e}"
@@ -55,22 +55,19 @@ _SB_SIZE = Rule("T*k*rank <= 1024", lambda c: c.T * c.top_k * c.max_rank <= 1024
 
 TRITON = BackendSpec(
     name="triton", description="our Triton op, dispatching like vLLM 0.33.0 (falls back instead of asserting)",
-    capabilities=_caps(), op=_fn("fused_moe_lora"), precision=dispatch_precision,
-    origin="backends.triton_op:TRITON")
+    capabilities=_caps(), op=_fn("fused_moe_lora"), precision=dispatch_precision)
 TRITON_ONE_SHOT = BackendSpec(
     name="triton_one_shot", description="one-shot fused kernel (shrink+expand in one kernel, rank <= 128)",
     capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
-    op=_fn("fused_moe_lora_one_shot"), precision="one_shot", origin="backends.triton_op:TRITON_ONE_SHOT")
+    op=_fn("fused_moe_lora_one_shot"), precision="one_shot")
 TRITON_SMALL_BATCH = BackendSpec(
     name="triton_small_batch", description="small-batch GEMV kernel (naive layout, rank <= 64, fp32, one rounding)",
     capabilities=_caps(max_rank=64, layouts=frozenset({"naive"}), fully_sharded=False,
                        rules=(_NOT_FS, _SB_SIZE)) if _ops else _caps(),
-    op=_fn("fused_moe_lora_small_batch"), precision="small_batch",
-    origin="backends.triton_op:TRITON_SMALL_BATCH")
+    op=_fn("fused_moe_lora_small_batch"), precision="small_batch")
 TRITON_TWO_KERNEL = BackendSpec(
     name="triton_two_kernel", description="two-kernel path (shrink to HBM, collective, expand; any rank)",
-    capabilities=_caps(), op=_fn("fused_moe_lora_two_kernel"), precision="two_kernel",
-    origin="backends.triton_op:TRITON_TWO_KERNEL")
+    capabilities=_caps(), op=_fn("fused_moe_lora_two_kernel"), precision="two_kernel")
 
 
 def _one_shot_forced(name: str, description: str, **knobs) -> BackendSpec:
@@ -79,7 +76,7 @@ def _one_shot_forced(name: str, description: str, **knobs) -> BackendSpec:
     import dataclasses
 
     def config(call):
-        from kernels.triton.one_shot import choose_config
+        from moe_lora_harness.kernels.triton.one_shot import choose_config
         return dataclasses.replace(choose_config(call), **knobs)
 
     def op(*args, **kw):
@@ -89,7 +86,7 @@ def _one_shot_forced(name: str, description: str, **knobs) -> BackendSpec:
     return BackendSpec(
         name=f"triton_one_shot_{name}", description=description,
         capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
-        op=op, precision="one_shot", origin=f"backends.triton_op:TRITON_ONE_SHOT_{name.upper()}")
+        op=op, precision="one_shot")
 
 
 # 16-wide K tiles in 3 chunks (fewer when K has fewer tiles).
@@ -103,3 +100,5 @@ TRITON_ONE_SHOT_STREAM = _one_shot_forced(
     "stream", "one-shot kernel forced to a 2-deep expand pipeline and a 128-register cap at every shape "
               "(the heuristic: 3-deep on sorted layouts, cap 168 for rank <= 32 tiles)",
     num_warps=4, num_stages=3, expand_stages=2, maxnreg=128)
+
+ALL = [TRITON, TRITON_ONE_SHOT, TRITON_ONE_SHOT_SPLIT_K, TRITON_ONE_SHOT_STREAM, TRITON_SMALL_BATCH, TRITON_TWO_KERNEL]

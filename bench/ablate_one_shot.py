@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None, help="JSON OneShotConfig fields overriding the heuristic")
     a = p.parse_args(argv)
     os.environ["MOE_LORA_UNCHECKED"] = "1"
-    from kernels.triton import one_shot
+    from moe_lora_harness.kernels.triton import one_shot
     bw = 0.0 if a.ncu else copy_bandwidth()
     rows = []
     for spec in a.shapes.split(","):

@@ -56,10 +56,10 @@ def build_model(model: str, seed: int = 0) -> dict:
 
 def build_runs(m: dict, T: int, seed: int = 1) -> dict:
     """Three zero-argument forwards (base, seq, dual) writing their own output, plus what they need."""
-    from kernels.experts.config import MoEConfig
-    from kernels.experts.dual_stream_experts import DualStreamTritonExperts
-    from kernels.experts.lora_context import MoELoRAContext
-    from kernels.experts.triton_experts import TritonExperts
+    from moe_lora_harness.kernels.experts.config import MoEConfig
+    from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
+    from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+    from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 
     H, E, k = m["H"], m["E"], m["k"]
     dev = torch.device("cuda")
@@ -107,7 +107,7 @@ def check(runs: dict) -> dict:
 
 def markdown(rows: list[dict], eager: bool) -> str:
     """The results as a Markdown table, one row per (model, T)."""
-    from kernels.experts.dual_stream_experts import DualStreamTritonExperts
+    from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
 
     head = ("| model | T | LoRA path | base ms | seq ms | dual ms | LoRA ms | hidden | dual speedup | check | "
             "default mode |")

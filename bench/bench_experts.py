@@ -96,7 +96,7 @@ def build_case(weights: dict, T: int, seed: int = 1) -> dict:
 def quantized(weights: dict, scheme: str):
     """[(QuantWeights, dequantized bf16)] for w13 and w2 (random codes and scales; cached per model), or
     None when int4_g128 does not divide K."""
-    from kernels.triton.quant_gemm import pack_weights
+    from moe_lora_harness.kernels.triton.quant_gemm import pack_weights
 
     if scheme in weights["quant"]:
         return weights["quant"][scheme]
@@ -118,10 +118,10 @@ def quantized(weights: dict, scheme: str):
 
 def pipeline(c: dict, path: str):
     """(fn, out, w13_dense, w2_dense) for one path; fn() runs one forward into `out` (graph-capturable)."""
-    from kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
-    from kernels.triton.grouped_gemm import grouped_gemm, permute_pairs, scatter_sum
-    from kernels.triton.moe_align import moe_align_block_size
-    from kernels.triton.moe_sum import moe_sum
+    from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
+    from moe_lora_harness.kernels.triton.grouped_gemm import grouped_gemm, permute_pairs, scatter_sum
+    from moe_lora_harness.kernels.triton.moe_align import moe_align_block_size
+    from moe_lora_harness.kernels.triton.moe_sum import moe_sum
 
     T, H, I, E, k = c["T"], c["H"], c["I"], c["E"], c["k"]
     dt, dev = torch.bfloat16, torch.device("cuda")
@@ -258,12 +258,12 @@ def expert_setup(c: dict, backend: str, rank: int, loras: int):
     triton / gated_fast run silu; oai runs swigluoai (same w13 width); marlin_* run silu on quantized
     weights. The LoRA: `loras` adapters of rank `rank` on every expert, tokens spread over the slots.
     """
-    from kernels.experts.config import MoEConfig
-    from kernels.experts.gated_fast_experts import GatedFastExperts
-    from kernels.experts.lora_context import MoELoRAContext
-    from kernels.experts.marlin_experts import MarlinExperts
-    from kernels.experts.oai_experts import OAIExperts
-    from kernels.experts.triton_experts import TritonExperts
+    from moe_lora_harness.kernels.experts.config import MoEConfig
+    from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
+    from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+    from moe_lora_harness.kernels.experts.marlin_experts import MarlinExperts
+    from moe_lora_harness.kernels.experts.oai_experts import OAIExperts
+    from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 
     cls = {"triton": TritonExperts, "gated_fast": GatedFastExperts, "oai": OAIExperts,
            "marlin_int4": MarlinExperts, "marlin_int8": MarlinExperts}[backend]
@@ -300,8 +300,8 @@ def expert_setup(c: dict, backend: str, rank: int, loras: int):
 
 def expert_forward(cls, cfg, c, w13, w2, ctx):
     """(fn, out): fn() runs FusedMoEKernel(no-EP prepare/finalize, cls(cfg)).apply into `out`."""
-    from kernels.experts.modular import FusedMoEKernel
-    from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+    from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+    from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
 
     kernel = FusedMoEKernel(NoEPPrepareAndFinalize(), cls(cfg))
     out = torch.empty(c["T"], c["H"], device="cuda", dtype=torch.bfloat16)
@@ -326,7 +326,7 @@ def expert_level_rows(models, Ts, backends, rank: int, loras: int, warmup: int, 
     do_bench, marked graph=False). rel_vs_triton: relative distance of the LoRA forward to the Triton
     experts' on the same inputs and activation (dequantized weights for marlin), for information.
     """
-    from kernels.experts.triton_experts import TritonExperts
+    from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 
     rows = []
     for model in models:

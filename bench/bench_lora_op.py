@@ -38,7 +38,7 @@ TUNING = (ALIGN_BLOCK, 64, 32, 8, 4, 3, 1, ALIGN_BLOCK, 64, 32, 8, 4, 3, 1)  # v
 
 def build_case(model: str, which: str, T: int, R: int, seed: int = 0) -> dict:
     """Random bf16 inputs for one benchmark shape (both layouts), built on the GPU."""
-    from kernels.triton.align import moe_lora_align_block_size
+    from moe_lora_harness.kernels.triton.align import moe_lora_align_block_size
 
     H, I, E, k = MODELS[model]
     S, K, N, mul = (2, H, I, False) if which == "w13" else (1, I, H, True)
@@ -87,7 +87,7 @@ TUNING_NAMES = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size
 
 def op_call(c: dict, layout: str, out: torch.Tensor):
     """The validated OpCall of one case on `out` (for driving a path's launcher with an explicit config)."""
-    from kernels.validate import validate_call
+    from moe_lora_harness.kernels.validate import validate_call
 
     args, kw = op_args(c, layout, out)
     return validate_call(*args[:14], dict(zip(TUNING_NAMES, args[14:])), fully_sharded=False, add_inputs=True,
@@ -152,7 +152,7 @@ def rmw_floor_ms(c: dict, warmup: int, rep: int) -> tuple[float, dict]:
 
 def plan(c: dict) -> dict:
     """name -> (entry point, layout) of what runs for this case."""
-    from kernels.triton import lora_op
+    from moe_lora_harness.kernels.triton import lora_op
 
     runs = {"one_shot": (lora_op.fused_moe_lora_one_shot, "sorted"),
             "two_kernel": (lora_op.fused_moe_lora_two_kernel, "sorted")}
@@ -164,9 +164,9 @@ def plan(c: dict) -> dict:
 
 def verify(c: dict, runs: dict) -> dict:
     """Max error of each path vs the float64 reference emulating its rounding, in scaled bf16 ulps."""
-    from kernels.triton import lora_op
-    from reference.lora_op import fused_moe_lora_expected
-    from reference.precision import precision
+    from moe_lora_harness.kernels.triton import lora_op
+    from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
+    from moe_lora_harness.reference.precision import precision
 
     res = {}
     eps = torch.finfo(torch.bfloat16).eps
@@ -233,7 +233,7 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
     eligible), graph-replay medians in ms: [(path, config dict, ms | error), ...], heuristic first."""
     import dataclasses
 
-    from kernels.triton import one_shot, small_batch
+    from moe_lora_harness.kernels.triton import one_shot, small_batch
 
     # (knob, values) in visiting order; split_k and npid come round twice (they trade against each other)
     plans = [("one_shot", "sorted", one_shot.choose_config, one_shot.run_one_shot,
@@ -265,7 +265,7 @@ def sweep_case(c: dict, warmup: int, rep: int) -> list:
         best = choose(call)
         best_ms = timed(best)
         if path == "one_shot":
-            from kernels.triton.two_kernel import run_two_kernel
+            from moe_lora_harness.kernels.triton.two_kernel import run_two_kernel
             try:
                 res.append(("two_kernel", {}, _graph_ms(lambda: run_two_kernel(call), warmup, rep)))
             except Exception as e:  # noqa: BLE001
@@ -449,7 +449,7 @@ def main(argv=None) -> int:
             rows.append(dict(model=model, which=which, R=R, T=T, sweep=res))
             continue
         runs = plan(c)
-        from kernels.triton import lora_op
+        from moe_lora_harness.kernels.triton import lora_op
         row = dict(model=model, which=which, R=R, T=T, floor_ms=floor_bytes(c) / bw * 1e3,
                    dispatch_layout=runs["dispatch"][1],
                    dispatch_path=lora_op.select_path(naive=runs["dispatch"][1] == "naive",

@@ -52,7 +52,7 @@ def default_shapes() -> list:
 
 def bases(call, around=None) -> list:
     """[heuristic] or [heuristic, around]: the configs a grid is laid around (around: a config dict)."""
-    from kernels.triton.one_shot import OneShotConfig, choose_config
+    from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, choose_config
 
     heuristic = choose_config(call)
     base = OneShotConfig(**around) if around else heuristic
@@ -78,7 +78,7 @@ def configs(call, grid: list, around=None) -> list:
 def compile_only(points: list, grid: list, around: dict) -> None:
     """Run the given (shape, grid index) configs once each: fills Triton's on-disk cache for the timing
     process (index -1: the heuristic and `around` configs)."""
-    from kernels.triton.one_shot import run_one_shot
+    from moe_lora_harness.kernels.triton.one_shot import run_one_shot
 
     by_shape: dict = {}
     for spec, j in points:
@@ -103,8 +103,8 @@ def compile_only(points: list, grid: list, around: dict) -> None:
 
 def time_shape(spec: str, rep: int, grid: list, around: dict | None = None, npid_search: bool = True) -> dict:
     """Heuristic, two-kernel, every grid config, then (npid_search) npid 1..16 around the best three (ms)."""
-    from kernels.triton.one_shot import run_one_shot
-    from kernels.triton.two_kernel import run_two_kernel
+    from moe_lora_harness.kernels.triton.one_shot import run_one_shot
+    from moe_lora_harness.kernels.triton.two_kernel import run_two_kernel
 
     m, w, r, t = spec.split(":")
     c = build_case(m, w, int(t), int(r))

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.case import Case
-from reference import align as ref_align
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.reference import align as ref_align
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -213,7 +213,7 @@ class ExpertInputs:
     quantized: tuple = ()      # (w13_q, w13_scales, w2_q, w2_scales) when case.quant != "none"
 
     def call(self, device):
-        from harness.contract import ExpertCall
+        from moe_lora_harness.harness.contract import ExpertCall
         c = self.case
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         lst = lambda ts: None if ts is None else [t.to(device) for t in ts]  # noqa: E731
@@ -234,8 +234,8 @@ class ExpertInputs:
 
 def build_expert_inputs(case: Case) -> ExpertInputs:
     """CPU tensors for an expert-level case (base weights, biases, routing, packed LoRA)."""
-    from reference.activations import is_gated
-    from reference.adapters import ExpertAdapter, pack_moe_lora
+    from moe_lora_harness.reference.activations import is_gated
+    from moe_lora_harness.reference.adapters import ExpertAdapter, pack_moe_lora
     probs = case.problems()
     if probs:
         raise ValueError(f"malformed case {case.to_json()}: " + "; ".join(probs))
@@ -251,7 +251,7 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
     w2 = (torch.randn(El, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)).to(dt)
     quantized = ()
     if case.quant != "none":   # snap to the quantization grid; the reference uses the dequantized weights
-        from reference.quant import dequantize, quantize
+        from moe_lora_harness.reference.quant import dequantize, quantize
         q13, s13 = quantize(w13, case.quant, dt)
         q2, s2 = quantize(w2, case.quant, dt)
         w13, w2 = dequantize(q13, s13, case.quant, dt), dequantize(q2, s2, case.quant, dt)

@@ -34,24 +34,18 @@ def _prepare(device: str | None) -> str:
 
 
 def _backends(args):
-    from harness.registry import BackendLoadError, available_backends
+    from moe_lora_harness.harness.registry import BackendLoadError, available_backends, select
     try:
-        specs = available_backends(extra_refs=args.backend or [])
+        return select(available_backends(extra_refs=args.backend or []), args.only)
     except BackendLoadError as e:
         raise SystemExit(f"error: {e}") from None
-    if args.only:
-        missing = sorted(set(args.only) - set(specs))
-        if missing:
-            raise SystemExit(f"error: --only {missing}: no such backend; known: {sorted(specs)}")
-        specs = {n: s for n, s in specs.items() if n in args.only}
-    return specs
 
 
 def cmd_check(args) -> int:
     device = _prepare(args.device)
-    from harness.features import FEATURES, feature_cases
-    from harness.report import build_matrix, to_json, to_markdown, to_text
-    from harness.runner import run_case
+    from moe_lora_harness.harness.features import FEATURES, feature_cases
+    from moe_lora_harness.harness.report import build_matrix, to_json, to_markdown, to_text
+    from moe_lora_harness.harness.runner import run_case
     specs = _backends(args)
     n = args.cases_per_feature or (6 if args.more else 2)
     cases = feature_cases(FEATURES, device, n)
@@ -100,7 +94,7 @@ def read_case_arg(arg: str):
     import pathlib
     import sys
 
-    from harness.case import Case
+    from moe_lora_harness.harness.case import Case
     text = arg
     if arg == "-":
         text = sys.stdin.read()
@@ -125,7 +119,7 @@ def cmd_replay(args) -> int:
         print(f"moe-lora-harness replay: {e}", file=sys.stderr)
         return 2
     device = _prepare(args.device)
-    from harness.runner import run_case
+    from moe_lora_harness.harness.runner import run_case
     specs = _backends(args)
     rc = 0
     for name, spec in specs.items():
@@ -158,8 +152,8 @@ def cmd_fuzz(args) -> int:
     device = _prepare(args.device)
     from hypothesis import given, settings
     from hypothesis import strategies as st
-    from harness.runner import run_case
-    from harness.strategies import expert_cases, load_profile, op_cases
+    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.strategies import expert_cases, load_profile, op_cases
     load_profile("fuzz")
     specs = _backends(args)
     if len(specs) != 1:

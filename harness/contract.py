@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from harness.case import Case
+from moe_lora_harness.harness.case import Case
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
     if (case.shared_a or case.shared_b) and not cap.shared_lora:
         return False, "shared (expert-dim 1) LoRA not supported"
     if case.level == "expert":
-        from reference.activations import is_gated
+        from moe_lora_harness.reference.activations import is_gated
         if cap.activations is not None and case.activation not in cap.activations:
             return False, f"activation {case.activation} not supported (supported: {sorted(cap.activations)})"
         if not is_gated(case.activation) and not cap.non_gated:

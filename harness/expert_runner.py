@@ -5,13 +5,13 @@ import dataclasses
 
 import torch
 
-from harness.builders import build_expert_inputs, torch_dtype
-from harness.case import Case
-from harness.compare import compare_written
-from harness.contract import BackendSpec
-from reference.experts import LoRAInputs, moe_experts_forward
-from reference.precision import precision as make_precision
-from reference.sharding import all_reduce_sum, sharded_experts_forward, tp_slice_base, tp_slice_lora
+from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import compare_written
+from moe_lora_harness.harness.contract import BackendSpec
+from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
+from moe_lora_harness.reference.precision import precision as make_precision
+from moe_lora_harness.reference.sharding import all_reduce_sum, sharded_experts_forward, tp_slice_base, tp_slice_lora
 
 
 def expert_expectations(case: Case, backend_precision: str):
@@ -77,7 +77,7 @@ class SimulatedTPGroup:
 
 def _rank_call(inp, case: Case, rank: int, device):
     """The ExpertCall of TP rank `rank`: base weights and LoRA sliced as vLLM shards them (no collective yet)."""
-    from reference.activations import lookup_activation
+    from moe_lora_harness.reference.activations import lookup_activation
     act = lookup_activation(case.activation)
     w13, w2, b13, b2 = tp_slice_base(inp.w13, inp.w2, case.tp_size, rank, act.gated, inp.w13_bias, inp.w2_bias,
                                      interleaved=act.interleaved)

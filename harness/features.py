@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from harness.case import Case
+from moe_lora_harness.harness.case import Case
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import functools
 
 import torch
 
-from harness.contract import BackendSpec, Capabilities
-from reference.lora_op import fused_moe_lora as _ref_op
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.reference.lora_op import fused_moe_lora as _ref_op
 
 
 def _call(kw, **changes):
@@ -117,15 +117,14 @@ def _spec(name, fn):
            token_lora_mapping=token_lora_mapping, max_lora_rank=max_lora_rank, top_k_num=top_k_num,
            lora_ids=lora_ids, num_active_loras=num_active_loras, adapter_enabled=adapter_enabled, **kw)
     return BackendSpec(name=f"mutant-{name}", description=fn.__doc__.strip(),
-                       capabilities=Capabilities(levels=frozenset({"op"})), op=op, precision="one_shot",
-                       origin="harness.mutants:MUTANTS")
+                       capabilities=Capabilities(levels=frozenset({"op"})), op=op, precision="one_shot")
 
 
 def _rank_forward(call, *, w2_offset_rank=None, join=True):
     """One TP rank's expert forward by the reference (one-shot rounding), written into call.output."""
-    from reference.adapters import StackedMoELoRA
-    from reference.experts import LoRACollectives, LoRAInputs, moe_experts_forward
-    from reference.precision import precision
+    from moe_lora_harness.reference.adapters import StackedMoELoRA
+    from moe_lora_harness.reference.experts import LoRACollectives, LoRAInputs, moe_experts_forward
+    from moe_lora_harness.reference.precision import precision
 
     dt = call.output.dtype
     cpu = lambda t: None if t is None else t.detach().cpu()  # noqa: E731
@@ -168,7 +167,7 @@ EXPERT_MUTANT_FUNCTIONS = {
 def _expert_spec(name, fn, doc):
     return BackendSpec(name=f"mutant-{name}", description=doc,
                        capabilities=Capabilities(levels=frozenset({"expert"}), tensor_parallel=True),
-                       experts=fn, precision="one_shot", origin="harness.mutants:MUTANTS")
+                       experts=fn, precision="one_shot")
 
 
 MUTANTS = ([_spec(n, f) for n, f in MUTANT_FUNCTIONS.items()]

@@ -1,41 +1,32 @@
-"""Backend registry: built-ins and third-party backends, all loaded from "module:attr" references.
+"""Backend registry: every backend is loaded from a "module:attr" (or "path/to/file.py:attr") reference.
 
-Sources, in order: the entry-point group `moe_lora_harness.backends` (our own built-ins are declared
-there too), the built-in references below when running from a source checkout that is not installed,
-and any `--backend module:attr` given on the command line. `module:attr` may name a BackendSpec, a list
-of them, a zero-argument factory, or a plain function with vLLM 0.33.0's `fused_moe_lora` signature,
-which is wrapped as an op-level backend.
+Sources, in order: the entry-point group `moe_lora_harness.backends` (our built-ins register there too,
+as `BUILTIN_REF`; from a source tree that is not installed that one reference is used directly), then any
+`--backend REF`. A reference may name a BackendSpec, a list of them, or a function with vLLM 0.33.0's
+`fused_moe_lora` positional parameters (wrapped as an op-level backend). Nothing is ever called to find
+out what it is. A backend's name is short (the spec's name, or a function's attribute name); the
+reference it came from is kept as `spec.origin`, and `replay_prefix` turns it into what a REPRO needs.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
+import json
+import os
+import subprocess
+import sys
 from importlib import metadata
 
-from harness.case import Case
-from harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities
 
 ENTRY_POINT_GROUP = "moe_lora_harness.backends"
+BUILTIN_REF = "moe_lora_harness.backends:BUILTINS"
 
-BUILTIN_REFS = (
-    "backends.eager:BACKEND",
-    "backends.triton_op:TRITON",
-    "backends.triton_op:TRITON_ONE_SHOT",
-    "backends.triton_op:TRITON_ONE_SHOT_SPLIT_K",
-    "backends.triton_op:TRITON_ONE_SHOT_STREAM",
-    "backends.triton_op:TRITON_SMALL_BATCH",
-    "backends.triton_op:TRITON_TWO_KERNEL",
-    "backends.experts:TRITON_EXPERTS",
-    "backends.experts:GATED_FAST_EXPERTS",
-    "backends.experts:OAI_EXPERTS",
-    "backends.experts:MARLIN_EXPERTS",
-    "backends.experts:EXPERTS_ORACLE",
-    "backends.dual_stream:BACKEND",
-)
-
-# The leading parameters of vLLM 0.33.0's fused_moe_lora, used to recognise a plain op function.
+# The positional parameters of vLLM 0.33.0's fused_moe_lora, up to its tuning ints.
 FUSED_MOE_LORA_PARAMS = (
     "output", "qcurr_hidden_states", "lora_a_stacked", "lora_b_stacked", "topk_weights",
     "sorted_token_ids", "expert_ids", "num_tokens_post_padded", "token_lora_mapping",
@@ -48,102 +39,176 @@ class BackendLoadError(ValueError):
 
 
 def vllm_dispatch_precision(case: Case) -> str:
-    """Rounding model of the path vLLM 0.33.0's dispatch takes for this case (spec 1.3)."""
-    if (not case.fully_sharded and case.max_rank <= 128 and case.layout == "naive"
-            and case.max_rank <= 64 and case.T * case.top_k * case.max_rank <= 1024):
-        return "small_batch"
-    if not case.fully_sharded and case.max_rank <= 128:
-        return "one_shot"
-    return "two_kernel"
+    """Rounding model of the path vLLM 0.33.0's dispatch takes for this case (the reference's rule)."""
+    from moe_lora_harness.reference.precision import vllm_dispatch_path
+    return vllm_dispatch_path(naive=case.layout == "naive", max_rank=case.max_rank,
+                              num_pairs=case.T * case.top_k, fully_sharded=case.fully_sharded)
 
 
-def looks_like_fused_moe_lora(fn) -> bool:
-    """True if `fn`'s parameters start like vLLM 0.33.0's fused_moe_lora."""
+def takes_fused_moe_lora_args(fn) -> bool:
+    """True if `fn` accepts fused_moe_lora's 14 positional arguments (inspected, never called)."""
+    if inspect.isclass(fn):
+        return False
     try:
-        params = list(inspect.signature(fn).parameters)
+        inspect.signature(fn).bind(*FUSED_MOE_LORA_PARAMS)
     except (TypeError, ValueError):
         return False
-    return tuple(params[:len(FUSED_MOE_LORA_PARAMS)]) == FUSED_MOE_LORA_PARAMS
+    return True
 
 
-def wrap_op_function(fn, name: str) -> BackendSpec:
+def wrap_op_function(fn, name: str, ref: str) -> BackendSpec:
     """An op-level backend around a plain fused_moe_lora-signature function; it claims every op case."""
     return BackendSpec(
         name=name,
-        description=f"plain fused_moe_lora function {name} (claims every op-level case; rounding model "
+        description=f"plain fused_moe_lora function {ref} (claims every op-level case; rounding model "
                     f"follows vLLM 0.33.0's dispatch)",
         capabilities=Capabilities(levels=frozenset({"op"})),
-        op=fn, precision=vllm_dispatch_precision, origin=name)
+        op=fn, precision=vllm_dispatch_precision, origin=ref)
+
+
+def _import(mod_name: str, ref: str):
+    if mod_name.endswith(".py"):
+        path = os.path.abspath(mod_name)
+        if not os.path.isfile(path):
+            raise BackendLoadError(f"--backend {ref!r}: no such file {path}")
+        spec = importlib.util.spec_from_file_location(f"_mlh_user_{abs(hash(path))}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod   # so its functions pickle and its dataclasses resolve
+        spec.loader.exec_module(mod)
+        return mod
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        # as `python -m` would: a module in the working directory
+        if e.name != mod_name.split(".")[0] or os.getcwd() in sys.path:
+            raise
+        sys.path.append(os.getcwd())
+        return importlib.import_module(mod_name)
 
 
 def load_ref(ref: str) -> list[BackendSpec]:
-    """Load "module:attr" (or "path/to/file.py:attr") into one or more BackendSpecs."""
+    """Load "module:attr" (or "path/to/file.py:attr") into one or more BackendSpecs, origin = `ref`."""
     if ":" not in ref:
-        raise BackendLoadError(f"--backend {ref!r}: expected 'module:attr' (e.g. mypkg.moe:fused_moe_lora)")
+        raise BackendLoadError(f"--backend {ref!r}: expected 'module:attr' (e.g. mypkg.moe:fused_moe_lora) "
+                               f"or 'path/to/file.py:attr'")
     mod_name, attr = ref.rsplit(":", 1)
+    if mod_name.endswith(".py"):
+        ref = f"{os.path.abspath(mod_name)}:{attr}"   # a REPRO must load it from any directory
     try:
-        if mod_name.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(f"_mlh_user_{abs(hash(mod_name))}", mod_name)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(mod_name)
-    except Exception as e:  # noqa: BLE001 - report any import failure with its cause
+        mod = _import(mod_name, ref)
+    except BackendLoadError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - an import that raises (or exits) is reported with its cause
         raise BackendLoadError(f"--backend {ref!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}") from e
     try:
         obj = getattr(mod, attr)
     except AttributeError:
         raise BackendLoadError(f"--backend {ref!r}: module {mod_name!r} has no attribute {attr!r}") from None
-    return _as_specs(obj, ref)
+    return _as_specs(obj, attr, ref)
 
 
-def _as_specs(obj, ref: str) -> list[BackendSpec]:
+def _as_specs(obj, attr: str, ref: str) -> list[BackendSpec]:
     if isinstance(obj, BackendSpec):
-        return [obj if obj.origin else dataclasses.replace(obj, origin=ref)]
-    if isinstance(obj, (list, tuple)) and all(isinstance(o, BackendSpec) for o in obj):
-        return [o if o.origin else dataclasses.replace(o, origin=ref) for o in obj]
-    if callable(obj):
-        if looks_like_fused_moe_lora(obj):
-            return [wrap_op_function(obj, ref)]
-        try:
-            sig = inspect.signature(obj)
-            zero_arg = all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                           for p in sig.parameters.values())
-        except (TypeError, ValueError):
-            zero_arg = False
-        if zero_arg:
-            return _as_specs(obj(), ref)
+        return [dataclasses.replace(obj, origin=ref)]
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(o, BackendSpec) for o in obj):
+        return [dataclasses.replace(o, origin=ref) for o in obj]
+    if callable(obj) and takes_fused_moe_lora_args(obj):
+        return [wrap_op_function(obj, attr, ref)]
+    what = "a class" if inspect.isclass(obj) else type(obj).__name__
     raise BackendLoadError(
-        f"--backend {ref!r}: expected a BackendSpec, a list of them, a zero-argument factory, or a function "
-        f"whose parameters start with {FUSED_MOE_LORA_PARAMS[:4]}...; got {type(obj).__name__}")
+        f"--backend {ref!r}: expected a BackendSpec, a non-empty list of them, or a function taking "
+        f"fused_moe_lora's positional arguments ({', '.join(FUSED_MOE_LORA_PARAMS[:3])}, ...); got {what}"
+        + (" (an experts class needs a BackendSpec: see moe_lora_harness.backends.experts.spec_for)"
+           if inspect.isclass(obj) else ""))
 
 
 def entry_point_refs() -> list[str]:
     """'module:attr' strings registered under the entry-point group by installed distributions."""
-    try:
-        eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
-    except TypeError:  # Python < 3.10 API
-        eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])
-    return [ep.value for ep in eps]
+    return [ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)]
 
 
 def available_backends(extra_refs=(), include_builtin=True) -> dict[str, BackendSpec]:
-    """Every backend by name: entry points, built-ins (when not installed) and `extra_refs`.
+    """Every backend by name: entry points (or BUILTIN_REF when not installed), then `extra_refs`.
 
-    A reference that fails to load is an error, not a silent omission.
+    A reference that fails to load is an error, not a silent omission; two backends with one name too.
     """
     refs = []
     if include_builtin:
         refs += entry_point_refs()
-        refs += [r for r in BUILTIN_REFS if r not in refs]
-    refs += [r for r in extra_refs if r not in refs]
+        if BUILTIN_REF not in refs:
+            refs.insert(0, BUILTIN_REF)
+    for r in extra_refs:
+        if r not in refs:
+            refs.append(r)
     out: dict[str, BackendSpec] = {}
     for ref in refs:
         for spec in load_ref(ref):
-            if spec.name in out and out[spec.name] is not spec:
-                if out[spec.name].origin == spec.origin:
-                    continue
-                raise BackendLoadError(f"two backends are named {spec.name!r} ({out[spec.name].origin or '?'} "
-                                       f"and {spec.origin or ref}); rename one")
+            old = out.get(spec.name)
+            if old is not None and old.origin != spec.origin:
+                raise BackendLoadError(f"two backends are named {spec.name!r} ({old.origin} and {spec.origin}); "
+                                       f"rename one (a BackendSpec's name, or the function's attribute)")
             out[spec.name] = spec
     return out
+
+
+def select(specs: dict[str, BackendSpec], only) -> dict[str, BackendSpec]:
+    """The backends `--only` names (by short name or by the reference they came from)."""
+    if not only:
+        return specs
+    picked, missing = {}, []
+    for want in only:
+        hits = {n: s for n, s in specs.items() if want in (n, s.origin)}
+        if not hits and want.rsplit(":", 1)[0].endswith(".py"):
+            path, _, attr = want.rpartition(":")
+            hits = {n: s for n, s in specs.items() if s.origin == f"{os.path.abspath(path)}:{attr}"}
+        if not hits:
+            missing.append(want)
+        picked.update(hits)
+    if missing:
+        raise BackendLoadError(f"--only {missing}: no such backend; known: {sorted(specs)}")
+    return {n: s for n, s in specs.items() if n in picked}
+
+
+# -- replaying in a fresh shell ---------------------------------------------------------------------------
+
+def is_registered(spec: BackendSpec) -> bool:
+    """True if a fresh `moe-lora-harness` finds this backend without --backend (an entry point names it)."""
+    return spec.origin in entry_point_refs() or spec.origin == BUILTIN_REF
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_sys_path() -> tuple[str, ...]:
+    """sys.path of a fresh interpreter of this environment (no PYTHONPATH, no working directory)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
+                             env=env, cwd="/", capture_output=True, text=True, timeout=60, check=True)
+        return tuple(os.path.realpath(p) for p in json.loads(out.stdout) if p)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return tuple(os.path.realpath(p) for p in sys.path if p)
+
+
+def import_root(ref: str) -> str | None:
+    """The directory a fresh interpreter must have on sys.path to import `ref`'s module (None: it has it)."""
+    mod_name = ref.rsplit(":", 1)[0]
+    if mod_name.endswith(".py"):
+        return None   # loaded by path
+    mod = sys.modules.get(mod_name)
+    file = getattr(mod, "__file__", None)
+    if not file:
+        return None
+    root = os.path.dirname(os.path.realpath(file))
+    depth = mod_name.count(".") + (1 if os.path.basename(file) == "__init__.py" else 0)
+    for _ in range(depth):
+        root = os.path.dirname(root)
+    return None if root in _fresh_sys_path() else root
+
+
+def replay_prefix(spec: BackendSpec) -> tuple[str, str]:
+    """(environment prefix, --backend arguments) a REPRO needs to load `spec` in a fresh shell."""
+    if not spec.origin or is_registered(spec):
+        return "", ""
+    import shlex
+    root = import_root(spec.origin)
+    env = f"PYTHONPATH={shlex.quote(root)} " if root else ""
+    return env, f" --backend {shlex.quote(spec.origin)}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from harness.runner import Outcome
+from moe_lora_harness.harness.runner import Outcome
 
 _ORDER = ("fail", "xpass", "pass", "xfail", "works-unclaimed", "unsupported")
 

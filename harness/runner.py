@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.builders import build_op_inputs, torch_dtype
-from harness.case import Case
-from harness.compare import Verdict, compare_written, format_worst
-from harness.contract import BackendSpec, known_bug_for, support_for
-from reference.lora_op import fused_moe_lora_expected
-from reference.precision import precision as make_precision
+from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
+from moe_lora_harness.harness.contract import BackendSpec, known_bug_for, support_for
+from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
+from moe_lora_harness.reference.precision import precision as make_precision
 
 STATUSES = ("pass", "fail", "unsupported", "xfail", "xpass", "works-unclaimed")
 
@@ -115,8 +115,8 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     `works-unclaimed` (reported, not a failure).
     """
     if backend_ref is None and spec.origin:
-        from harness.registry import BUILTIN_REFS
-        if spec.origin not in BUILTIN_REFS:   # a user backend: the replay must load it again
+        from moe_lora_harness.harness.registry import is_registered
+        if not is_registered(spec):   # a user backend: the replay must load it again
             backend_ref = spec.origin
     ok, reason = support_for(spec, case, device)
     if not ok and not probe:
@@ -165,5 +165,5 @@ def _explain(spec, case, device, verdict, err, cpu, backend_ref) -> str:
 
 
 def _run_expert(spec: BackendSpec, case: Case, device: str):
-    from harness.expert_runner import run_expert
+    from moe_lora_harness.harness.expert_runner import run_expert
     return run_expert(spec, case, device)

@@ -1,8 +1,10 @@
 """Hypothesis strategies that draw case *structure* (shapes, routing skew, LoRA mix), and the profiles.
 
 Profiles: `ci` (derandomized, bounded, no deadline, print_blob), `dev` (more examples, random), `fuzz`
-(many examples, example database on, for hunting bugs). Pick one with `--hypothesis-profile NAME` or the
-env var MOE_LORA_HARNESS_PROFILE; MOE_LORA_HARNESS_MAX_EXAMPLES overrides the example count.
+(many examples, example database on, for hunting bugs). The suites apply `suite_settings()` to each of
+their tests (never hypothesis's global profile, so a user's own tests keep theirs): the profile named by
+MOE_LORA_HARNESS_PROFILE (pytest: --moe-lora-profile; default ci), MOE_LORA_HARNESS_MAX_EXAMPLES (pytest:
+--moe-lora-max-examples) overriding its example count.
 """
 from __future__ import annotations
 
@@ -12,38 +14,39 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from harness.case import Case
+from moe_lora_harness.harness.case import Case
 
 PROFILE_ENV = "MOE_LORA_HARNESS_PROFILE"
 MAX_EXAMPLES_ENV = "MOE_LORA_HARNESS_MAX_EXAMPLES"
+PROFILES = ("ci", "dev", "fuzz")
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
              HealthCheck.function_scoped_fixture]
 
 
-def register_profiles() -> None:
-    """Register ci / dev / fuzz with hypothesis (idempotent)."""
-    settings.register_profile("ci", max_examples=20, derandomize=True, deadline=None, print_blob=True,
-                              database=None, suppress_health_check=_SUPPRESS)
-    settings.register_profile("dev", max_examples=40, deadline=None, print_blob=True,
-                              suppress_health_check=_SUPPRESS)
-    settings.register_profile("fuzz", max_examples=2000, deadline=None, print_blob=True,
-                              database=DirectoryBasedExampleDatabase(".hypothesis/moe-lora-fuzz"),
-                              suppress_health_check=_SUPPRESS)
-
-
-def load_profile(name: str | None = None) -> str:
-    """Load the profile named by `name`, else the env var, else `ci`; apply the max-examples knob."""
-    register_profiles()
-    name = name or os.environ.get(PROFILE_ENV, "ci")
-    if name not in ("ci", "dev", "fuzz"):
-        raise ValueError(f"hypothesis profile must be ci, dev or fuzz; got {name!r}")
+def profile(name: str | None = None) -> settings:
+    """The named profile (else $MOE_LORA_HARNESS_PROFILE, else ci), with the max-examples knob applied."""
+    name = name or os.environ.get(PROFILE_ENV) or "ci"
+    common = dict(deadline=None, print_blob=True, suppress_health_check=_SUPPRESS)
+    if name == "ci":
+        s = settings(max_examples=20, derandomize=True, database=None, **common)
+    elif name == "dev":
+        s = settings(max_examples=40, **common)
+    elif name == "fuzz":
+        s = settings(max_examples=2000, database=DirectoryBasedExampleDatabase(".hypothesis/moe-lora-fuzz"), **common)
+    else:
+        raise ValueError(f"hypothesis profile must be one of {PROFILES}; got {name!r} (from {PROFILE_ENV})")
     n = os.environ.get(MAX_EXAMPLES_ENV)
     if n:
-        settings.register_profile(f"{name}+n", parent=settings.get_profile(name), max_examples=int(n))
-        settings.load_profile(f"{name}+n")
-    else:
-        settings.load_profile(name)
-    return name
+        try:
+            s = settings(s, max_examples=int(n))
+        except ValueError:
+            raise ValueError(f"{MAX_EXAMPLES_ENV} must be a positive integer; got {n!r}") from None
+    return s
+
+
+def suite_settings(**overrides) -> settings:
+    """Settings for one of our hypothesis tests: the active profile, then the test's own `overrides`."""
+    return settings(profile(), **overrides)
 
 
 @st.composite

@@ -56,7 +56,7 @@ def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, 
                    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *,
                    collective=None):
     """In place: output[t, j, offset + s*N : ...] (+)= rnd(w * B_s rnd(A_s x_row)) for qualifying pairs."""
-    from kernels.validate import check_value_ranges, validate_call
+    from moe_lora_harness.kernels.validate import check_value_ranges, validate_call
     tuning = dict(shrink_block_size_m=shrink_block_size_m, shrink_block_size_n=shrink_block_size_n,
                   shrink_block_size_k=shrink_block_size_k, shrink_group_size_m=shrink_group_size_m,
                   shrink_num_warps=shrink_num_warps, shrink_num_stages=shrink_num_stages,

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.eager import fused_moe_lora
+from moe_lora_harness.kernels.eager import fused_moe_lora
 
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0

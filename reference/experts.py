@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from reference.activations import activation_scale, apply_activation, lookup_activation
-from reference.adapters import StackedMoELoRA
-from reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
-from reference.precision import Precision, precision as make_precision
+from moe_lora_harness.reference.activations import activation_scale, apply_activation, lookup_activation
+from moe_lora_harness.reference.adapters import StackedMoELoRA
+from moe_lora_harness.reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
+from moe_lora_harness.reference.precision import Precision, precision as make_precision
 
 __all__ = ["LoRAInputs", "LoRACollectives", "ExpertExpected", "moe_experts_forward"]
 

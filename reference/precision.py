@@ -107,3 +107,17 @@ def precision(name: str, dtype: torch.dtype | None) -> Precision:
         dtype = None
     rank, delta = _PRESET_FLAGS[name]
     return Precision(name=name, dtype=dtype, round_rank_intermediate=rank, round_delta=delta)
+
+
+def vllm_dispatch_path(*, naive: bool, max_rank: int, num_pairs: int, fully_sharded: bool) -> str:
+    """The LoRA op path vLLM 0.33.0's `fused_moe_lora` takes (spec 1.3), hence its rounding preset.
+
+    small_batch: naive layout, rank <= 64, T*k*rank <= 1024, not fully sharded; else one_shot for rank
+    <= 128 when not fully sharded; else two_kernel (any rank; the only path with the fully-sharded
+    collectives). `naive` = no sorted_token_ids; `num_pairs` = T * top_k.
+    """
+    if fully_sharded:
+        return "two_kernel"
+    if naive and max_rank <= 64 and num_pairs * max_rank <= 1024:
+        return "small_batch"
+    return "one_shot" if max_rank <= 128 else "two_kernel"

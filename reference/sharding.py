@@ -14,10 +14,10 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from reference.activations import lookup_activation
-from reference.adapters import StackedMoELoRA
-from reference.experts import ExpertExpected, LoRACollectives, LoRAInputs, moe_experts_forward
-from reference.precision import Precision, rnd
+from moe_lora_harness.reference.activations import lookup_activation
+from moe_lora_harness.reference.adapters import StackedMoELoRA
+from moe_lora_harness.reference.experts import ExpertExpected, LoRACollectives, LoRAInputs, moe_experts_forward
+from moe_lora_harness.reference.precision import Precision, rnd
 
 __all__ = [
     "tp_slice_base", "tp_slice_lora", "ep_expert_map", "ep_slice_lora", "ep_slice_base",

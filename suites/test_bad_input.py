@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import selected_backends, selected_device
-from harness.builders import build_op_inputs
-from harness.case import Case
-from reference.lora_op import fused_moe_lora as reference_op
+from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
+from moe_lora_harness.harness.builders import build_op_inputs
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.reference.lora_op import fused_moe_lora as reference_op
 
 BASE = Case(T=4, H=32, I=24, E=4, top_k=2, max_loras=2, max_rank=8, dtype="float16", seed=3)
 
@@ -87,7 +87,7 @@ def pytest_generate_tests(metafunc):
 
 def test_valid_baseline_runs(backends, device):
     """The unmutated inputs are accepted by every claiming backend (so the errors below are the mutation's)."""
-    from harness.contract import support_for
+    from moe_lora_harness.harness.contract import support_for
     for name, spec in backends.items():
         for case in {m[1] for m in MUTATIONS.values()}:
             if spec.op is None or not support_for(spec, case, device)[0]:
@@ -102,7 +102,7 @@ def test_bad_input_is_named(target, mutation, backends, device):
             pytest.skip("a kernel-only requirement (see KERNEL_ONLY)")
         fn, dev = reference_op, "cpu"
     else:
-        from harness.contract import support_for
+        from moe_lora_harness.harness.contract import support_for
         spec = backends[target]
         ok, why = support_for(spec, case, device)
         if not ok:

@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.schedule.interface import MAIN, Schedule, named
+from moe_lora_harness.kernels.schedule.interface import MAIN, Schedule, named
 
 AUX = "aux"
 EVENTS = ("x_ready", "delta13_done", "cache2_ready", "delta2_done")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.experts.dual_stream import AUX, EVENTS, PLANS, Plan, dual_stream_program, run_program
-from kernels.experts.lora_context import DUAL_STREAM_MAX_TOKENS, MoELoRAContext
-from kernels.experts.triton_experts import ExpertsPlan, TritonExperts
-from kernels.schedule.interface import Schedule
-from kernels.schedule.recorder import Recorder
+from moe_lora_harness.kernels.experts.dual_stream import AUX, EVENTS, PLANS, Plan, dual_stream_program, run_program
+from moe_lora_harness.kernels.experts.lora_context import DUAL_STREAM_MAX_TOKENS, MoELoRAContext
+from moe_lora_harness.kernels.experts.triton_experts import ExpertsPlan, TritonExperts
+from moe_lora_harness.kernels.schedule.interface import Schedule
+from moe_lora_harness.kernels.schedule.recorder import Recorder
 
 
 class _TritonPhases:
@@ -88,7 +88,7 @@ class DualStreamTritonExperts(TritonExperts):
         """The layer's schedule, created on first use and kept (one aux stream, four events per layer)."""
         if self.dual_stream_schedule is None:
             if device.type == "cuda":
-                from kernels.schedule.cuda import CudaSchedule
+                from moe_lora_harness.kernels.schedule.cuda import CudaSchedule
                 streams = {AUX: ctx.aux_stream} if ctx.aux_stream is not None else None
                 events = None
                 if ctx.events is not None:

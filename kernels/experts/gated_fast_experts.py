@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.experts.modular import CPU_BF16, ShapeRule
-from kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT, ExpertsPlan, TritonExperts
+from moe_lora_harness.kernels.experts.modular import CPU_BF16, ShapeRule
+from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT, ExpertsPlan, TritonExperts
 
 TILE_I = 128
 _FP32 = "the fast path tiles 16-bit operands only (fp32 goes to the general Triton experts)"

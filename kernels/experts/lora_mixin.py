@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.experts.lora_context import MoELoRAContext
-from kernels.triton import lora_op
-from kernels.triton.align import moe_lora_align_block_size
+from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+from moe_lora_harness.kernels.triton import lora_op
+from moe_lora_harness.kernels.triton.align import moe_lora_align_block_size
 
 SPARSITY_FACTOR = 8      # naive block assignment when T*k*8 <= E_local * max_loras (vLLM's rule)
 # Tuning ints the op validates but does not honour (it has its own launch heuristics), then the align block.

@@ -11,18 +11,18 @@ from typing import Callable
 
 import torch
 
-from kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
-from kernels.experts.lora_context import MoELoRAContext
-from kernels.experts.lora_mixin import LoRAExpertsMixin
-from kernels.experts.modular import (
+from moe_lora_harness.kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
+from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+from moe_lora_harness.kernels.experts.lora_mixin import LoRAExpertsMixin
+from moe_lora_harness.kernels.experts.modular import (
     CPU_BF16, FusedMoEExperts, ShapeRule, check_activations_and_routing, check_biases, check_id_ranges,
     check_lora_ctx,
 )
-from kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
-from kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
-from kernels.triton.moe_align import moe_align_block_size
-from kernels.triton.moe_sum import moe_sum
-from kernels.triton.quant_gemm import QuantWeights
+from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
+from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
+from moe_lora_harness.kernels.triton.moe_align import moe_align_block_size
+from moe_lora_harness.kernels.triton.moe_sum import moe_sum
+from moe_lora_harness.kernels.triton.quant_gemm import QuantWeights
 
 _FP32 = "the Marlin-style dequant GEMM computes in 16-bit (fp16/bf16) only"
 

@@ -12,9 +12,9 @@ from typing import Callable, ClassVar, Mapping
 
 import torch
 
-from kernels.experts.config import MoEConfig
-from kernels.experts.lora_context import MoELoRAContext
-from kernels.triton.platform import interpreting
+from moe_lora_harness.kernels.experts.config import MoEConfig
+from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+from moe_lora_harness.kernels.triton.platform import interpreting
 
 UNCHECKED_ENV = "MOE_LORA_UNCHECKED"   # 1 = skip the id value-range check (it syncs the device)
 CPU_BF16 = "the Triton interpreter cannot do bf16 arithmetic (computes on bit patterns; Triton issue 11584)"

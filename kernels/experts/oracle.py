@@ -6,11 +6,11 @@ sent a non-gated activation to a gated-only kernel. Every candidate is judged by
 """
 from __future__ import annotations
 
-from kernels.experts.config import MoEConfig
-from kernels.experts.gated_fast_experts import GatedFastExperts
-from kernels.experts.marlin_experts import MarlinExperts
-from kernels.experts.oai_experts import OAIExperts
-from kernels.experts.triton_experts import TritonExperts
+from moe_lora_harness.kernels.experts.config import MoEConfig
+from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
+from moe_lora_harness.kernels.experts.marlin_experts import MarlinExperts
+from moe_lora_harness.kernels.experts.oai_experts import OAIExperts
+from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 
 # Fastest first: the gated-SiLU fast path, the gather/scatter kernels gpt-oss models use, the general
 # Triton experts, then the weight-only quantized experts.

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from kernels.experts.dual_stream import AUX, Step, dual_stream_program
-from kernels.schedule.interface import MAIN
+from moe_lora_harness.kernels.experts.dual_stream import AUX, Step, dual_stream_program
+from moe_lora_harness.kernels.schedule.interface import MAIN
 
 
 def _find(program, kind: str, stream: str, name: str) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.experts.config import MoEConfig
+from moe_lora_harness.kernels.experts.config import MoEConfig
 
 
 class NoEPPrepareAndFinalize:

@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
-from kernels.experts.lora_context import MoELoRAContext
-from kernels.experts.lora_mixin import LoRAAlignment, LoRAExpertsMixin
-from kernels.experts.modular import (
+from moe_lora_harness.kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
+from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+from moe_lora_harness.kernels.experts.lora_mixin import LoRAAlignment, LoRAExpertsMixin
+from moe_lora_harness.kernels.experts.modular import (
     CPU_BF16, FusedMoEExperts, ShapeRule, check_activations_and_routing, check_dense_weights, check_id_ranges,
     check_lora_ctx,
 )
-from kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
-from kernels.triton.moe_align import moe_align_block_size
-from kernels.triton.moe_sum import moe_sum
+from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
+from moe_lora_harness.kernels.triton.moe_align import moe_align_block_size
+from moe_lora_harness.kernels.triton.moe_sum import moe_sum
 
 TRITON_DTYPES = {"cpu": frozenset({"float16", "float32"}), "cuda": frozenset({"float16", "bfloat16", "float32"})}
 TRITON_DTYPE_REASONS = {("cpu", "bfloat16"): CPU_BF16}

@@ -3,8 +3,8 @@ CPU `Recorder` that checks the same program for races with vector clocks.
 
 `CudaSchedule` / `SleepySchedule` live in `kernels.schedule.cuda` (imported lazily: they need CUDA).
 """
-from kernels.schedule.interface import MAIN, BufferRef, Schedule, ScheduleError, buffer_ref, named
-from kernels.schedule.recorder import Hazard, Op, Race, Recorder
+from moe_lora_harness.kernels.schedule.interface import MAIN, BufferRef, Schedule, ScheduleError, buffer_ref, named
+from moe_lora_harness.kernels.schedule.recorder import Hazard, Op, Race, Recorder
 
 __all__ = ["MAIN", "BufferRef", "Schedule", "ScheduleError", "buffer_ref", "named",
            "Hazard", "Op", "Race", "Recorder"]

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.schedule.interface import MAIN, Schedule
+from moe_lora_harness.kernels.schedule.interface import MAIN, Schedule
 
 
 class CudaSchedule(Schedule):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kernels.schedule.interface import BufferRef, Schedule, ScheduleError, buffer_refs
+from moe_lora_harness.kernels.schedule.interface import BufferRef, Schedule, ScheduleError, buffer_refs
 
 Clock = dict  # stream name -> count of that stream's operations known to have happened
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton.fused_moe_gemm import (
+from moe_lora_harness.kernels.triton.fused_moe_gemm import (
     FLOAT_DTYPES, GemmConfig, _tensor, check_block_m, check_weights, choose_block_m, launch_gemm, routing_weights,
 )
-from kernels.triton.moe_align import _pos_int, check_expert_map, check_topk_ids, pad_segments, sort_pairs_by_expert
-from kernels.triton.moe_sum import check_out, launch_sum
-from kernels.validate import UNCHECKED_ENV, checks_enabled
+from moe_lora_harness.kernels.triton.moe_align import _pos_int, check_expert_map, check_topk_ids, pad_segments, sort_pairs_by_expert
+from moe_lora_harness.kernels.triton.moe_sum import check_out, launch_sum
+from moe_lora_harness.kernels.validate import UNCHECKED_ENV, checks_enabled
 
 
 def permute_pairs(topk_ids, num_experts, expert_map=None):

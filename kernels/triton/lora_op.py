@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from kernels.validate import OpCall, check_value_ranges, validate_call
-from kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, OneShotConfig, run_one_shot
-from kernels.triton.small_batch import run_small_batch, small_batch_unsupported
-from kernels.triton.two_kernel import run_two_kernel
+from moe_lora_harness.kernels.validate import OpCall, check_value_ranges, validate_call
+from moe_lora_harness.kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, OneShotConfig, run_one_shot
+from moe_lora_harness.kernels.triton.small_batch import run_small_batch, small_batch_unsupported
+from moe_lora_harness.kernels.triton.two_kernel import run_two_kernel
 
 PATHS = ("one_shot", "small_batch", "two_kernel")
 

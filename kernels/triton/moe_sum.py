@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.one_shot import next_pow2
+from moe_lora_harness.kernels.triton.one_shot import next_pow2
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validate import OpCall
-from kernels.triton.one_shot import (
+from moe_lora_harness.kernels.validate import OpCall
+from moe_lora_harness.kernels.triton.one_shot import (
     _bucket_stats, block_k_for, block_tokens, launch, next_pow2, resolve_lora_expert, slice_pairs,
 )
 

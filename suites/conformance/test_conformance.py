@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from conftest import selected_backends, selected_device
-from harness.features import FEATURES, feature_cases
-from harness.runner import run_case
-from harness.strategies import expert_cases, op_cases
+from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
+from moe_lora_harness.harness.features import FEATURES, feature_cases
+from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.strategies import expert_cases, op_cases, suite_settings
 
 
 class UnclaimedCapabilityWarning(UserWarning):
@@ -29,7 +29,7 @@ def pytest_generate_tests(metafunc):
     device = selected_device(config)
     names = sorted(selected_backends(config))
     if "feature_case" in metafunc.fixturenames:
-        n = config.getoption("cases_per_feature") or (3 if device.startswith("cuda") else 2)
+        n = config.getoption("moe_lora_cases_per_feature") or (3 if device.startswith("cuda") else 2)
         params, ids = [], []
         specs = selected_backends(config)
         for name in names:
@@ -73,6 +73,7 @@ def _dtypes(device):
     return ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
 
 
+@suite_settings()
 @given(data=st.data())
 def test_op_random(backend_name, backends, device, data):
     """Hypothesis-drawn op cases; failures shrink to a minimal case and print its REPRO line."""
@@ -82,6 +83,7 @@ def test_op_random(backend_name, backends, device, data):
     run_drawn(spec, case, device)
 
 
+@suite_settings()
 @given(data=st.data())
 def test_expert_random(backend_name, backends, device, data):
     """Hypothesis-drawn expert-level cases for every expert backend (activation, LoRA mix, EP, quant...)."""

@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 
-from backends import experts as B
-from harness.case import Case
-from harness.runner import run_case
-from kernels.experts.gated_fast_experts import GatedFastExperts
+from moe_lora_harness.backends import experts as B
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
 
 
 def _grid(device) -> list[Case]:

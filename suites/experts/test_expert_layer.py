@@ -9,19 +9,19 @@ import dataclasses
 import pytest
 import torch
 
-import kernels.experts.marlin_experts as marlin_mod
-from backends.experts import config_from_call, context_from_call
-from harness.builders import build_expert_inputs
-from harness.case import Case
-from harness.compare import compare_written
-from harness.expert_runner import expert_expectations
-from kernels.experts.lora_mixin import build_lora_alignment
-from kernels.experts.marlin_experts import MarlinExperts
-from kernels.experts.modular import FusedMoEKernel
-from kernels.experts.oai_experts import OAIExperts
-from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
-from kernels.experts.triton_experts import TritonExperts
-from kernels.triton.quant_gemm import pack_weights
+import moe_lora_harness.kernels.experts.marlin_experts as marlin_mod
+from moe_lora_harness.backends.experts import config_from_call, context_from_call
+from moe_lora_harness.harness.builders import build_expert_inputs
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import compare_written
+from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.kernels.experts.lora_mixin import build_lora_alignment
+from moe_lora_harness.kernels.experts.marlin_experts import MarlinExperts
+from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+from moe_lora_harness.kernels.experts.oai_experts import OAIExperts
+from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
+from moe_lora_harness.kernels.triton.quant_gemm import pack_weights
 
 
 def _dtype(device):
@@ -301,8 +301,8 @@ def test_empty_batch(device, cls, extra):
 def test_sparse_batch_takes_the_naive_small_batch_path_and_conforms(device, activation):
     """T*k*8 <= E*L: naive block assignment, hence the small-batch kernel's single rounding (declared
     as this backend's precision for the case, so the harness compares against that rounding model)."""
-    from backends.experts import TRITON_EXPERTS
-    from harness.runner import run_case
+    from moe_lora_harness.backends.experts import TRITON_EXPERTS
+    from moe_lora_harness.harness.runner import run_case
     case = _case(device, T=1, E=16, activation=activation, mapping="uniform")
     assert TRITON_EXPERTS.precision_for(case) == "small_batch"
     out = run_case(TRITON_EXPERTS, case, device)
@@ -312,8 +312,8 @@ def test_sparse_batch_takes_the_naive_small_batch_path_and_conforms(device, acti
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 def test_fully_sharded_single_rank_takes_the_two_kernel_path(device, activation):
     """One TP rank with fully sharded LoRA: the two-kernel op (its collectives are identities on one rank)."""
-    from backends.experts import TRITON_EXPERTS
-    from harness.runner import run_case
+    from moe_lora_harness.backends.experts import TRITON_EXPERTS
+    from moe_lora_harness.harness.runner import run_case
     case = _case(device, activation=activation, fully_sharded=True)
     assert TRITON_EXPERTS.precision_for(case) == "two_kernel"
     out = run_case(TRITON_EXPERTS, case, device)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import find, given
 from hypothesis import strategies as st
 
-from kernels.experts.config import MoEConfig
-from kernels.experts.gated_fast_experts import GatedFastExperts
-from kernels.experts.oracle import BACKEND_PRIORITY, NoBackendError, explain, select_experts
-from kernels.experts.triton_experts import TritonExperts
+from moe_lora_harness.harness.strategies import suite_settings
+from moe_lora_harness.kernels.experts.config import MoEConfig
+from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
+from moe_lora_harness.kernels.experts.oracle import BACKEND_PRIORITY, NoBackendError, explain, select_experts
+from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ",
                "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul", "relu2")
-SETTINGS = settings(max_examples=300, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = suite_settings(max_examples=300, database=None)
 
 
 @st.composite
@@ -125,7 +125,7 @@ def test_checks_run_in_the_declared_order():
 
 def test_planted_lora_early_return_is_caught_by_the_same_property():
     bad = find(configs(), lambda c: violation(vllm_lora_early_return, c) is not None,
-               settings=settings(max_examples=2000, deadline=None, database=None))
+               settings=suite_settings(max_examples=2000, database=None))
     assert bad.lora_enabled, bad
     assert "declines it" in violation(vllm_lora_early_return, bad)
     # and the headline symptom: a non-gated activation sent to the gated-only kernel

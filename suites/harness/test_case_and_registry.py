@@ -10,13 +10,14 @@ import pytest
 import torch
 from hypothesis import given
 
-from harness.case import Case
-from harness.contract import BackendSpec, Capabilities, KnownBug, support_for
-from harness.registry import BackendLoadError, available_backends, load_ref, looks_like_fused_moe_lora
-from harness.runner import run_case
-from harness.strategies import op_cases
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug, support_for
+from moe_lora_harness.harness.registry import BackendLoadError, available_backends, load_ref, takes_fused_moe_lora_args
+from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.strategies import op_cases, suite_settings
 
 
+@suite_settings()
 @given(op_cases())
 def test_case_json_round_trip(case):
     assert Case.from_json(case.to_json()) == case
@@ -42,8 +43,8 @@ def test_builtin_backends_load_and_declare():
 
 
 def test_plain_function_is_wrapped_as_op_backend():
-    [spec] = load_ref("reference.lora_op:fused_moe_lora")
-    assert looks_like_fused_moe_lora(spec.op) and spec.capabilities.levels == {"op"}
+    [spec] = load_ref("moe_lora_harness.reference.lora_op:fused_moe_lora")
+    assert takes_fused_moe_lora_args(spec.op) and spec.capabilities.levels == {"op"}
     out = run_case(spec, Case(T=3, seed=5), "cpu")
     assert out.status == "pass", out.detail
 
@@ -51,8 +52,8 @@ def test_plain_function_is_wrapped_as_op_backend():
 @pytest.mark.parametrize("ref, msg", [
     ("no_colon_here", "expected 'module:attr'"),
     ("does.not.exist:x", "cannot import"),
-    ("harness.case:NOPE", "has no attribute"),
-    ("harness.case:LEVELS", "expected a BackendSpec"),
+    ("moe_lora_harness.harness.case:NOPE", "has no attribute"),
+    ("moe_lora_harness.harness.case:LEVELS", "expected a BackendSpec"),
 ])
 def test_bad_backend_refs_say_why(ref, msg):
     with pytest.raises(BackendLoadError, match=msg):
@@ -62,7 +63,7 @@ def test_bad_backend_refs_say_why(ref, msg):
 def test_backend_from_a_file_path(tmp_path):
     f = tmp_path / "mine.py"
     f.write_text(textwrap.dedent("""
-        from reference.lora_op import fused_moe_lora as _ref
+        from moe_lora_harness.reference.lora_op import fused_moe_lora as _ref
         def my_op(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
                   expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
                   num_active_loras, adapter_enabled, *args, **kw):
@@ -79,7 +80,7 @@ def _spec_with(op, **cap):
 
 
 def test_claims_are_checked_both_ways():
-    from harness.mutants import MUTANTS
+    from moe_lora_harness.harness.mutants import MUTANTS
     good = next(m for m in MUTANTS if m.name == "mutant-control")
     bad = next(m for m in MUTANTS if m.name == "mutant-drops-slice")
     case = Case(T=3, max_rank=16)
@@ -94,7 +95,7 @@ def test_claims_are_checked_both_ways():
 
 
 def test_known_bug_ledger_expects_failure_and_flags_unexpected_pass():
-    from harness.mutants import MUTANTS
+    from moe_lora_harness.harness.mutants import MUTANTS
     ops = {m.name: m.op for m in MUTANTS}
     bug = KnownBug("example#1", "drops slice 1", lambda c: c.num_slices > 1)
     buggy = BackendSpec("b", "t", Capabilities(levels=frozenset({"op"})), op=ops["mutant-drops-slice"],
@@ -107,15 +108,15 @@ def test_known_bug_ledger_expects_failure_and_flags_unexpected_pass():
 
 
 def test_cli_replay_and_list():
-    from harness.cli import main
+    from moe_lora_harness.harness.cli import main
     assert main(["replay", "--only", "eager", "--case", '{"T":3,"layout":"naive"}']) == 0
     assert main(["list", "--only", "eager"]) == 0
-    assert main(["replay", "--backend", "harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+    assert main(["replay", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
                  "--case", '{"T":3}']) == 1
 
 
 def test_cli_replay_reads_a_case_file_and_names_a_bad_case(tmp_path, capsys):
-    from harness.cli import main
+    from moe_lora_harness.harness.cli import main
     f = tmp_path / "case.json"
     f.write_text('{"T": 3, "layout": "naive"}')
     assert main(["replay", "--only", "eager", "--case", str(f)]) == 0
@@ -127,7 +128,7 @@ def test_cli_replay_reads_a_case_file_and_names_a_bad_case(tmp_path, capsys):
 
 def test_console_script_check_runs(tmp_path):
     """The main job, end to end, on a restricted backend set (the full run is CI's other half)."""
-    out = subprocess.run([sys.executable, "-m", "harness.cli", "check", "--only", "eager", "--cases-per-feature", "1",
+    out = subprocess.run([sys.executable, "-m", "moe_lora_harness", "check", "--only", "eager", "--cases-per-feature", "1",
                           "--json", str(tmp_path / "m.json"), "--markdown", str(tmp_path / "m.md")],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -139,7 +140,7 @@ def test_console_script_check_runs(tmp_path):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_routing_weights_are_distinct_and_never_trivial(k):
     """A weight of exactly 1.0 everywhere (softmax over one slot) would hide a missing or doubled weight."""
-    from harness.builders import make_routing, _gen
+    from moe_lora_harness.harness.builders import make_routing, _gen
     c = Case(T=16, E=8, top_k=k, seed=3)
     w, ids = make_routing(c, _gen(c, 1))
     assert not torch.any(w == 1.0) and torch.unique(w).numel() > w.numel() // 2

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.case import Case
-from harness.mutants import MUTANTS
-from harness.runner import run_case
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.mutants import MUTANTS
+from moe_lora_harness.harness.runner import run_case
 
 BY_NAME = {m.name: m for m in MUTANTS}
 BASE = Case(T=6, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=8, seed=7)
@@ -59,7 +59,7 @@ def test_every_mutant_has_an_exposing_case():
 def test_repro_line_replays_the_failure_alone():
     """The REPRO command, run as printed, loads the same backend and fails the same way."""
     import shlex
-    from harness.cli import main
+    from moe_lora_harness.harness.cli import main
     out = run_case(BY_NAME["mutant-wrong-x-row"], EXPOSING["wrong-x-row"], "cpu")
     line = next(l for l in out.detail.splitlines() if l.startswith("REPRO: "))
     argv = shlex.split(line.removeprefix("REPRO: "))

@@ -7,7 +7,7 @@ checked in CPU CI. Compiles run in one child process without TRITON_INTERPRET (u
 launch on contiguous tensors specializes them: pointers and the listed integers divisible by 16, unit
 strides equal to 1.
 
-  python suites/kernels/sm90_codegen.py < jobs.json   # {name: job} -> {name: ttgir} on stdout
+  python -m moe_lora_harness.suites.kernels.sm90_codegen < jobs.json   # {name: job} -> {name: ttgir} on stdout
 """
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+import moe_lora_harness
+
+# where a child interpreter finds the package (a source tree or site-packages)
+PACKAGE_PARENT = pathlib.Path(moe_lora_harness.__file__).resolve().parents[1]
 SM90 = (90, 32)  # (compute capability, warp size)
 ID_POINTERS = frozenset({"sorted_ptr", "expert_ptr", "ntpp_ptr", "map_ptr", "lora_ids_ptr", "enabled_ptr",
                          "ids_ptr", "expert_ids_ptr", "perm_ptr", "count_ptr"})
@@ -38,9 +41,10 @@ def job(fn: str, constexprs: dict, *, unit_strides=(), pointer_types=None, num_w
 def ttgir_sm90(jobs: dict, timeout: float = 600) -> dict:
     """{name: job} -> {name: TTGIR text}, compiled in one child process (raises with its stderr on failure)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__))], input=json.dumps(jobs), text=True,
-                          capture_output=True, env=env, cwd=ROOT, timeout=timeout)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_PARENT)]
+                                        + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-m", "moe_lora_harness.suites.kernels.sm90_codegen"], input=json.dumps(jobs), text=True,
+                          capture_output=True, env=env, cwd=PACKAGE_PARENT, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"sm_90 compile failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout)

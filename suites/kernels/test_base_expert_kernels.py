@@ -16,13 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.fused_moe_gemm import GemmConfig, fused_moe_gemm
-from kernels.triton.grouped_gemm import grouped_gemm, permute_pairs, scatter_sum
-from kernels.triton.moe_align import moe_align_block_size
-from kernels.triton.moe_sum import moe_sum
-from kernels.triton.quant_gemm import pack_weights, unpack_weights
-from reference.precision import rnd
-from reference.quant import dequantize, quantize
+from moe_lora_harness.kernels.triton.fused_moe_gemm import GemmConfig, fused_moe_gemm
+from moe_lora_harness.kernels.triton.grouped_gemm import grouped_gemm, permute_pairs, scatter_sum
+from moe_lora_harness.kernels.triton.moe_align import moe_align_block_size
+from moe_lora_harness.kernels.triton.moe_sum import moe_sum
+from moe_lora_harness.kernels.triton.quant_gemm import pack_weights, unpack_weights
+from moe_lora_harness.reference.precision import rnd
+from moe_lora_harness.reference.quant import dequantize, quantize
 
 U32 = 2.0 ** -23  # fp32 eps = 2 x unit roundoff
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from sm90_codegen import global_accesses, job, ttgir_sm90, unavailable_reason  # suites/kernels (on sys.path)
+from .sm90_codegen import global_accesses, job, ttgir_sm90, unavailable_reason
 
 UNAVAILABLE = unavailable_reason()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"sm_90 codegen: {UNAVAILABLE}")
@@ -34,22 +34,22 @@ ONE_SHOT = {
     "rank 16, two slices, capped": (one_shot_meta(block_r=16, rank=16, two=True), 168),
 }
 JOBS = {
-    **{f"one_shot {name}": job("kernels.triton.one_shot:_one_shot_kernel", meta, unit_strides=LORA_UNIT_STRIDES,
+    **{f"one_shot {name}": job("moe_lora_harness.kernels.triton.one_shot:_one_shot_kernel", meta, unit_strides=LORA_UNIT_STRIDES,
                                maxnreg=cap) for name, (meta, cap) in ONE_SHOT.items()},
-    "small_batch": job("kernels.triton.small_batch:_small_batch_kernel",
+    "small_batch": job("moe_lora_harness.kernels.triton.small_batch:_small_batch_kernel",
                        dict(X_ROW_DIV=1, MUL_W=True, ADD_INPUTS=True, BLOCK_R=64, RANK=64, BLOCK_N=64, BLOCK_K=256,
                             EVEN_K=True), unit_strides=LORA_UNIT_STRIDES),
-    "two_kernel shrink": job("kernels.triton.two_kernel:_shrink_kernel",
+    "two_kernel shrink": job("moe_lora_harness.kernels.triton.two_kernel:_shrink_kernel",
                              dict(X_ROW_DIV=1, NAIVE=False, BLOCK_M=64, SUB_M=64, BLOCK_R=64, BLOCK_K=128, EVEN_K=True,
                                   IEEE=False), unit_strides=LORA_UNIT_STRIDES),
-    "two_kernel expand": job("kernels.triton.two_kernel:_expand_kernel",
+    "two_kernel expand": job("moe_lora_harness.kernels.triton.two_kernel:_expand_kernel",
                              dict(NAIVE=False, MUL_W=True, ADD_INPUTS=True, BLOCK_M=64, SUB_M=64, BLOCK_N=128,
                                   BLOCK_KR=64, IEEE=False), unit_strides=LORA_UNIT_STRIDES),
-    "fused_moe_gemm": job("kernels.triton.fused_moe_gemm:_moe_gemm_kernel",
+    "fused_moe_gemm": job("moe_lora_harness.kernels.triton.fused_moe_gemm:_moe_gemm_kernel",
                           dict(X_ROW_DIV=1, USE_PERM=False, X_BY_SLOT=False, HAS_BIAS=False, MUL_W=False, QUANT=False,
                                BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EVEN_K=True, IEEE=False),
                           unit_strides=("stride_xk", "stride_wk", "stride_on"), pointer_types={"w_ptr": "*bf16"}),
-    **{f"probe clamp={clamp}": job("suites.kernels.sm90_codegen:rank_offset_probe",
+    **{f"probe clamp={clamp}": job("moe_lora_harness.suites.kernels.sm90_codegen:rank_offset_probe",
                                    dict(RANK=64, BLOCK_R=64, BLOCK_N=128, CLAMP=clamp), unit_strides=("stride_br", "stride_on"))
        for clamp in (False, True)},
 }

@@ -16,12 +16,8 @@ import types
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from kernels.triton import one_shot, small_batch, two_kernel  # noqa: E402
-from kernels.triton.platform import DeviceInfo  # noqa: E402
+from moe_lora_harness.kernels.triton import one_shot, small_batch, two_kernel
+from moe_lora_harness.kernels.triton.platform import DeviceInfo
 
 GOLDEN = pathlib.Path(__file__).with_name("data") / "launch_configs_h200.json"
 H200 = DeviceInfo(sm_count=132, max_shared_mem=232448, capability=(9, 0), interpreted=False)
@@ -76,7 +72,7 @@ def test_launch_configs_match_the_recorded_ones():
     paths = sorted({path for _, path in moved})
     diffs = [f"{key} {path}: {want[key].get(path)} -> {got[key].get(path)}" for key, path in moved]
     assert not diffs, (f"launch configs moved for paths {paths} ({len(diffs)} shapes); if deliberate, run "
-                       f"`python {pathlib.Path(__file__).relative_to(ROOT)} --update`:\n" + "\n".join(diffs[:20]))
+                       f"`python -m moe_lora_harness.suites.kernels.test_launch_heuristics --update`:\n" + "\n".join(diffs[:20]))
 
 
 @pytest.mark.parametrize("T", TOKENS)

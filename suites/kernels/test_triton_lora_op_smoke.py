@@ -15,13 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.triton import align as talign  # noqa: E402
-from kernels.triton import lora_op  # noqa: E402
-from kernels.triton.one_shot import OneShotConfig, run_one_shot  # noqa: E402
-from kernels.validate import validate_call  # noqa: E402
-from reference import align as ralign  # noqa: E402
-from reference.lora_op import fused_moe_lora_expected  # noqa: E402
-from reference.precision import precision  # noqa: E402
+from moe_lora_harness.kernels.triton import align as talign  # noqa: E402
+from moe_lora_harness.kernels.triton import lora_op  # noqa: E402
+from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, run_one_shot  # noqa: E402
+from moe_lora_harness.kernels.validate import validate_call  # noqa: E402
+from moe_lora_harness.reference import align as ralign  # noqa: E402
+from moe_lora_harness.reference.lora_op import fused_moe_lora_expected  # noqa: E402
+from moe_lora_harness.reference.precision import precision  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU tensors need the interpreter
 ULPS = 4.0  # per-element bound in output-dtype ulps of the element's forward-error scale (error-model notes)

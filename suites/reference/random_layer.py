@@ -2,8 +2,8 @@
 
 import torch
 
-from reference.adapters import ExpertAdapter, pack_moe_lora
-from reference.experts import LoRAInputs
+from moe_lora_harness.reference.adapters import ExpertAdapter, pack_moe_lora
+from moe_lora_harness.reference.experts import LoRAInputs
 
 MAPPING_CYCLE = (0, 1, -1, 2, 1, 0)  # token i's slot: two adapters, a token without one, the empty slot
 

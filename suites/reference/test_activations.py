@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference.activations import (
+from moe_lora_harness.reference.activations import (
     ACTIVATIONS,
     SUPPORTED_ACTIVATIONS,
     activation_scale,
@@ -19,7 +19,7 @@ from reference.activations import (
     lookup_activation,
     output_width,
 )
-from reference.precision import rnd
+from moe_lora_harness.reference.precision import rnd
 
 F64 = torch.float64
 # Exact-mode results and the test's formulas evaluate the same closed form in float64 in different

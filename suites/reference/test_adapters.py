@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from reference.adapters import ExpertAdapter, StackedMoELoRA, pack_moe_lora
+from moe_lora_harness.reference.adapters import ExpertAdapter, StackedMoELoRA, pack_moe_lora
 
 E, H, I, L, R = 3, 16, 8, 3, 8
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.align import (
+from moe_lora_harness.harness.strategies import suite_settings
+from moe_lora_harness.reference.align import (
     DEFAULT_FILL,
     active_lora_ids,
     align_alloc,
@@ -68,7 +69,7 @@ def _check_invariants(topk, mapping, E, bs, L, enabled, s, e, n, ids, expert_map
         assert e[l, :nb].tolist() == sorted(e[l, :nb].tolist())  # buckets in expert order, contiguous
 
 
-@settings(max_examples=15, deadline=None)
+@suite_settings(max_examples=15)
 @given(seed=st.integers(0, 10**6), T=st.integers(1, 24), k=st.integers(1, 4), bs=st.sampled_from([1, 4, 16]),
        L=st.integers(1, 4))
 def test_invariants_random(seed, T, k, bs, L):

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from reference.activations import SUPPORTED_ACTIVATIONS, apply_activation, is_gated
-from reference.adapters import StackedMoELoRA
-from reference.experts import ExpertExpected, LoRACollectives, LoRAInputs, moe_experts_forward
-from reference.precision import PRESETS, eps, precision, rnd
+from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS, apply_activation, is_gated
+from moe_lora_harness.reference.adapters import StackedMoELoRA
+from moe_lora_harness.reference.experts import ExpertExpected, LoRACollectives, LoRAInputs, moe_experts_forward
+from moe_lora_harness.reference.precision import PRESETS, eps, precision, rnd
 
-from random_layer import random_layer  # suites/reference/random_layer.py (pytest puts this folder on sys.path)
+from .random_layer import random_layer
 
 F64 = torch.float64
 EXACT = precision("exact", None)
@@ -227,7 +227,7 @@ def test_rounding_points_by_hand(on_input):
 
 def test_scale_of_base_by_hand():
     """Base-only scale: |w| (|W2| s2 + |b2|) with s2 = activation_scale(c1, |W13||x| + |b1|), summed over k."""
-    from reference.activations import activation_scale
+    from moe_lora_harness.reference.activations import activation_scale
     layer, _ = make_layer(12, bias=True)
     got = fwd(layer, None, precision("one_shot", torch.float16))
     x, w = layer["hidden"].double(), layer["topk_weights"].float().double()

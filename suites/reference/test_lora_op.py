@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from reference.align import active_lora_ids, align_alloc, moe_lora_align_block_size
-from reference.lora_op import (
+from moe_lora_harness.reference.align import active_lora_ids, align_alloc, moe_lora_align_block_size
+from moe_lora_harness.reference.lora_op import (
     PairLayout,
     fused_moe_lora,
     fused_moe_lora_expected,
@@ -20,7 +20,7 @@ from reference.lora_op import (
     lora_shrink,
     qualifying_pairs,
 )
-from reference.precision import PRESETS, Precision, eps, precision, rnd
+from moe_lora_harness.reference.precision import PRESETS, Precision, eps, precision, rnd
 
 F64 = torch.float64
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from reference.routing import fused_topk, grouped_topk
+from moe_lora_harness.reference.routing import fused_topk, grouped_topk
 
 F32 = torch.float32
 

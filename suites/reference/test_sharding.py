@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from reference.adapters import ExpertAdapter, pack_moe_lora
-from reference.experts import LoRAInputs, moe_experts_forward
-from reference.precision import eps, precision, rnd
-from reference.sharding import (
+from moe_lora_harness.reference.adapters import ExpertAdapter, pack_moe_lora
+from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
+from moe_lora_harness.reference.precision import eps, precision, rnd
+from moe_lora_harness.reference.sharding import (
     all_gather_last, all_reduce_sum, ep_combine, ep_dispatch, ep_expert_map, ep_slice_base, ep_slice_lora,
     sharded_experts_forward, tp_slice_base, tp_slice_lora,
 )
 
-from random_layer import random_layer  # suites/reference/random_layer.py (pytest puts this folder on sys.path)
+from .random_layer import random_layer
 
 F64 = torch.float64
 EXACT = precision("exact", None)

@@ -8,14 +8,14 @@ import itertools
 import pytest
 import torch
 
-from harness.builders import build_expert_inputs, torch_dtype
-from harness.case import Case
-from harness.compare import compare_written
-from harness.expert_runner import expert_expectations
-from kernels.experts.dual_stream import (
+from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import compare_written
+from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.kernels.experts.dual_stream import (
     AUX, EVENTS, PLANS, TorchPhases, all_programs, allocate_workspace, dual_stream_program, run_dual_stream,
 )
-from kernels.schedule import MAIN, Recorder, ScheduleError
+from moe_lora_harness.kernels.schedule import MAIN, Recorder, ScheduleError
 
 CASE = Case(level="expert", T=7, H=32, I=16, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed",
             dtype="float16", activation="silu", seed=7)
@@ -99,14 +99,14 @@ def test_bad_arguments_are_named():
 # ------------------------------------------------------------------------------ the Triton experts
 
 try:
-    from backends.dual_stream import BACKEND, dual_stream_precision, run_experts
-    from backends.experts import config_from_call, context_from_call
-    from kernels.experts.dual_stream_experts import DualStreamTritonExperts
-    from kernels.experts.lora_context import MoELoRAContext
-    from kernels.experts.modular import FusedMoEKernel
-    from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
-    from kernels.experts.triton_experts import TritonExperts
-    from kernels.triton.platform import interpreting
+    from moe_lora_harness.backends.dual_stream import BACKEND, dual_stream_precision, run_experts
+    from moe_lora_harness.backends.experts import config_from_call, context_from_call
+    from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
+    from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+    from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+    from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+    from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
+    from moe_lora_harness.kernels.triton.platform import interpreting
     _MISSING = "" if interpreting() else "CPU Triton runs need the interpreter (TRITON_INTERPRET=1; the CPU lane)"
 except Exception as e:  # noqa: BLE001
     _MISSING = f"Triton experts not importable: {type(e).__name__}: {e}"
@@ -227,6 +227,6 @@ def test_backend_precision_follows_the_lora_path():
     Case(**{**CASE.__dict__, "activation": "relu2_no_mul", "bias": True, "ep_size": 2, "ep_rank": 1, "E": 8}),
 ], ids=["silu-mixed", "small-batch", "relu2-bias-ep"])
 def test_backend_passes_the_error_model(case):
-    from harness.runner import run_case
+    from moe_lora_harness.harness.runner import run_case
     outcome = run_case(BACKEND, case, "cpu")
     assert outcome.status == "pass", outcome.detail or outcome.reason

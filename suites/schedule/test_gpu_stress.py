@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.builders import build_expert_inputs
-from harness.case import Case
-from kernels.experts.dual_stream import (
+from moe_lora_harness.harness.builders import build_expert_inputs
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.kernels.experts.dual_stream import (
     AUX, EVENTS, POISON, TorchPhases, allocate_workspace, dual_stream_program, run_program,
 )
-from kernels.experts.planted_schedules import PLANTED, RACY
+from moe_lora_harness.kernels.experts.planted_schedules import PLANTED, RACY
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU stress needs a CUDA device")]
@@ -40,10 +40,10 @@ class Layer:
         self.out = torch.empty_like(self.call.output)
         self.program_for = program_for
         try:
-            from backends.experts import config_from_call, context_from_call
-            from kernels.experts.dual_stream_experts import DualStreamTritonExperts
-            from kernels.experts.modular import FusedMoEKernel
-            from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+            from moe_lora_harness.backends.experts import config_from_call, context_from_call
+            from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
+            from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+            from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
         except Exception:  # noqa: BLE001 - fall back to the torch stand-ins
             self.kernel = None
             s = self.inp.stacked
@@ -99,7 +99,7 @@ def inputs():
 @pytest.fixture(scope="module")
 def expected(inputs):
     """Single-stream results of the correct program, one per input set."""
-    from kernels.schedule.cuda import CudaSchedule
+    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule
     layer = Layer(CASE, dual_stream_program)
     layer.set_schedule(CudaSchedule(single_stream=True))
     outs = []
@@ -112,7 +112,7 @@ def expected(inputs):
 
 def stress(program_for, inputs, expected) -> tuple[int, "Layer", object]:
     """Run REPS calls under sleep injection; returns (#results differing from single stream, layer, inner schedule)."""
-    from kernels.schedule.cuda import CudaSchedule, SleepySchedule
+    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule, SleepySchedule
     layer = Layer(CASE, program_for)
     inner = CudaSchedule()
     bad = 0
@@ -149,7 +149,7 @@ def test_planted_bug_fails_under_stress(bug, inputs, expected):
 
 def test_dual_stream_forward_is_graph_capturable(inputs, expected):
     """Every aux chain starts with a wait on the capturing stream, so the forward can be captured and replayed."""
-    from kernels.schedule.cuda import CudaSchedule
+    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule
     layer = Layer(CASE, dual_stream_program)
     layer.set_schedule(CudaSchedule())
     layer(inputs[0], delay_inputs=False)                      # warm up (compiles kernels) outside the capture

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.builders import build_expert_inputs, torch_dtype
-from harness.case import Case
-from harness.compare import compare_written
-from harness.expert_runner import expert_expectations
-from kernels.experts.dual_stream import POISON, TorchPhases, allocate_workspace, dual_stream_program, run_program
-from kernels.experts.planted_schedules import PLANTED, RACY, planted_program
-from kernels.schedule import Recorder, ScheduleError
+from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import compare_written
+from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.kernels.experts.dual_stream import POISON, TorchPhases, allocate_workspace, dual_stream_program, run_program
+from moe_lora_harness.kernels.experts.planted_schedules import PLANTED, RACY, planted_program
+from moe_lora_harness.kernels.schedule import Recorder, ScheduleError
 
 # mixed mapping: some tokens carry no adapter, so their pairs are never written by the LoRA kernels
 CASE = Case(level="expert", T=7, H=32, I=16, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed",
@@ -79,14 +79,14 @@ def test_not_zeroed_is_race_free_but_the_comparison_catches_it():
 # ------------------------------------------------------------------------------ on the Triton experts
 
 try:
-    from backends.dual_stream import dual_stream_precision
-    from backends.experts import config_from_call, context_from_call
-    from harness.contract import BackendSpec, Capabilities
-    from harness.runner import run_case
-    from kernels.experts.dual_stream_experts import DualStreamTritonExperts
-    from kernels.experts.modular import FusedMoEKernel
-    from kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
-    from kernels.triton.platform import interpreting
+    from moe_lora_harness.backends.dual_stream import dual_stream_precision
+    from moe_lora_harness.backends.experts import config_from_call, context_from_call
+    from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
+    from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+    from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
+    from moe_lora_harness.kernels.triton.platform import interpreting
     _MISSING = "" if interpreting() else "CPU Triton runs need the interpreter (TRITON_INTERPRET=1; the CPU lane)"
 except Exception as e:  # noqa: BLE001
     _MISSING = f"Triton experts not importable: {type(e).__name__}: {e}"

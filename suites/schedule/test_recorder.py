@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels.schedule import MAIN, Recorder, ScheduleError, named
-from kernels.schedule.interface import buffer_ref, tensor_span
+from moe_lora_harness.harness.strategies import suite_settings
+from moe_lora_harness.kernels.schedule import MAIN, Recorder, ScheduleError, named
+from moe_lora_harness.kernels.schedule.interface import buffer_ref, tensor_span
 
 
 def two_streams(**kw):
@@ -234,7 +235,7 @@ def brute_force(prog):
     return reach, out
 
 
-@settings(max_examples=300, deadline=None)
+@suite_settings(max_examples=300)
 @given(prog=program_st)
 def test_vector_clocks_match_brute_force_happens_before(prog):
     r = Recorder()
@@ -257,7 +258,7 @@ def test_vector_clocks_match_brute_force_happens_before(prog):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_cuda_schedules_refuse_to_start_without_cuda():
-    from kernels.schedule.cuda import CudaSchedule, SleepySchedule
+    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule, SleepySchedule
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         CudaSchedule()
     with pytest.raises(TypeError, match="inner must be a CudaSchedule"):

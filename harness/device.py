@@ -1,0 +1,38 @@
+"""The device a run uses: `--device` parsed (cpu, cuda, cuda:N) and, without CUDA, Triton's interpreter.
+
+One place for the rule, asked by the CLI, the pytest plugin and the supervised worker.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+DEVICE_FORMS = "cpu, cuda or cuda:N"
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def parse_device(text: str, option: str = "--device") -> str:
+    """'cpu' | 'cuda' | 'cuda:N' as given; anything else is a ValueError naming the option."""
+    if text == "cpu" or re.fullmatch(r"cuda(:\d+)?", text or ""):
+        return text
+    raise ValueError(f"{option}: expected {DEVICE_FORMS}; got {text!r}")
+
+
+def cuda_present() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no torch, no driver: no CUDA
+        return False
+
+
+def prepare_device(text: str | None, option: str = "--device") -> str:
+    """The device to run on (default: cuda when present). Without CUDA, Triton kernels must run in the
+    interpreter, so TRITON_INTERPRET=1 is set (before our kernel modules are imported) unless already set."""
+    has_cuda = cuda_present()
+    if not has_cuda:
+        os.environ.setdefault(INTERPRET_ENV, "1")
+    d = parse_device(text, option) if text is not None else ("cuda" if has_cuda else "cpu")
+    if d.startswith("cuda") and not has_cuda:
+        raise ValueError(f"{option} {d}: no CUDA device is available here")
+    return d

@@ -1,0 +1,1 @@
+"""Conformance of every selected backend: declared features and hypothesis-drawn cases."""

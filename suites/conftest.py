@@ -1,0 +1,21 @@
+"""Fixtures of our suites (kept here, not in the plugin, so they never shadow a user's own fixtures)."""
+from __future__ import annotations
+
+import pytest
+
+from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
+
+
+@pytest.fixture(scope="session")
+def device(request) -> str:
+    return selected_device(request.config)
+
+
+@pytest.fixture(scope="session")
+def backends(request):
+    return selected_backends(request.config)
+
+
+@pytest.fixture(scope="session")
+def probe_unsupported(request) -> bool:
+    return request.config.getoption("moe_lora_probe_unsupported")

@@ -1,0 +1,1 @@
+"""The modular expert layer: capability claims, the backend oracle, layer behaviour."""

@@ -1,0 +1,1 @@
+"""The harness itself: cases, registry, CLI, supervised runner, mutants."""

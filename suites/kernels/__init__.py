@@ -1,0 +1,1 @@
+"""Our Triton kernels: smoke tests, launch heuristics, sm_90 code generation."""

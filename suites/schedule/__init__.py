@@ -1,0 +1,1 @@
+"""Stream schedules: the race recorder, dual-stream programs, planted races."""
