@@ -33,12 +33,11 @@ def _caps(**kw) -> Capabilities:
 
 
 def dispatch_precision(case: Case) -> str:
-    """Rounding model of the path our dispatch takes (kernels.triton.lora_op.select_path rules)."""
-    if case.fully_sharded or case.max_rank > 128:
-        return "two_kernel"
-    if case.layout == "naive" and case.max_rank <= 64 and case.T * case.top_k * case.max_rank <= 1024:
-        return "small_batch"
-    return "one_shot"
+    """Rounding model of the path our dispatch takes for the case: the one kernels.triton.lora_op.select_path names."""
+    if _ops is None:   # never asked for a run: without the kernels the backend declares no device
+        return "one_shot"
+    return _ops.select_path(naive=case.layout == "naive", max_lora_rank=case.max_rank,
+                            num_pairs=case.T * case.top_k, fully_sharded=case.fully_sharded)
 
 
 def _fn(name):
