@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import OP_TUNING_PARAMS
 from moe_lora_harness.reference import align as ref_align
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -116,7 +117,6 @@ class OpInputs:
     def call_kwargs(self) -> dict:
         """Keyword arguments for vLLM 0.33.0's `fused_moe_lora` signature."""
         c = self.case
-        n, kk, gm, w, st, sk = _TUNING_N_K_G_W_S_SPLIT
         return dict(
             output=self.output, qcurr_hidden_states=self.x, lora_a_stacked=self.lora_a,
             lora_b_stacked=self.lora_b, topk_weights=self.topk_weights,
@@ -125,10 +125,7 @@ class OpInputs:
             token_lora_mapping=self.token_lora_mapping, max_lora_rank=c.max_rank,
             top_k_num=c.top_k, lora_ids=self.lora_ids, num_active_loras=self.num_active_loras,
             adapter_enabled=self.adapter_enabled,
-            shrink_block_size_m=c.block_size_m, shrink_block_size_n=n, shrink_block_size_k=kk,
-            shrink_group_size_m=gm, shrink_num_warps=w, shrink_num_stages=st, shrink_split_k=sk,
-            expand_block_size_m=c.block_size_m, expand_block_size_n=n, expand_block_size_k=kk,
-            expand_group_size_m=gm, expand_num_warps=w, expand_num_stages=st, expand_split_k=sk,
+            **dict(zip(OP_TUNING_PARAMS, (c.block_size_m, *_TUNING_N_K_G_W_S_SPLIT) * 2)),
             mul_routed_weight=c.mul_routed_weight, fully_sharded=c.fully_sharded,
             offset=c.offset, add_inputs=c.add_inputs,
         )

@@ -1,36 +1,60 @@
 """`moe-lora-harness`: check every registered backend (the matrix), replay one case, list, fuzz.
 
-  moe-lora-harness check [--backend MOD:ATTR] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
-  moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend MOD:ATTR] [--device D]
+  moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
+  moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
   moe-lora-harness fuzz --only NAME [--level op|expert] [--max-examples N] [--device D]
-  moe-lora-harness list
+  moe-lora-harness list [--backend REF] [--only NAME]
+
+Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
+--timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
+times to tell a wrong backend from a nondeterministic one. REF is MODULE:ATTR or path/to/file.py:ATTR.
+Exit codes: 0 all claimed cases pass, 1 a failure (or nothing was tested), 2 a usage error, 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import pathlib
+import signal
 import sys
 import time
 
-
-def _default_device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+from moe_lora_harness.harness.device import DEVICE_FORMS, parse_device, prepare_device
 
 
-def _prepare(device: str | None) -> str:
-    """Pick the device; without CUDA, Triton kernels must run in the interpreter (set before import)."""
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):   # one line, exit 2 (argparse's default prints the whole usage block)
+        raise UsageError(message)
+
+
+def _device_arg(text: str) -> str:
     try:
-        import torch
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        has_cuda = False
-    if not has_cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    d = device or ("cuda" if has_cuda else "cpu")
-    if d.startswith("cuda") and not has_cuda:
-        raise SystemExit("error: --device cuda given but no CUDA device is available")
-    return d
+        return parse_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device: ")) from None
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number; got {text!r}")
+        return v
+    return parse
+
+
+def _device(args) -> str:
+    try:
+        return prepare_device(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _backends(args):
@@ -38,62 +62,107 @@ def _backends(args):
     try:
         return select(available_backends(extra_refs=args.backend or []), args.only)
     except BackendLoadError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(str(e)) from None
+
+
+def _executor(args):
+    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.harness.worker import Supervisor
+    return InProcess() if args.in_process else Supervisor(timeout=args.timeout)
+
+
+def _write_reports(args, matrix, names, meta, title):
+    from moe_lora_harness.harness.report import to_json, to_markdown
+    if args.json:
+        pathlib.Path(args.json).write_text(to_json(matrix, meta))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(to_markdown(matrix, names, title))
 
 
 def cmd_check(args) -> int:
-    device = _prepare(args.device)
+    device = _device(args)
     from moe_lora_harness.harness.features import FEATURES, feature_cases
-    from moe_lora_harness.harness.report import build_matrix, to_json, to_markdown, to_text
+    from moe_lora_harness.harness.report import build_matrix, to_text
     from moe_lora_harness.harness.runner import run_case
     specs = _backends(args)
     n = args.cases_per_feature or (6 if args.more else 2)
-    cases = feature_cases(FEATURES, device, n)
-    feature_of = {}
-    outcomes = []
+    features = [f for f in FEATURES if not args.feature or any(want in f.name for want in args.feature)]
+    if not features:
+        raise UsageError(f"--feature {args.feature}: no feature name contains it; features: "
+                         f"{', '.join(f.name for f in FEATURES)}")
+    cases = feature_cases(features, device, n)
+    plan = [(name, spec, feat, case) for name, spec in specs.items() for feat, _, case in cases
+            if case.level in spec.capabilities.levels]   # a backend is asked only at the levels it has
+    feature_of, outcomes = {}, []
     t0 = time.time()
-    for name, spec in specs.items():
-        t1 = time.time()
-        for feat, i, case in cases:
-            if case.level not in spec.capabilities.levels:   # not a claim either way: no entry point
-                continue
-            o = run_case(spec, case, device, probe=args.probe_unsupported)
+    interrupted = in_flight = None
+    executor = _executor(args)
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        current, t1 = None, time.time()
+        for name, spec, feat, case in plan:
+            if name != current:
+                if current is not None:
+                    print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
+                current, t1 = name, time.time()
+            in_flight = (name, feat.name, case)
+            o = run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
             feature_of[id(o)] = feat.name
             outcomes.append(o)
             if o.failed and args.verbose:
                 print(o.detail, file=sys.stderr)
-        print(f"[{name}: {time.time() - t1:.1f}s]", file=sys.stderr)
+        if current is not None:
+            print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
+        in_flight = None
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        executor.close()
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
-    names = [f.name for f in FEATURES]
+    names = [f.name for f in features]
     print(to_text(matrix, names))
     failures = [o for o in outcomes if o.failed]
-    unclaimed = [o for o in outcomes if o.status == "works-unclaimed"]
-    for o in unclaimed:
-        print(f"NOTE {o.backend} works where it claims not to: {o.reason}: {o.case.to_json()}")
+    for o in outcomes:
+        if o.status == "works-unclaimed":
+            print(f"NOTE {o.backend} works where it claims not to: {o.reason}: {o.case.to_json()}")
     for o in failures:
         print("\n" + o.detail)
+    untested = [name for name in specs
+                if not any(o.backend == name and o.status != "unsupported" for o in outcomes)]
+    if not interrupted:
+        for name in untested:
+            print(f"\nNOTHING TESTED: {name} declined every case it was offered on {device} (see its declared "
+                  f"reasons above); a backend that claims nothing cannot pass")
+    counts = {s: sum(o.status == s for o in outcomes)
+              for s in ("pass", "fail", "xpass", "xfail", "unsupported", "works-unclaimed")}
+    restarts = getattr(executor, "restarts", 0)
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
-            "backends": {s.name: s.description for s in specs.values()}}
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(to_json(matrix, meta))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(to_markdown(matrix, names, f"Conformance on {device} ({n} cases per feature)\n"))
-    total = len(outcomes)
-    counts = {s: sum(o.status == s for o in outcomes) for s in ("pass", "fail", "xpass", "xfail",
-                                                               "unsupported", "works-unclaimed")}
-    print(f"\n{total} runs: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-          + f" in {time.time() - t0:.0f}s on {device}")
-    return 1 if failures else 0
+            "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
+            "counts": counts, "planned_runs": len(plan), "worker_restarts": restarts,
+            "interrupted": bool(interrupted), "not_tested": untested if not interrupted else []}
+    if interrupted:
+        meta["not_run"] = len(plan) - len(outcomes)
+        if in_flight:
+            meta["in_flight"] = {"backend": in_flight[0], "feature": in_flight[1], "case": in_flight[2].to_json()}
+    _write_reports(args, matrix, names, meta, f"Conformance on {device} ({n} cases per feature)\n")
+    summary = (f"\n{len(outcomes)} runs: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+               + f" in {time.time() - t0:.0f}s on {device}" + (f"; {restarts} worker restart(s)" if restarts else ""))
+    print(summary)
+    if interrupted:
+        where = (f"; in flight: {in_flight[0]} / {in_flight[1]}: {in_flight[2].to_json()}" if in_flight else "")
+        print(f"INTERRUPTED: {len(plan) - len(outcomes)} of {len(plan)} planned runs not run{where}; "
+              f"the partial matrix above" + (" and the reports were written" if (args.json or args.markdown) else ""))
+        return 130
+    return 1 if (failures or untested) else 0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def read_case_arg(arg: str):
-    """--case: the case JSON itself, a file holding it, or '-' for stdin -> Case (ValueError saying which)."""
-    import json
-    import pathlib
-    import sys
-
+    """--case: the case JSON itself, a file holding it, or '-' for stdin -> a well-formed Case (or UsageError)."""
     from moe_lora_harness.harness.case import Case
     text = arg
     if arg == "-":
@@ -101,43 +170,63 @@ def read_case_arg(arg: str):
     elif not arg.lstrip().startswith("{"):
         path = pathlib.Path(arg)
         if not path.is_file():
-            raise ValueError(f"--case: expected the case JSON (as printed after CASE:), a file holding it, or '-'; "
+            raise UsageError(f"--case: expected the case JSON (as printed after CASE:), a file holding it, or '-'; "
                              f"got {arg[:80]!r}, which is neither JSON nor an existing file")
         text = path.read_text()
     try:
-        return Case.from_json(text)
+        case = Case.from_json(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--case: not valid JSON ({e})") from None
-    except TypeError as e:
-        raise ValueError(f"--case: {e}") from None
+        raise UsageError(f"--case: not valid JSON ({e})") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--case: {e}") from None
+    problems = case.problems()
+    if problems:
+        raise UsageError(f"--case: malformed case: {'; '.join(problems)}")
+    return case
 
 
 def cmd_replay(args) -> int:
-    try:
-        case = read_case_arg(args.case)
-    except ValueError as e:
-        print(f"moe-lora-harness replay: {e}", file=sys.stderr)
-        return 2
-    device = _prepare(args.device)
+    case = read_case_arg(args.case)
+    device = _device(args)
     from moe_lora_harness.harness.runner import run_case
     specs = _backends(args)
     rc = 0
-    for name, spec in specs.items():
-        o = run_case(spec, case, device, probe=True)
-        v = o.verdict.summary() if o.verdict else ""
-        print(f"{name}: {o.status} {o.reason} {v}".rstrip())
-        if o.failed:
-            print(o.detail)
-            rc = 1
+    executor = _executor(args)
+    try:
+        for name, spec in specs.items():
+            runs = [run_case(spec, case, device, probe=True, executor=executor, reruns=0) for _ in range(args.repeat)]
+            seen = [o.status + (f" ({o.kind})" if o.kind else "") for o in runs]
+            if len(set(seen)) > 1:
+                print(f"{name}: NONDETERMINISTIC over {args.repeat} runs: " + ", ".join(seen))
+                for o in runs:
+                    if o.failed:
+                        print(o.detail)
+                        break
+                rc = 1
+                continue
+            o = runs[0]
+            v = o.verdict.summary() if o.verdict else ""
+            times = f" (same outcome in all {args.repeat} runs)" if args.repeat > 1 else ""
+            print(f"{name}: {o.status} {o.reason} {v}".rstrip() + times)
+            if o.failed:
+                print(o.detail)
+                rc = 1
+    except KeyboardInterrupt:
+        print("INTERRUPTED", file=sys.stderr)
+        return 130
+    finally:
+        executor.close()
     return rc
 
 
 def cmd_list(args) -> int:
-    _prepare(None)
+    prepare_device(None)
     for name, spec in _backends(args).items():
         cap = spec.capabilities
-        print(f"{name}: {spec.description}\n    levels={sorted(cap.levels)} devices={sorted(cap.devices)} "
-              f"layouts={sorted(cap.layouts)} max_rank={cap.max_rank} origin={spec.origin}")
+        entry = [lv for lv, fn in (("op", spec.op), ("expert", spec.experts)) if fn is not None]
+        print(f"{name}: {spec.description}\n    levels={sorted(cap.levels)} entry points={entry} "
+              f"devices={sorted(cap.devices)} layouts={sorted(cap.layouts)} max_rank={cap.max_rank} "
+              f"origin={spec.origin}")
         for (dev, dt), why in sorted(cap.dtype_reasons.items()):
             print(f"    no {dt} on {dev}: {why}")
         for r in cap.rules:
@@ -147,32 +236,55 @@ def cmd_list(args) -> int:
     return 0
 
 
+def fuzz_level(spec, asked: str | None) -> str:
+    """The level to fuzz: the one the backend provides, or the one asked for (which it must provide)."""
+    provided = [lv for lv, fn in (("op", spec.op), ("expert", spec.experts))
+                if fn is not None and lv in spec.capabilities.levels]
+    if not provided:
+        raise UsageError(f"{spec.name} provides no entry point to fuzz (levels {sorted(spec.capabilities.levels)})")
+    if asked is None:
+        if len(provided) > 1:
+            raise UsageError(f"{spec.name} provides both op and expert levels: pass --level op or --level expert")
+        return provided[0]
+    if asked not in provided:
+        raise UsageError(f"{spec.name} provides no {asked}-level entry point (it provides: {', '.join(provided)})")
+    return asked
+
+
 def cmd_fuzz(args) -> int:
     """Search for a failing case (op or expert level) with hypothesis and shrink it to the smallest one."""
-    device = _prepare(args.device)
-    from hypothesis import given, settings
+    device = _device(args)
+    from hypothesis import assume, given, settings
     from hypothesis import strategies as st
+    from hypothesis.errors import Flaky, Unsatisfiable
+    from moe_lora_harness.harness.contract import support_for
     from moe_lora_harness.harness.runner import run_case
-    from moe_lora_harness.harness.strategies import expert_cases, load_profile, op_cases
-    load_profile("fuzz")
+    from moe_lora_harness.harness.strategies import expert_cases, op_cases, profile
     specs = _backends(args)
     if len(specs) != 1:
-        raise SystemExit(f"error: fuzz one backend at a time (--only NAME); have {sorted(specs)}")
+        raise UsageError(f"fuzz one backend at a time (--only NAME); have {sorted(specs)}")
     (name, spec), = specs.items()
-    dtypes = ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
-    found = {}
+    level = fuzz_level(spec, args.level)
+    dev = "cuda" if device.startswith("cuda") else device
+    dtypes = tuple(d for d in ("bfloat16", "float16", "float32") if d in spec.capabilities.dtypes.get(dev, ()))
+    if dev == "cpu":
+        dtypes = tuple(d for d in dtypes if d != "bfloat16") or dtypes
+    if not dtypes:
+        raise UsageError(f"{name} declares no dtype on {dev}")
+    draw_cases = (expert_cases(dtypes=dtypes, max_T=10 if dev == "cpu" else 256, max_dim=96 if dev == "cpu" else 1024)
+                  if level == "expert" else
+                  op_cases(dtypes=dtypes, max_T=12 if dev == "cpu" else 256, max_dim=96 if dev == "cpu" else 1024))
+    found, claimed = {}, [0]
+    executor = _executor(args)
+    base = profile("fuzz")
 
-    @settings(max_examples=args.max_examples,
-              database=None if args.no_db else settings.default.database)
+    @settings(base, max_examples=args.max_examples, database=None if args.no_db else base.database)
     @given(st.data())
     def search(data):
-        if args.level == "expert":
-            case = data.draw(expert_cases(dtypes=dtypes, max_T=10 if device == "cpu" else 256,
-                                          max_dim=96 if device == "cpu" else 1024))
-        else:
-            case = data.draw(op_cases(dtypes=dtypes, max_T=12 if device == "cpu" else 256,
-                                      max_dim=96 if device == "cpu" else 1024))
-        o = run_case(spec, case, device)
+        case = data.draw(draw_cases, label="case")
+        assume(support_for(spec, case, device)[0])   # the search spends itself on what the backend claims
+        claimed[0] += 1
+        o = run_case(spec, case, device, executor=executor, reruns=args.reruns)
         if o.failed:
             found["outcome"] = o
             raise AssertionError(o.detail)
@@ -183,52 +295,96 @@ def cmd_fuzz(args) -> int:
     try:
         search()
     except AssertionError:
-        o = found["outcome"]
-        print(f"smallest failing case found for {name}:\n{o.detail}")
+        print(f"smallest failing case found for {name} ({level} level):\n{found['outcome'].detail}")
         return 1
-    print(f"{name}: no failure in {args.max_examples} examples on {device}")
+    except Flaky:
+        o = found.get("outcome")
+        print(f"{name}: NONDETERMINISTIC: a case failed during the search and passed when hypothesis replayed it")
+        if o is not None:
+            print(o.detail)
+        return 1
+    except Unsatisfiable:
+        print(f"{name}: NOTHING TESTED: none of the drawn {level}-level cases is claimed by its declarations on "
+              f"{device}")
+        return 1
+    except KeyboardInterrupt:
+        print("INTERRUPTED", file=sys.stderr)
+        return 130
+    finally:
+        executor.close()
+    print(f"{name}: no failure in {claimed[0]} claimed {level}-level examples on {device}")
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="moe-lora-harness", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="moe-lora-harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    def common(sp):
-        sp.add_argument("--backend", action="append", default=[], metavar="MODULE:ATTR",
-                        help="add a backend (BackendSpec, list, factory, or fused_moe_lora-signature function)")
-        sp.add_argument("--only", action="append", default=[], metavar="NAME", help="restrict to these backends")
-        sp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    def common(sp, run=True):
+        sp.add_argument("--backend", action="append", default=[], metavar="REF",
+                        help="add a backend: MODULE:ATTR or path/to/file.py:ATTR naming a BackendSpec, a list of "
+                             "them, or a fused_moe_lora-signature function")
+        sp.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="restrict to these backends (short name, or the REF they came from)")
+        if not run:
+            return
+        sp.add_argument("--device", type=_device_arg, default=None, metavar="DEVICE",
+                        help=f"{DEVICE_FORMS} (default: cuda when available)")
+        sp.add_argument("--timeout", type=_positive(float), default=None, metavar="SECONDS",
+                        help="per backend call in the supervised worker (default 300)")
+        sp.add_argument("--reruns", type=int, default=2, metavar="N",
+                        help="run a failing case N more times; a changed outcome is reported as nondeterministic")
+        sp.add_argument("--in-process", action="store_true",
+                        help="call backends in this process (for a debugger; a crash or hang then ends the run)")
 
     c = sub.add_parser("check", help="run the conformance features of every backend; print the matrix")
     common(c)
-    c.add_argument("--cases-per-feature", type=int, default=None)
+    c.add_argument("--cases-per-feature", type=_positive(int), default=None, metavar="N")
     c.add_argument("--more", action="store_true", help="6 cases per feature instead of 2")
+    c.add_argument("--feature", action="append", default=[], metavar="TEXT",
+                   help="only the features whose name contains TEXT (repeatable)")
     c.add_argument("--probe-unsupported", action="store_true",
                    help="also run declined cases and report those that pass")
-    c.add_argument("--json", metavar="PATH")
-    c.add_argument("--markdown", metavar="PATH")
+    c.add_argument("--json", metavar="PATH", help="write the matrix as JSON (also on a failure or Ctrl-C)")
+    c.add_argument("--markdown", metavar="PATH", help="write the matrix as Markdown (also on a failure or Ctrl-C)")
     c.add_argument("-v", "--verbose", action="store_true")
     c.set_defaults(fn=cmd_check)
     r = sub.add_parser("replay", help="replay one case (JSON) against the backends")
     common(r)
     r.add_argument("--case", required=True,
                    help="the case JSON printed by a failure (after CASE:), a file holding it, or - for stdin")
+    r.add_argument("--repeat", type=_positive(int), default=3, metavar="N",
+                   help="run the case N times (default 3); differing outcomes are reported as nondeterministic")
     r.set_defaults(fn=cmd_replay)
     l_ = sub.add_parser("list", help="list backends and their declared capabilities")
-    common(l_)
+    common(l_, run=False)
     l_.set_defaults(fn=cmd_list)
     f = sub.add_parser("fuzz", help="search for the smallest failing case of one backend")
     common(f)
-    f.add_argument("--max-examples", type=int, default=300)
-    f.add_argument("--level", choices=("op", "expert"), default="op",
-                   help="attack the op (fused_moe_lora) or an expert backend's forward")
+    f.add_argument("--max-examples", type=_positive(int), default=300, metavar="N")
+    f.add_argument("--level", choices=("op", "expert"), default=None,
+                   help="attack the op (fused_moe_lora) or an expert backend's forward (default: the level the "
+                        "backend provides)")
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
     f.add_argument("--no-db", action="store_true", help="do not use the example database")
     f.set_defaults(fn=cmd_fuzz)
-    args = p.parse_args(argv)
-    return args.fn(args)
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "timeout", None) is None and hasattr(args, "timeout"):
+            from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
+            args.timeout = DEFAULT_TIMEOUT
+        if getattr(args, "reruns", 0) < 0:
+            raise UsageError(f"--reruns must be >= 0; got {args.reruns}")
+        return args.fn(args)
+    except UsageError as e:
+        cmd = (argv if argv is not None else sys.argv[1:])[:1]
+        print(f"moe-lora-harness{' ' + cmd[0] if cmd and not cmd[0].startswith('-') else ''}: error: {e}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

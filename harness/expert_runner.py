@@ -1,4 +1,4 @@
-"""Expert-level runs: a backend's (T, H) forward against the float64 reference under the error model."""
+"""Expert-level runs: the float64 expectations of a case, and the simulated tensor-parallel ranks a backend runs as."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,6 @@ import torch
 
 from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written
 from moe_lora_harness.harness.contract import BackendSpec
 from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
 from moe_lora_harness.reference.precision import precision as make_precision
@@ -87,12 +86,16 @@ def _rank_call(inp, case: Case, rank: int, device):
     return dataclasses.replace(call, tp_rank=rank, tp_size=case.tp_size, fully_sharded=fs)
 
 
-def run_tp_ranks(spec: BackendSpec, inp, case: Case, device) -> torch.Tensor:
+def run_tp_ranks(spec: BackendSpec, inp, case: Case, device, watch=None) -> torch.Tensor:
     """Every simulated TP rank's forward, their (T, H) outputs all-reduced (float64 sum, one rounding):
-    what the layer returns after vLLM's final reduction. Each pass writes fresh NaN-poisoned outputs."""
+    what the layer returns after vLLM's final reduction. Each pass writes fresh NaN-poisoned outputs.
+    `watch` (an execute.InputWatch) snapshots each rank's inputs before the first pass."""
     fs = case.fully_sharded and case.lora
     group = SimulatedTPGroup(case.tp_size)
     calls = [_rank_call(inp, case, r, device) for r in range(case.tp_size)]
+    if watch is not None:
+        for r, call in enumerate(calls):
+            watch.add(f"rank{r}", call)
     outs = []
     for pass_no in range(1, (SimulatedTPGroup.PASSES if fs else 1) + 1):
         outs = []
@@ -105,21 +108,3 @@ def run_tp_ranks(spec: BackendSpec, inp, case: Case, device) -> torch.Tensor:
         torch.cuda.synchronize()
     total = all_reduce_sum([o.cpu() for o in outs], torch_dtype(case))
     return total.to(torch_dtype(case)).to(outs[0].device)
-
-
-def run_expert(spec: BackendSpec, case: Case, device: str):
-    """Run the backend's experts on the case (every TP rank when tp_size > 1); returns (verdict, cpu inputs)."""
-    inp, truth, emu = expert_expectations(case, spec.precision_for(case))
-    if case.tp_size > 1:
-        output = run_tp_ranks(spec, inp, case, device)
-    else:
-        call = inp.call(device)
-        spec.experts(call)
-        output = call.output
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-    written = torch.ones(case.T, case.H, dtype=torch.bool)
-    verdict = compare_written(output, truth.value, emu.value, truth.scale, written,
-                              dtype=torch_dtype(case), k_plus_r=case.H + case.I + case.max_rank,
-                              names=("t", "h"))
-    return verdict, inp

@@ -21,17 +21,11 @@ import sys
 from importlib import metadata
 
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.contract import OP_ARGS, OP_FLAGS, OP_TUNING_PARAMS, BackendSpec, Capabilities
 
 ENTRY_POINT_GROUP = "moe_lora_harness.backends"
 BUILTIN_REF = "moe_lora_harness.backends:BUILTINS"
 
-# The positional parameters of vLLM 0.33.0's fused_moe_lora, up to its tuning ints.
-FUSED_MOE_LORA_PARAMS = (
-    "output", "qcurr_hidden_states", "lora_a_stacked", "lora_b_stacked", "topk_weights",
-    "sorted_token_ids", "expert_ids", "num_tokens_post_padded", "token_lora_mapping",
-    "max_lora_rank", "top_k_num", "lora_ids", "num_active_loras", "adapter_enabled",
-)
 
 
 class BackendLoadError(ValueError):
@@ -46,11 +40,12 @@ def vllm_dispatch_precision(case: Case) -> str:
 
 
 def takes_fused_moe_lora_args(fn) -> bool:
-    """True if `fn` accepts fused_moe_lora's 14 positional arguments (inspected, never called)."""
+    """True if `fn` accepts the keyword arguments the harness passes an op (vLLM's fused_moe_lora
+    signature); inspected, never called."""
     if inspect.isclass(fn):
         return False
     try:
-        inspect.signature(fn).bind(*FUSED_MOE_LORA_PARAMS)
+        inspect.signature(fn).bind(**dict.fromkeys(OP_ARGS + OP_TUNING_PARAMS + OP_FLAGS))
     except (TypeError, ValueError):
         return False
     return True
@@ -117,7 +112,7 @@ def _as_specs(obj, attr: str, ref: str) -> list[BackendSpec]:
     what = "a class" if inspect.isclass(obj) else type(obj).__name__
     raise BackendLoadError(
         f"--backend {ref!r}: expected a BackendSpec, a non-empty list of them, or a function taking "
-        f"fused_moe_lora's positional arguments ({', '.join(FUSED_MOE_LORA_PARAMS[:3])}, ...); got {what}"
+        f"fused_moe_lora's arguments ({', '.join(OP_ARGS[:3])}, ...); got {what}"
         + (" (an experts class needs a BackendSpec: see moe_lora_harness.backends.experts.spec_for)"
            if inspect.isclass(obj) else ""))
 
@@ -177,31 +172,28 @@ def is_registered(spec: BackendSpec) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _fresh_sys_path() -> tuple[str, ...]:
-    """sys.path of a fresh interpreter of this environment (no PYTHONPATH, no working directory)."""
+def fresh_shell_imports(top: str) -> bool:
+    """True if a fresh interpreter of this environment (no PYTHONPATH, another directory) imports `top`."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = f"import importlib.util, sys; sys.exit(0 if importlib.util.find_spec({top!r}) else 1)"
     try:
-        out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
-                             env=env, cwd="/", capture_output=True, text=True, timeout=60, check=True)
-        return tuple(os.path.realpath(p) for p in json.loads(out.stdout) if p)
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return tuple(os.path.realpath(p) for p in sys.path if p)
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def import_root(ref: str) -> str | None:
-    """The directory a fresh interpreter must have on sys.path to import `ref`'s module (None: it has it)."""
+    """The directory a fresh shell must put on PYTHONPATH to import `ref`'s module (None: it needs none)."""
     mod_name = ref.rsplit(":", 1)[0]
     if mod_name.endswith(".py"):
         return None   # loaded by path
-    mod = sys.modules.get(mod_name)
-    file = getattr(mod, "__file__", None)
-    if not file:
+    top = mod_name.split(".")[0]
+    file = getattr(sys.modules.get(top), "__file__", None)
+    if not file or fresh_shell_imports(top):
         return None
-    root = os.path.dirname(os.path.realpath(file))
-    depth = mod_name.count(".") + (1 if os.path.basename(file) == "__init__.py" else 0)
-    for _ in range(depth):
-        root = os.path.dirname(root)
-    return None if root in _fresh_sys_path() else root
+    path = os.path.dirname(os.path.realpath(file))   # the package's folder, or the module's own
+    return os.path.dirname(path) if os.path.basename(file) == "__init__.py" else path
 
 
 def replay_prefix(spec: BackendSpec) -> tuple[str, str]:

@@ -16,7 +16,11 @@ def cell(outcomes: list[Outcome]) -> dict:
         counts[o.status] += 1
     status = next((s for s in _ORDER if counts.get(s)), "none")
     reason = next((o.reason for o in outcomes if o.status == status and o.reason), "")
-    return {"status": status, "counts": dict(counts), "reason": reason,
+    kinds = defaultdict(int)
+    for o in outcomes:
+        if o.failed:
+            kinds[o.kind] += 1
+    return {"status": status, "counts": dict(counts), "reason": reason, "kinds": dict(kinds),
             "failures": [o.detail for o in outcomes if o.failed]}
 
 

@@ -1,11 +1,15 @@
-"""Run one case against one backend: build inputs, poison, run, reference, compare, explain.
+"""Judge one case against one backend: expectations (float64 truth + emulation), execution, comparison.
 
-Every failure carries the case as JSON and a `REPRO:` command that replays it alone.
+The judge never trusts the process the backend ran in: it builds the inputs and the reference itself,
+checks that the backend saw those very inputs, that it wrote none of them, and compares the output it
+returned. Execution goes through an executor: `harness.worker.Supervisor` (a supervised child process:
+crashes and hangs become failures) or `harness.execute.InProcess`. A failing case is run again
+`reruns` times; if its outcome changes it is reported as nondeterministic, with every outcome.
+Every failure carries the case as JSON and a `REPRO:` command that replays it alone in a fresh shell.
 """
 from __future__ import annotations
 
 import shlex
-import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -13,21 +17,22 @@ import torch
 from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
-from moe_lora_harness.harness.contract import BackendSpec, known_bug_for, support_for
+from moe_lora_harness.harness.contract import OP_TUNING_PARAMS, BackendSpec, known_bug_for, support_for
+from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import precision as make_precision
 
 STATUSES = ("pass", "fail", "unsupported", "xfail", "xpass", "works-unclaimed")
+DEFAULT_RERUNS = 2
 
-_TUNING = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
-           "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
-           "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
-           "expand_num_stages", "expand_split_k")
+
+class MalformedCase(ValueError):
+    """The case itself is not a well-formed input (a usage error, never a backend's failure)."""
 
 
 @dataclass
 class Outcome:
-    """What happened to one (backend, case) pair."""
+    """What happened to one (backend, case) pair. `kind` names a failure's class (see FAILURE_KINDS)."""
 
     backend: str
     case: Case
@@ -36,28 +41,44 @@ class Outcome:
     reason: str = ""
     verdict: Verdict | None = None
     detail: str = ""
+    kind: str = ""
+    runs: list = field(default_factory=list)    # each run's signature, when the case was run more than once
+    seconds: float = 0.0
 
     @property
     def failed(self) -> bool:
         return self.status in ("fail", "xpass")
 
 
-def repro_command(backend: str, case: Case, device: str, backend_ref: str | None = None) -> str:
-    """One shell command that replays this case alone."""
-    ref = f" --backend {shlex.quote(backend_ref)}" if backend_ref else ""
-    return (f"moe-lora-harness replay{ref} --only {shlex.quote(backend)} --device {device} "
+# Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
+FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "inputs-differ",
+                 "nondeterministic")
+
+
+def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
+    """One shell command that replays this case alone, from any directory of a fresh shell."""
+    from moe_lora_harness.harness.registry import replay_prefix
+    env, backend = replay_prefix(spec)
+    return (f"{env}moe-lora-harness replay{backend} --only {shlex.quote(spec.name)} --device {device} "
             f"--case {shlex.quote(case.to_json())}")
 
 
-def _sync(device: str):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
+@dataclass
+class Expectation:
+    """The judge's side of a case: its own CPU inputs, the truth, the emulation, the poison mask."""
+
+    inputs: object
+    digest: str
+    truth: object
+    emulation: object
+    poison: torch.Tensor | None = None
+    before: torch.Tensor | None = None
 
 
 def _ref_kwargs(inp) -> dict:
     kw = inp.call_kwargs()
     block = kw["shrink_block_size_m"]
-    for name in _TUNING:
+    for name in OP_TUNING_PARAMS:
         kw.pop(name)
     kw.pop("fully_sharded")
     return dict(kw, block_size_m=block)
@@ -72,6 +93,106 @@ def op_expectations(case: Case, backend_precision: str):
     emu = fused_moe_lora_expected(**kw, fully_sharded=case.fully_sharded,
                                   precision=make_precision(backend_precision, torch_dtype(case)))
     return cpu, truth, emu
+
+
+def expectations(spec: BackendSpec, case: Case) -> Expectation:
+    """Everything the judge needs before the backend runs (computed once for all reruns)."""
+    if case.level == "op":
+        cpu, truth, emu = op_expectations(case, spec.precision_for(case))
+        digest = inputs_digest(cpu)   # before poisoning: the worker digests its inputs as built, too
+        poison = None
+        before = cpu.output.clone()
+        if not case.add_inputs:      # the contract does not read these: poison them so a missed write shows
+            poison = truth.written.clone()
+            before[poison] = float("nan")
+        return Expectation(cpu, digest, truth, emu, poison, before)
+    from moe_lora_harness.harness.expert_runner import expert_expectations
+    inp, truth, emu = expert_expectations(case, spec.precision_for(case))
+    return Expectation(inp, inputs_digest(inp), truth, emu)
+
+
+def _judge_execution(case: Case, exp: Expectation, ex: Execution) -> tuple[str, str, Verdict | None]:
+    """(kind, message, verdict): kind 'pass' or a failure kind."""
+    if ex.failure is not None:
+        f = ex.failure
+        return f.kind, (f"{f.exc_type}: {f.message}" if f.exc_type and f.kind == "raised" else f.message), None
+    if ex.built_digest != exp.digest:
+        return "inputs-differ", ("the worker built other inputs than the judge did (the backend changed the "
+                                 "worker's global state, e.g. torch's RNG or a harness function)"), None
+    if case.level == "op":
+        verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale,
+                                  exp.truth.written, dtype=torch_dtype(case), k_plus_r=case.K + case.max_rank,
+                                  before=exp.before)
+    else:
+        written = torch.ones(case.T, case.H, dtype=torch.bool)
+        verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written,
+                                  dtype=torch_dtype(case), k_plus_r=case.H + case.I + case.max_rank,
+                                  names=("t", "h"))
+    if ex.inputs_written:
+        return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
+                                 f"read-only; compared bit for bit before and after the call)"), verdict
+    if not verdict.ok:
+        return verdict.kind, verdict.message, verdict
+    return "pass", "", verdict
+
+
+def _signature(kind: str, ex: Execution) -> str:
+    if kind in ("raised", "crash") and ex.failure is not None:
+        return ex.failure.signature
+    return kind
+
+
+def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool = False, executor=None,
+             reruns: int = DEFAULT_RERUNS) -> Outcome:
+    """Judge one case: unsupported (with the declared reason), pass, fail, xfail/xpass per the ledger.
+
+    With `probe`, a case the backend declines is run anyway; if it passes the outcome is
+    `works-unclaimed` (reported, not a failure). A malformed case raises MalformedCase.
+    """
+    problems = case.problems()
+    if problems:
+        raise MalformedCase(f"malformed case {case.to_json()}: " + "; ".join(problems))
+    ok, reason = support_for(spec, case, device)
+    if not ok and not probe:
+        return Outcome(spec.name, case, device, "unsupported", reason)
+    executor = executor or InProcess()
+    exp = expectations(spec, case)
+    ex = executor.execute(spec, case, device, exp.poison)
+    kind, message, verdict = _judge_execution(case, exp, ex)
+    seconds = ex.seconds
+    runs = []
+    if kind not in ("pass", "timeout") and reruns > 0 and ok:
+        # a failure is run again (a hang is not: it would cost the timeout again); a changed outcome means
+        # the backend is nondeterministic, and that is the failure reported, with every run's outcome
+        runs = [_signature(kind, ex)]
+        for _ in range(reruns):
+            ex_i = executor.execute(spec, case, device, exp.poison)
+            runs.append(_signature(_judge_execution(case, exp, ex_i)[0], ex_i))
+            seconds += ex_i.seconds
+        if len(set(runs)) > 1:
+            kind = "nondeterministic"
+            message = (f"the outcome changed between {len(runs)} runs of the same case: "
+                       + ", ".join(f"run {i + 1} {r}" for i, r in enumerate(runs)) + f"; run 1: {message}")
+    passed = kind == "pass"
+    if not ok:   # probing an unclaimed case
+        if passed:
+            return Outcome(spec.name, case, device, "works-unclaimed",
+                           f"declared unsupported ({reason}) but passes", verdict, seconds=seconds)
+        return Outcome(spec.name, case, device, "unsupported", reason, verdict, seconds=seconds)
+    bug = known_bug_for(spec, case)
+    if bug is not None:
+        if passed:
+            return Outcome(spec.name, case, device, "xpass",
+                           f"known bug {bug.issue} ({bug.description}) did not reproduce: close the ledger entry",
+                           verdict, _explain(spec, case, device, "xpass", "ledger entry did not reproduce",
+                                             verdict, ex, exp), kind="xpass", seconds=seconds)
+        return Outcome(spec.name, case, device, "xfail", f"known bug {bug.issue}: {bug.description}", verdict,
+                       kind=kind, seconds=seconds)
+    if passed:
+        return Outcome(spec.name, case, device, "pass", "", verdict, seconds=seconds)
+    return Outcome(spec.name, case, device, "fail", kind, verdict,
+                   _explain(spec, case, device, kind, message, verdict, ex, exp), kind=kind, runs=runs,
+                   seconds=seconds)
 
 
 def _op_coords(case: Case, cpu):
@@ -93,77 +214,16 @@ def _expert_coords(inp):
     return coords
 
 
-def run_op(spec: BackendSpec, case: Case, device: str):
-    """Run the backend's op on the case; returns (verdict, cpu inputs) or raises what the backend raised."""
-    cpu, truth, emu = op_expectations(case, spec.precision_for(case))
-    inp = cpu.to(device) if str(device) != "cpu" else build_op_inputs(case, "cpu")
-    if not case.add_inputs:   # the contract does not read these: poison them so a missed write shows
-        inp.output[truth.written.to(inp.output.device)] = float("nan")
-    before = inp.output.clone()
-    spec.op(**inp.call_kwargs())
-    _sync(device)
-    verdict = compare_written(inp.output, truth.value, emu.value, truth.scale, truth.written,
-                              dtype=torch_dtype(case), k_plus_r=case.K + case.max_rank, before=before)
-    return verdict, cpu
-
-
-def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool = False,
-             backend_ref: str | None = None) -> Outcome:
-    """Judge one case: unsupported (with the declared reason), pass, fail, xfail/xpass per the ledger.
-
-    With `probe`, a case the backend declines is run anyway; if it passes the outcome is
-    `works-unclaimed` (reported, not a failure).
-    """
-    if backend_ref is None and spec.origin:
-        from moe_lora_harness.harness.registry import is_registered
-        if not is_registered(spec):   # a user backend: the replay must load it again
-            backend_ref = spec.origin
-    ok, reason = support_for(spec, case, device)
-    if not ok and not probe:
-        return Outcome(spec.name, case, device, "unsupported", reason)
-    runner = {"op": run_op, "expert": _run_expert}[case.level]
-    try:
-        verdict, cpu = runner(spec, case, device)
-        err = None
-    except Exception as e:  # noqa: BLE001 - a claimed case that raises is a failure we report in full
-        verdict, cpu, err = None, None, e
-    if not ok:   # probing an unclaimed case
-        if err is None and verdict.ok:
-            return Outcome(spec.name, case, device, "works-unclaimed",
-                           f"declared unsupported ({reason}) but passes", verdict)
-        return Outcome(spec.name, case, device, "unsupported", reason, verdict)
-    bug = known_bug_for(spec, case)
-    passed = err is None and verdict.ok
-    if bug is not None:
-        if passed:
-            return Outcome(spec.name, case, device, "xpass",
-                           f"known bug {bug.issue} ({bug.description}) did not reproduce: close the ledger entry",
-                           verdict, _explain(spec, case, device, verdict, None, cpu, backend_ref))
-        return Outcome(spec.name, case, device, "xfail", f"known bug {bug.issue}: {bug.description}", verdict)
-    if passed:
-        return Outcome(spec.name, case, device, "pass", "", verdict)
-    return Outcome(spec.name, case, device, "fail", verdict.kind if verdict else type(err).__name__, verdict,
-                   _explain(spec, case, device, verdict, err, cpu, backend_ref))
-
-
-def _explain(spec, case, device, verdict, err, cpu, backend_ref) -> str:
-    lines = [f"FAIL backend={spec.name} case={case.id} device={device}"]
-    if err is not None:
-        lines.append(f"  raised {type(err).__name__}: {err}")
-        lines.append("  " + "".join(traceback.format_exception(err)[-3:]).strip().replace("\n", "\n  "))
-    else:
-        lines.append(f"  {verdict.kind}: {verdict.message}")
-        if verdict.worst:
-            coords = None
-            if cpu is not None:
-                coords = _op_coords(case, cpu) if case.level == "op" else _expert_coords(cpu)
-            names = ("t", "j", "col") if case.level == "op" else ("t", "h")
-            lines.append(format_worst(verdict, names, coords))
+def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Expectation) -> str:
+    lines = [f"FAIL backend={spec.name} case={case.id} device={device} kind={kind}", f"  {message}"]
+    if ex.failure is not None and ex.failure.traceback:
+        lines.append("  " + ex.failure.traceback.strip().replace("\n", "\n  "))
+    if verdict is not None and verdict.worst and not verdict.ok:
+        coords = _op_coords(case, exp.inputs) if case.level == "op" else _expert_coords(exp.inputs)
+        names = ("t", "j", "col") if case.level == "op" else ("t", "h")
+        lines.append(format_worst(verdict, names, coords))
+    if ex.log.strip():
+        lines.append("  backend output (last lines):\n    " + "\n    ".join(ex.log.strip().splitlines()[-15:]))
     lines.append(f"CASE: {case.to_json()}")
-    lines.append(f"REPRO: {repro_command(spec.name, case, device, backend_ref)}")
+    lines.append(f"REPRO: {repro_command(spec, case, device)}")
     return "\n".join(lines)
-
-
-def _run_expert(spec: BackendSpec, case: Case, device: str):
-    from moe_lora_harness.harness.expert_runner import run_expert
-    return run_expert(spec, case, device)

@@ -1,0 +1,174 @@
+"""The backend side of a run: build a case's inputs on the device, call the backend, watch its inputs.
+
+`execute` runs wherever the backend runs: in the supervised worker process (harness/worker.py), or in
+the caller's process (`InProcess`). It returns an `Execution` of plain CPU data, which the judge
+(harness/runner.py) compares with the float64 reference it computed on its own. The judge checks that
+the inputs the backend saw are the ones it judged (`built_digest`), and every input tensor handed to
+the backend is compared bit for bit before and after the call (`inputs_written`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import _int_view
+from moe_lora_harness.harness.contract import BackendSpec
+
+# An error after which the device context cannot be trusted: the worker is restarted.
+_FATAL_DEVICE_ERROR = re.compile(r"CUDA error|illegal memory access|device-side assert|unspecified launch failure"
+                                 r"|CUBLAS_STATUS|cudaError", re.I)
+
+
+@dataclass
+class Failure:
+    """Why a backend call produced no judged output: raised, crash, timeout, load (its reference), worker."""
+
+    kind: str
+    message: str
+    exc_type: str = ""
+    traceback: str = ""
+    fatal: bool = False        # the worker must be restarted after it
+
+    @property
+    def signature(self) -> str:
+        return f"{self.kind}:{self.exc_type}" if self.exc_type else self.kind
+
+
+@dataclass
+class Execution:
+    """What one backend call produced, as the judge needs it: CPU tensors and strings only (picklable)."""
+
+    output: torch.Tensor | None = None
+    failure: Failure | None = None
+    built_digest: str = ""                                 # of the CPU inputs, as built, before any move
+    inputs_written: list = field(default_factory=list)     # names of input tensors the backend changed
+    seconds: float = 0.0
+    log: str = ""                                          # the worker's output during the call (tail)
+
+
+def _tensors(obj, prefix: str = ""):
+    """(name, tensor) for every tensor reachable from a dataclass / list / dict, in a stable order."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}[{i}]")
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            yield from _tensors(obj[k], f"{prefix}.{k}" if prefix else k)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view(_int_view(t)) if t.is_floating_point() else t
+
+
+def inputs_digest(built) -> str:
+    """sha1 over every tensor of a built inputs record (names, shapes, dtypes, bytes): same digest, same inputs."""
+    h = hashlib.sha1()
+    for name, t in _tensors(built):
+        if name == "case":
+            continue
+        c = _raw(t.cpu())
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(c.numpy().tobytes())
+    return h.hexdigest()
+
+
+class InputWatch:
+    """Snapshots of the tensors handed to a backend, compared bit for bit after the call."""
+
+    def __init__(self):
+        self._snaps: list = []
+
+    def add(self, name: str, obj, skip=("output",)):
+        for sub, t in _tensors(obj, name):
+            if sub.rsplit(".", 1)[-1] in skip:
+                continue
+            self._snaps.append((sub, t, _raw(t).clone()))
+
+    def written(self) -> list[str]:
+        return [name for name, t, snap in self._snaps if not torch.equal(_raw(t), snap)]
+
+
+def _sync(device: str):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch):
+    built = build_op_inputs(case, "cpu")
+    digest = inputs_digest(built)
+    inp = built.to(device) if str(device) != "cpu" else built
+    if poison is not None:   # elements the contract neither reads nor must keep: NaN, so a missed write shows
+        inp.output[poison.to(inp.output.device)] = float("nan")
+    kw = inp.call_kwargs()
+    watch.add("", {k: v for k, v in kw.items() if k != "output"})
+    spec.op(**kw)
+    _sync(device)
+    return digest, inp.output
+
+
+def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch):
+    from moe_lora_harness.harness.expert_runner import run_tp_ranks
+    built = build_expert_inputs(case)
+    digest = inputs_digest(built)
+    if case.tp_size > 1:
+        output = run_tp_ranks(spec, built, case, device, watch)
+    else:
+        call = built.call(device)
+        watch.add("", call)
+        spec.experts(call)
+        output = call.output
+    _sync(device)
+    return digest, output
+
+
+def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_interrupt: bool = True) -> Execution:
+    """Run `spec` on `case` once; any exception of the backend (SystemExit too) becomes a `Failure`.
+
+    `poison`: for op cases, the output elements to set to NaN first (those the contract does not read).
+    With `catch_interrupt=False` a KeyboardInterrupt propagates (in-process runs: it may be the user's Ctrl-C).
+    """
+    watch = InputWatch()
+    t0 = time.perf_counter()
+    digest, out, failure = "", None, None
+    try:
+        if case.level == "op":
+            digest, out = _run_op(spec, case, device, poison, watch)
+        else:
+            digest, out = _run_expert(spec, case, device, watch)
+    except BaseException as e:  # noqa: BLE001 - whatever a backend raises is its failure, never our exit
+        if isinstance(e, KeyboardInterrupt) and not catch_interrupt:
+            raise
+        msg = f"{e}"
+        failure = Failure("raised", msg[:4000], type(e).__name__,
+                          "".join(traceback.format_exception(e)[-6:])[-6000:],
+                          fatal=bool(_FATAL_DEVICE_ERROR.search(msg)))
+    seconds = time.perf_counter() - t0
+    written = watch.written() if failure is None else []
+    cpu_out = out.detach().cpu().clone() if (out is not None and failure is None) else None
+    return Execution(cpu_out, failure, digest, written, seconds)
+
+
+class InProcess:
+    """Runs backends in the calling process (fast; a backend that crashes or hangs takes the caller with it)."""
+
+    supervised = False
+
+    def execute(self, spec: BackendSpec, case: Case, device: str, poison=None) -> Execution:
+        return execute(spec, case, device, poison, catch_interrupt=False)
+
+    def close(self):
+        pass

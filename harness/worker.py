@@ -1,0 +1,229 @@
+"""The supervised worker: backends run in a child process that the harness watches and replaces.
+
+A backend may raise anything, exit, abort, segfault, hang or corrupt its device; none of that may end
+or stall the run. `Supervisor.execute` sends one case to the worker and waits at most `timeout`
+seconds: a death (exit code or signal) or a timeout becomes that case's `Failure` (with the worker's
+last output), the worker is killed and a fresh one starts for the next case. The worker runs in its
+own session, so a Ctrl-C reaches only the harness, which then stops it. Messages are length-prefixed
+pickles on two pipes of their own; the backend's prints go to a third pipe, kept as a log tail.
+
+  python -m moe_lora_harness.harness.worker FD_IN FD_OUT   # started by Supervisor, never by hand
+"""
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+DEFAULT_TIMEOUT = 300.0     # seconds per backend call (first calls compile kernels); --timeout changes it
+START_TIMEOUT = 180.0       # seconds for a new worker to import torch and report ready
+_HEADER = struct.Struct(">Q")
+_LOG_LINES = 60
+
+
+class WorkerDied(Exception):
+    """The worker ended (or went silent) while a case was in flight."""
+
+
+def _write_msg(fd: int, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        b = os.read(fd, min(n - got, 1 << 20))
+        if not b:
+            raise EOFError
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _read_msg(fd: int, deadline: float | None):
+    (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
+    return pickle.loads(_read_exact(fd, n, deadline))
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """One worker process at a time, started on first use and replaced after a death or a timeout."""
+
+    supervised = True
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None):
+        self.timeout = float(timeout)
+        self.env = dict(os.environ if env is None else env)
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self._log: collections.deque = collections.deque(maxlen=_LOG_LINES)
+        self._log_lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        """Workers started after the first (each one replaced a dead, hung or poisoned worker)."""
+        return max(0, self.starts - 1)
+
+    def _start(self) -> None:
+        self.starts += 1
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        import moe_lora_harness
+        root = os.path.dirname(os.path.dirname(os.path.abspath(moe_lora_harness.__file__)))
+        env = dict(self.env)
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moe_lora_harness.harness.worker", str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=os.getcwd())
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._send_fd, self._recv_fd = to_child_w, from_child_r
+        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
+        try:
+            msg = _read_msg(self._recv_fd, time.monotonic() + START_TIMEOUT)
+        except (EOFError, TimeoutError, OSError) as e:
+            log = self.log_tail()
+            self._kill()
+            raise RuntimeError(f"the backend worker did not start ({type(e).__name__}); its output:\n{log}") from None
+        if msg != "ready":
+            self._kill()
+            raise RuntimeError(f"the backend worker sent {msg!r} instead of 'ready'")
+
+    def _pump(self, stream) -> None:
+        for raw in iter(stream.readline, b""):
+            with self._log_lock:
+                self._log.append(raw.decode(errors="replace").rstrip("\n"))
+        stream.close()
+
+    def log_tail(self) -> str:
+        with self._log_lock:
+            return "\n".join(self._log)
+
+    def _kill(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # the worker and anything its backend started
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        for fd in (self._send_fd, self._recv_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop the worker (also what a Ctrl-C in the harness does)."""
+        self._kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- one case -------------------------------------------------------------------------------------
+    def execute(self, spec, case, device: str, poison=None):
+        """Run `spec` (loaded in the worker from `spec.origin`) on `case`; never raises for the backend's sake."""
+        from moe_lora_harness.harness.execute import Execution, Failure
+        if not spec.origin:
+            raise ValueError(f"backend {spec.name!r} has no origin: a supervised run loads backends by reference "
+                             f"(load it with harness.registry, or run in-process)")
+        if self.proc is not None and self.proc.poll() is not None:
+            self._kill()     # died between cases
+        if self.proc is None:
+            self._start()
+        with self._log_lock:
+            self._log.clear()
+        t0 = time.monotonic()
+        try:
+            _write_msg(self._send_fd, ("run", spec.origin, spec.name, case.to_json(), device, poison))
+            ex = _read_msg(self._recv_fd, t0 + self.timeout)
+        except TimeoutError:
+            log = self.log_tail()
+            self._kill()
+            return Execution(failure=Failure("timeout", f"no result within {self.timeout:g}s (the worker was "
+                                                        f"killed; --timeout sets the limit)", fatal=True),
+                             seconds=time.monotonic() - t0, log=log)
+        except (EOFError, BrokenPipeError, OSError):
+            code = self.proc.wait() if self.proc is not None else None
+            time.sleep(0.05)   # let the log pump take the last lines
+            log = self.log_tail()
+            self._kill()
+            why = _describe_exit(code) if code is not None else "ended"
+            return Execution(failure=Failure("crash", f"the worker {why} during the call", exc_type=why.split()[-1],
+                                             fatal=True), seconds=time.monotonic() - t0, log=log)
+        except BaseException:
+            self._kill()     # Ctrl-C or an error of ours: no worker is left behind
+            raise
+        ex.log = self.log_tail()
+        if ex.failure is not None and ex.failure.fatal:
+            self._kill()     # e.g. a CUDA error: the next case gets a fresh device context
+        return ex
+
+
+# -- the worker process ---------------------------------------------------------------------------------
+
+def _worker_main(fd_in: int, fd_out: int) -> None:
+    import faulthandler
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the supervisor's to handle
+    faulthandler.enable()                           # a segfault prints the Python stack into the log
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.execute import Execution, Failure, execute
+    from moe_lora_harness.harness.registry import load_ref
+    loaded: dict = {}
+    _write_msg(fd_out, "ready")
+    while True:
+        try:
+            msg = _read_msg(fd_in, None)
+        except EOFError:
+            return
+        _, origin, name, case_json, device, poison = msg
+        try:
+            if origin not in loaded:
+                loaded[origin] = {s.name: s for s in load_ref(origin)}
+            spec = loaded[origin].get(name)
+            if spec is None:
+                raise LookupError(f"{origin} no longer provides a backend named {name!r}")
+        except BaseException as e:  # noqa: BLE001 - a reference that fails to load here is reported, not fatal
+            _write_msg(fd_out, Execution(failure=Failure("load", f"{type(e).__name__}: {e}", type(e).__name__)))
+            continue
+        result = execute(spec, Case.from_json(case_json), device, poison)
+        try:
+            _write_msg(fd_out, result)
+        except Exception as e:  # noqa: BLE001 - e.g. an output that does not pickle
+            _write_msg(fd_out, Execution(failure=Failure("worker", f"result could not be sent: {e}")))
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]), int(sys.argv[2]))
+    os._exit(0)   # skip interpreter teardown: a backend's threads or atexit hooks must not hang the exit

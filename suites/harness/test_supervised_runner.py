@@ -1,0 +1,158 @@
+"""The supervised worker against hostile backends: every misbehaviour is a failure of that case, the run goes on.
+
+Each hostile backend misbehaves only on `mul_routed_weight` cases (see hostile_backends.py); the case
+below has it. After each failure the same supervisor must still run the control correctly (a fresh
+worker where the old one died).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.runner import MalformedCase, run_case
+from moe_lora_harness.harness.worker import Supervisor
+
+REF = "moe_lora_harness.suites.harness.hostile_backends:HOSTILE"
+SPECS = {s.name: s for s in load_ref(REF)}
+W2 = Case(T=3, H=24, I=16, E=4, top_k=2, max_rank=4, which="w2", num_slices=1, mul_routed_weight=True, seed=7)
+W13 = Case(T=3, H=24, I=16, E=4, top_k=2, max_rank=4, seed=7)
+
+EXPECTED = {   # backend -> (failure kind, text the reason must hold)
+    "hostile-system-exit": ("raised", "SystemExit"),
+    "hostile-keyboard-interrupt": ("raised", "KeyboardInterrupt"),
+    "hostile-os-exit": ("crash", "exited with code 3"),
+    "hostile-abort": ("crash", "SIGABRT"),
+    "hostile-segfault": ("crash", "SIGSEGV"),
+    "hostile-sigkill": ("crash", "SIGKILL"),
+    "hostile-writes-x": ("input-written", "qcurr_hidden_states"),
+    "hostile-writes-lora-a": ("input-written", "lora_a_stacked[0]"),
+    "hostile-writes-topk-weights": ("input-written", "topk_weights"),
+    "hostile-writes-expert-ids": ("input-written", "expert_ids"),
+}
+
+
+@pytest.fixture(scope="module")
+def supervisor():
+    with Supervisor(timeout=60) as s:
+        yield s
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_hostile_backend_fails_the_case_and_the_run_goes_on(name, supervisor):
+    kind, text = EXPECTED[name]
+    out = run_case(SPECS[name], W2, "cpu", executor=supervisor, reruns=0)
+    assert out.status == "fail" and out.kind == kind, (out.status, out.kind, out.detail)
+    assert text in out.detail
+    assert "CASE: " in out.detail and "REPRO: moe-lora-harness replay --backend " + REF in out.detail
+    after = run_case(SPECS["hostile-control"], W2, "cpu", executor=supervisor)
+    assert after.status == "pass", after.detail
+
+
+def test_the_misbehaviour_is_case_specific(supervisor):
+    """Off the w2 cases the hostile backends are the reference: their other cells pass (the control of the test)."""
+    for name in EXPECTED:
+        assert run_case(SPECS[name], W13, "cpu", executor=supervisor).status == "pass", name
+
+
+def test_a_crash_log_reaches_the_report(supervisor):
+    out = run_case(SPECS["hostile-os-exit"], W2, "cpu", executor=supervisor, reruns=0)
+    assert "hostile: calling os._exit(3)" in out.detail
+
+
+def test_a_hang_is_a_timeout_and_the_worker_is_replaced():
+    with Supervisor(timeout=3) as s:
+        t0 = time.monotonic()
+        out = run_case(SPECS["hostile-hang"], W2, "cpu", executor=s)
+        assert out.status == "fail" and out.kind == "timeout", out.detail
+        assert time.monotonic() - t0 < 30     # a hang is not re-run: it would cost the timeout again
+        assert run_case(SPECS["hostile-control"], W2, "cpu", executor=s).status == "pass"
+        assert s.restarts == 1
+
+
+def test_a_nondeterministic_backend_is_named_so_with_every_outcome(supervisor):
+    spec = SPECS["hostile-nondeterministic"]
+    seen = [run_case(spec, W13, "cpu", executor=supervisor) for _ in range(2)]
+    bad = next(o for o in seen if o.failed)
+    assert bad.kind == "nondeterministic", bad.detail
+    assert len(bad.runs) == 3 and "pass" in bad.runs and len(set(bad.runs)) == 2
+    assert "outcome changed between 3 runs" in bad.detail
+
+
+def test_in_process_runs_catch_system_exit_too():
+    out = run_case(SPECS["hostile-system-exit"], W2, "cpu", reruns=0)
+    assert out.status == "fail" and out.kind == "raised" and "SystemExit" in out.detail
+
+
+def test_a_malformed_case_is_not_a_backend_failure():
+    with pytest.raises(MalformedCase, match="top_k"):
+        run_case(SPECS["hostile-control"], Case(E=2, top_k=3), "cpu")
+
+
+def _cli(*args, timeout=600, **kw):
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "moe_lora_harness", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, **kw)
+
+
+def test_check_over_hostile_backends_writes_the_whole_matrix(tmp_path):
+    """One check over a crash, a hang, an exit, an input write and a flaky backend: every cell filled."""
+    names = ["hostile-control", "hostile-system-exit", "hostile-segfault", "hostile-hang", "hostile-writes-x",
+             "hostile-nondeterministic"]
+    only = [a for n in names for a in ("--only", n)]
+    features = [a for f in ("fp16", "w2: mul_routed_weight", "naive layout") for a in ("--feature", f)]
+    out = _cli("check", "--backend", REF, *only, *features, "--cases-per-feature", "1", "--timeout", "4",
+               "--json", str(tmp_path / "m.json"), "--markdown", str(tmp_path / "m.md"))
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert set(data["matrix"]) == set(names)
+    control = data["matrix"]["hostile-control"]
+    assert set(control) == {"fp16", "w2: mul_routed_weight", "naive layout"}
+    assert all(c["status"] == "pass" for c in control.values())
+    w2 = "w2: mul_routed_weight"
+    for name, kind in (("hostile-system-exit", "raised"), ("hostile-segfault", "crash"), ("hostile-hang", "timeout"),
+                       ("hostile-writes-x", "input-written")):
+        cell = data["matrix"][name][w2]
+        assert cell["status"] == "fail" and cell["kinds"] == {kind: 1}, (name, cell)
+        assert data["matrix"][name]["fp16"]["status"] == "pass", name   # the run went on after it
+    flaky = data["matrix"]["hostile-nondeterministic"]   # calls 1 (pass), 2 (fail), 3 (pass), 4 (fail)...
+    assert any(c["kinds"].get("nondeterministic") for c in flaky.values()), flaky
+    assert data["meta"]["worker_restarts"] >= 2 and not data["meta"]["interrupted"]
+    assert "| feature |" in (tmp_path / "m.md").read_text()
+    assert "REPRO: " in out.stdout
+
+
+def test_ctrl_c_keeps_the_results_and_names_the_case_in_flight(tmp_path):
+    marker = tmp_path / "hanging"
+    proc = subprocess.Popen([sys.executable, "-m", "moe_lora_harness", "check", "--backend", REF,
+                             "--only", "hostile-hang", "--cases-per-feature", "1", "--timeout", "120",
+                             "--json", str(tmp_path / "m.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, HOSTILE_HANG_MARKER=str(marker)))
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    workers = _worker_pids(proc.pid)
+    assert marker.exists() and workers, "the hang never started"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert data["meta"]["interrupted"] and data["meta"]["in_flight"]["backend"] == "hostile-hang"
+    assert data["meta"]["in_flight"]["feature"] == "w2: mul_routed_weight"
+    assert data["matrix"]["hostile-hang"]["fp16"]["status"] == "pass"
+    assert "INTERRUPTED" in stdout and data["meta"]["not_run"] > 0
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers), "the worker outlived the harness"
+
+
+def _worker_pids(parent_pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines()[1:]
+            if "moe_lora_harness.harness.worker" in line and line.split()[1] == str(parent_pid)]
