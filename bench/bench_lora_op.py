@@ -79,18 +79,12 @@ def op_args(c: dict, layout: str, out: torch.Tensor) -> tuple[tuple, dict]:
     return args, dict(mul_routed_weight=c["mul"])
 
 
-TUNING_NAMES = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
-                "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
-                "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
-                "expand_num_stages", "expand_split_k")
-
-
 def op_call(c: dict, layout: str, out: torch.Tensor):
     """The validated OpCall of one case on `out` (for driving a path's launcher with an explicit config)."""
-    from moe_lora_harness.kernels.validate import validate_call
+    from moe_lora_harness.kernels.validate import TUNING_PARAMS, validate_call
 
     args, kw = op_args(c, layout, out)
-    return validate_call(*args[:14], dict(zip(TUNING_NAMES, args[14:])), fully_sharded=False, add_inputs=True,
+    return validate_call(*args[:14], dict(zip(TUNING_PARAMS, args[14:])), fully_sharded=False, add_inputs=True,
                          offset=0, **kw)
 
 

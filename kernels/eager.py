@@ -56,14 +56,9 @@ def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, 
                    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *,
                    collective=None):
     """In place: output[t, j, offset + s*N : ...] (+)= rnd(w * B_s rnd(A_s x_row)) for qualifying pairs."""
-    from moe_lora_harness.kernels.validate import check_value_ranges, validate_call
-    tuning = dict(shrink_block_size_m=shrink_block_size_m, shrink_block_size_n=shrink_block_size_n,
-                  shrink_block_size_k=shrink_block_size_k, shrink_group_size_m=shrink_group_size_m,
-                  shrink_num_warps=shrink_num_warps, shrink_num_stages=shrink_num_stages,
-                  shrink_split_k=shrink_split_k, expand_block_size_m=expand_block_size_m,
-                  expand_block_size_n=expand_block_size_n, expand_block_size_k=expand_block_size_k,
-                  expand_group_size_m=expand_group_size_m, expand_num_warps=expand_num_warps,
-                  expand_num_stages=expand_num_stages, expand_split_k=expand_split_k)
+    from moe_lora_harness.kernels.validate import TUNING_PARAMS, check_value_ranges, validate_call
+    loc = locals()
+    tuning = {n: loc[n] for n in TUNING_PARAMS}
     call = validate_call(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights,
                          sorted_token_ids, expert_ids, num_tokens_post_padded, token_lora_mapping,
                          max_lora_rank, top_k_num, lora_ids, num_active_loras, adapter_enabled, tuning,

@@ -15,15 +15,15 @@ import torch
 UNCHECKED_ENV = "MOE_LORA_UNCHECKED"  # set to 1 to skip the value-range check (it syncs the device)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TUNING_BLOCKS = (
-    "shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k",
-    "expand_block_size_m", "expand_block_size_n", "expand_block_size_k",
+# vLLM 0.33.0's tuning ints of fused_moe_lora, in signature order (after adapter_enabled).
+TUNING_PARAMS = (
+    "shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
+    "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m", "expand_block_size_n",
+    "expand_block_size_k", "expand_group_size_m", "expand_num_warps", "expand_num_stages", "expand_split_k",
 )
-_TUNING_WARPS = ("shrink_num_warps", "expand_num_warps")
-_TUNING_POSITIVE = (
-    "shrink_group_size_m", "shrink_num_stages", "shrink_split_k",
-    "expand_group_size_m", "expand_num_stages", "expand_split_k",
-)
+_TUNING_BLOCKS = tuple(n for n in TUNING_PARAMS if "_block_size_" in n)   # powers of two
+_TUNING_WARPS = tuple(n for n in TUNING_PARAMS if n.endswith("_num_warps"))
+_TUNING_POSITIVE = tuple(n for n in TUNING_PARAMS if n not in _TUNING_BLOCKS + _TUNING_WARPS)
 
 
 @dataclass

@@ -14,12 +14,13 @@ import torch
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.triton import lora_op
 from moe_lora_harness.kernels.triton.align import moe_lora_align_block_size
+from moe_lora_harness.kernels.validate import TUNING_PARAMS
 
 SPARSITY_FACTOR = 8      # naive block assignment when T*k*8 <= E_local * max_loras (vLLM's rule)
-# Tuning ints the op validates but does not honour (it has its own launch heuristics), then the align block.
-_TUNING = dict(shrink_block_size_n=64, shrink_block_size_k=32, shrink_group_size_m=8, shrink_num_warps=4,
-               shrink_num_stages=3, shrink_split_k=1, expand_block_size_n=64, expand_block_size_k=32,
-               expand_group_size_m=8, expand_num_warps=4, expand_num_stages=3, expand_split_k=1)
+# Tuning ints the op validates but does not honour (it has its own launch heuristics); the block_size_m
+# pair is the align block, passed per call.
+_TUNING_VALUES = dict(block_size_n=64, block_size_k=32, group_size_m=8, num_warps=4, num_stages=3, split_k=1)
+_TUNING = {n: _TUNING_VALUES[n.split("_", 1)[1]] for n in TUNING_PARAMS if not n.endswith("_block_size_m")}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from moe_lora_harness.kernels.validate import OpCall, check_value_ranges, validate_call
+from moe_lora_harness.kernels.validate import TUNING_PARAMS, OpCall, check_value_ranges, validate_call
 from moe_lora_harness.kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, OneShotConfig, run_one_shot
 from moe_lora_harness.kernels.triton.small_batch import run_small_batch, small_batch_unsupported
 from moe_lora_harness.kernels.triton.two_kernel import run_two_kernel
@@ -39,20 +39,6 @@ def one_shot_unsupported(rank: int, fully_sharded: bool) -> str | None:
     if rank > ONE_SHOT_MAX_RANK:
         return f"one-shot needs max_lora_rank <= {ONE_SHOT_MAX_RANK}; got {rank}"
     return None
-
-
-def _prepare(args: tuple, kwargs: dict) -> OpCall:
-    (output, x, lora_a, lora_b, topk_weights, sorted_token_ids, expert_ids, ntpp, mapping, max_lora_rank,
-     top_k_num, lora_ids, num_active_loras, adapter_enabled, *tuning_vals) = args
-    names = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
-             "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
-             "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
-             "expand_num_stages", "expand_split_k")
-    call = validate_call(
-        output, x, lora_a, lora_b, topk_weights, sorted_token_ids, expert_ids, ntpp, mapping, max_lora_rank,
-        top_k_num, lora_ids, num_active_loras, adapter_enabled, dict(zip(names, tuning_vals)), **kwargs,
-    )
-    return call
 
 
 def _run(path: str, call: OpCall, collective: Callable | None, one_shot_config=None) -> None:
@@ -149,16 +135,15 @@ def fused_moe_lora_two_kernel(
 _ARG_NAMES = (
     "output", "qcurr_hidden_states", "lora_a_stacked", "lora_b_stacked", "topk_weights", "sorted_token_ids",
     "expert_ids", "num_tokens_post_padded", "token_lora_mapping", "max_lora_rank", "top_k_num", "lora_ids",
-    "num_active_loras", "adapter_enabled", "shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k",
-    "shrink_group_size_m", "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
-    "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps", "expand_num_stages",
-    "expand_split_k",
+    "num_active_loras", "adapter_enabled",
 )
+_FLAGS = ("mul_routed_weight", "fully_sharded", "offset", "add_inputs")
 
-def _prepare_from(loc: dict):
+
+def _prepare_from(loc: dict) -> OpCall:
     """Validate an entry point's arguments (its `locals()`) into an OpCall."""
-    flags = ("mul_routed_weight", "fully_sharded", "offset", "add_inputs")
-    return _prepare(tuple(loc[n] for n in _ARG_NAMES), {f: loc[f] for f in flags})
+    return validate_call(*(loc[n] for n in _ARG_NAMES), {n: loc[n] for n in TUNING_PARAMS},
+                         **{f: loc[f] for f in _FLAGS})
 
 
 ENTRY_POINTS = {

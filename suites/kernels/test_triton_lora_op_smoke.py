@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from moe_lora_harness.kernels.triton import align as talign  # noqa: E402
 from moe_lora_harness.kernels.triton import lora_op  # noqa: E402
 from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, run_one_shot  # noqa: E402
-from moe_lora_harness.kernels.validate import validate_call  # noqa: E402
+from moe_lora_harness.kernels.validate import TUNING_PARAMS as TUNING_NAMES, validate_call  # noqa: E402
 from moe_lora_harness.reference import align as ralign  # noqa: E402
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected  # noqa: E402
 from moe_lora_harness.reference.precision import precision  # noqa: E402
@@ -236,12 +236,6 @@ def test_select_path():
     assert lora_op.select_path(naive=False, max_lora_rank=256, num_pairs=1) == "two_kernel"
     assert lora_op.select_path(naive=True, max_lora_rank=16, num_pairs=1, fully_sharded=True) == "two_kernel"
     assert set(lora_op.PATHS) == set(lora_op.ENTRY_POINTS)
-
-
-TUNING_NAMES = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
-                "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
-                "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
-                "expand_num_stages", "expand_split_k")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
