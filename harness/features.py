@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_lora_harness.harness.case import Case
+from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,7 @@ OP_FEATURES = (
     Feature("fully_sharded (one rank)", "op", lambda s: dict(fully_sharded=True)),
 )
 
-ACTIVATION_NAMES = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ",
-                    "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul")
+ACTIVATION_NAMES = SUPPORTED_ACTIVATIONS   # the reference's list: one feature row each
 
 
 def _act(name):

@@ -118,7 +118,10 @@ def pytest_runtest_call(item):
         old = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, limit)
         # a hang the alarm cannot interrupt (inside C code): dump every stack and end the process
-        faulthandler.dump_traceback_later(limit + 60, exit=True)
+        try:
+            faulthandler.dump_traceback_later(limit + 60, exit=True, file=sys.__stderr__)
+        except (ValueError, OSError, AttributeError):   # no real stderr to write to: the alarm alone
+            pass
     try:
         yield
     finally:

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.case import LAYOUTS, QUANTS, Case
+from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
 
 PROFILE_ENV = "MOE_LORA_HARNESS_PROFILE"
 MAX_EXAMPLES_ENV = "MOE_LORA_HARNESS_MAX_EXAMPLES"
@@ -51,7 +52,7 @@ def suite_settings(**overrides) -> settings:
 
 @st.composite
 def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1, 2, 4, 8, 16, 32, 64),
-             large_ranks=(128, 256), allow_ep=True):
+             large_ranks=(128, 256), allow_ep=True, layouts=LAYOUTS):
     """Op-level cases over the whole input space of `fused_moe_lora` (small shapes)."""
     E = draw(st.integers(1, 8))
     top_k = draw(st.integers(1, min(E, 4)))
@@ -62,7 +63,7 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
     L = draw(st.integers(1, 4))
     R = draw(st.one_of(st.sampled_from(ranks), st.sampled_from(large_ranks))) if large_ranks else draw(st.sampled_from(ranks))
     slot_ranks = tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), min_size=0, max_size=L)))
-    layout = draw(st.sampled_from(("sorted", "naive")))
+    layout = draw(st.sampled_from(tuple(layouts)))
     ep = 1
     if allow_ep and layout == "sorted" and draw(st.booleans()):
         ep = draw(st.sampled_from((2, 4)))
@@ -84,19 +85,19 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)))
 
 
-EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ",
-                      "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul")
+EXPERT_ACTIVATIONS = SUPPORTED_ACTIVATIONS
 
 
 @st.composite
-def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, activations=EXPERT_ACTIVATIONS):
+def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, activations=EXPERT_ACTIVATIONS,
+                 quants=QUANTS):
     """Expert-level cases: activation, biases, LoRA mix, shared factors, EP, simulated TP ranks (plain or
     fully-sharded LoRA), router weight on input, quant."""
-    quant = draw(st.sampled_from(("none", "none", "none", "int8_channel", "int4_g128")))
+    quant = draw(st.sampled_from(tuple(quants)))
     if quant == "int4_g128":
         H, I = 128, 128
     else:
-        dims = st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim))
+        dims = st.one_of(st.sampled_from((16, 32, 64, 128)), st.integers(2, max_dim))
         H, I = draw(dims), draw(dims)
     E = draw(st.integers(1, 8))
     ep = draw(st.sampled_from((1, 1, 2)))
@@ -119,3 +120,22 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
         activation=draw(st.sampled_from(activations)), bias=draw(st.booleans()), lora=draw(st.booleans()),
         apply_router_weight_on_input=on_input, quant=quant,
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), tp_size=tp, fully_sharded=fully_sharded)
+
+
+def claimed_cases(spec, device: str, level: str, **sizes):
+    """Cases of `level` that `spec` claims on `device`: drawn over its declared dtypes, layouts, activations
+    and quant schemes, then filtered by its whole declaration (rules included, so nothing it declines runs)."""
+    from moe_lora_harness.harness.contract import support_for
+    cap = spec.capabilities
+    dev = "cuda" if str(device).startswith("cuda") else str(device)
+    dtypes = tuple(d for d in ("float16", "bfloat16", "float32") if d in cap.dtypes.get(dev, ()))
+    if not dtypes:
+        return st.nothing()
+    if level == "op":
+        base = op_cases(dtypes=dtypes, layouts=tuple(sorted(cap.layouts)) or LAYOUTS, **sizes)
+    else:
+        acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
+        quants = tuple(q for q in QUANTS if q in cap.quant)
+        base = expert_cases(dtypes=dtypes, activations=acts or SUPPORTED_ACTIVATIONS, quants=quants or ("none",),
+                            **sizes)
+    return base.filter(lambda c: support_for(spec, c, device)[0])

@@ -1,8 +1,11 @@
-"""Op- and expert-level conformance of every registered backend against the float64 reference (features + hypothesis).
+"""Op- and expert-level conformance of every selected backend against the float64 reference (features + hypothesis).
 
 Test ids are `backend/feature/index`, stable across runs and workers, so `-k`, `-n auto` and sharding work.
-An unsupported case is skipped with the backend's declared reason; a claimed case that fails or raises
-fails with its case JSON and a REPRO command; a known-bug ledger entry that passes fails too.
+Backends run in a supervised worker (one per test process; --moe-lora-in-process to call them here), so a
+backend that crashes or hangs fails its test and the session goes on. An unsupported case is skipped
+with the backend's declared reason; a claimed case that fails or raises fails with its case JSON and a
+REPRO command; a known-bug ledger entry that passes fails too. The random tests draw only cases the
+backend claims, and fail if they could not draw one: a test that ran nothing cannot pass.
 """
 from __future__ import annotations
 
@@ -10,12 +13,13 @@ import warnings
 
 import pytest
 from hypothesis import given, note
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
-from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
 from moe_lora_harness.harness.features import FEATURES, feature_cases
+from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
 from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.strategies import expert_cases, op_cases, suite_settings
+from moe_lora_harness.harness.strategies import claimed_cases, suite_settings
 
 
 class UnclaimedCapabilityWarning(UserWarning):
@@ -27,11 +31,11 @@ def pytest_generate_tests(metafunc):
     if "backend_name" not in metafunc.fixturenames:
         return
     device = selected_device(config)
-    names = sorted(selected_backends(config))
+    specs = selected_backends(config)
+    names = sorted(specs)
     if "feature_case" in metafunc.fixturenames:
         n = config.getoption("moe_lora_cases_per_feature") or (3 if device.startswith("cuda") else 2)
         params, ids = [], []
-        specs = selected_backends(config)
         for name in names:
             levels = specs[name].capabilities.levels   # a backend is asked only at the levels it has
             for feat, i, case in feature_cases([f for f in FEATURES if f.level in levels], device, n):
@@ -39,9 +43,20 @@ def pytest_generate_tests(metafunc):
                 ids.append(f"{name}/{feat.name}/{i}")
         metafunc.parametrize(("backend_name", "feature_case"), params, ids=ids)
     else:
-        specs = selected_backends(config)
         level = "expert" if "expert" in metafunc.function.__name__ else "op"
         metafunc.parametrize("backend_name", [n for n in names if level in specs[n].capabilities.levels])
+
+
+@pytest.fixture(scope="session")
+def executor(request):
+    """The supervised worker of this test process (or in-process calls with --moe-lora-in-process)."""
+    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT, Supervisor
+    if request.config.getoption("moe_lora_in_process"):
+        yield InProcess()
+        return
+    with Supervisor(timeout=request.config.getoption("moe_lora_case_timeout") or DEFAULT_TIMEOUT) as s:
+        yield s
 
 
 def judge(outcome):
@@ -57,37 +72,45 @@ def judge(outcome):
         pytest.fail(outcome.detail or outcome.reason, pytrace=False)
 
 
-def test_feature(backend_name, feature_case, backends, device, probe_unsupported):
-    judge(run_case(backends[backend_name], feature_case, device, probe=probe_unsupported))
+def test_feature(backend_name, feature_case, backends, device, probe_unsupported, executor):
+    judge(run_case(backends[backend_name], feature_case, device, probe=probe_unsupported, executor=executor))
 
 
-def run_drawn(spec, case, device):
-    """Judge a hypothesis-drawn case: declined or ledgered cases pass quietly, failures fail with REPRO."""
-    outcome = run_case(spec, case, device)
-    note(f"CASE: {case.to_json()}")
-    if outcome.failed:
-        pytest.fail(outcome.detail, pytrace=False)
+def _sizes(device: str, level: str) -> dict:
+    cpu = device == "cpu"
+    if level == "op":
+        return dict(max_T=12 if cpu else 200, max_dim=96 if cpu else 700)
+    return dict(max_T=10 if cpu else 128, max_dim=96 if cpu else 512)
 
 
-def _dtypes(device):
-    return ("float16", "float32") if device == "cpu" else ("bfloat16", "float16", "float32")
+def run_random(spec, level: str, device: str, executor):
+    """Hypothesis-drawn cases the backend claims; failures shrink to a minimal case and print its REPRO line.
+    Fails if no claimed case could be drawn (the declarations and the strategy never meet)."""
+    claimed = []
+
+    @suite_settings()
+    @given(data=st.data())
+    def search(data):
+        case = data.draw(claimed_cases(spec, device, level, **_sizes(device, level)), label="case")
+        claimed.append(case)
+        note(f"CASE: {case.to_json()}")
+        outcome = run_case(spec, case, device, executor=executor)
+        if outcome.failed:
+            pytest.fail(outcome.detail, pytrace=False)
+
+    try:
+        search()
+    except Unsatisfiable:
+        pass          # no claimed case at all: said below
+    assert claimed, (f"{spec.name}: no {level}-level case it claims on {device} was drawn; its declarations "
+                     f"decline everything the strategy reaches, so this test would test nothing")
 
 
-@suite_settings()
-@given(data=st.data())
-def test_op_random(backend_name, backends, device, data):
-    """Hypothesis-drawn op cases; failures shrink to a minimal case and print its REPRO line."""
-    spec = backends[backend_name]
-    case = data.draw(op_cases(dtypes=_dtypes(device), max_T=12 if device == "cpu" else 200,
-                              max_dim=96 if device == "cpu" else 700), label="case")
-    run_drawn(spec, case, device)
+def test_op_random(backend_name, backends, device, executor):
+    """Hypothesis-drawn op cases (shapes, routing skew, LoRA mix, layouts, EP, fully sharded...)."""
+    run_random(backends[backend_name], "op", device, executor)
 
 
-@suite_settings()
-@given(data=st.data())
-def test_expert_random(backend_name, backends, device, data):
-    """Hypothesis-drawn expert-level cases for every expert backend (activation, LoRA mix, EP, quant...)."""
-    spec = backends[backend_name]
-    case = data.draw(expert_cases(dtypes=_dtypes(device), max_T=10 if device == "cpu" else 128,
-                                  max_dim=96 if device == "cpu" else 512), label="case")
-    run_drawn(spec, case, device)
+def test_expert_random(backend_name, backends, device, executor):
+    """Hypothesis-drawn expert-level cases for every expert backend (activation, LoRA mix, EP, TP, quant...)."""
+    run_random(backends[backend_name], "expert", device, executor)

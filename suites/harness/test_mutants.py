@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.mutants import MUTANTS
+from moe_lora_harness.harness.registry import load_ref
 from moe_lora_harness.harness.runner import run_case
 
+MUTANTS = load_ref("moe_lora_harness.harness.mutants:MUTANTS")   # as a user loads them (origin set)
 BY_NAME = {m.name: m for m in MUTANTS}
 BASE = Case(T=6, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=8, seed=7)
 W2 = dict(which="w2", num_slices=1, mul_routed_weight=True)

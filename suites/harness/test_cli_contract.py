@@ -1,0 +1,168 @@
+"""The command line and the registry as a new user meets them: usage errors, names, REPROs that replay.
+
+Usage errors are one line and exit 2; a backend is named by its short name and replayed from any
+directory of a fresh shell; a function is inspected, never called, to learn what it is.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.registry import BackendLoadError, load_ref, select
+from moe_lora_harness.harness.runner import repro_command, run_case
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+IN_SOURCE_TREE = (ROOT / "pyproject.toml").is_file()
+
+WRONG_OP = '''
+from moe_lora_harness.reference.lora_op import fused_moe_lora as _ref
+calls = []
+
+def {name}(*args, **kwargs):
+    calls.append(1)
+    _ref(*args, **kwargs, precision="one_shot")
+    kwargs["output"].mul_(1.5)      # planted: 1.5x the right answer
+'''
+
+
+def _cli(*args, cwd=None, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "moe_lora_harness", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["check", "--device", "gpu"], "expected cpu, cuda or cuda:N; got 'gpu'"),
+    (["fuzz", "--only", "eager", "--level", "kernel"], "invalid choice: 'kernel'"),
+    (["replay", "--only", "eager", "--case", '{"E": 2, "top_k": 3}'], "malformed case: top_k (3) must be <= E (2)"),
+    (["replay", "--only", "eager", "--case", '{"T": 3'], "not valid JSON"),
+    (["check", "--only", "nosuchbackend"], "no such backend"),
+    (["check", "--backend", "no_colon"], "expected 'module:attr'"),
+    (["check", "--timeout", "0"], "expected a positive number"),
+    (["fuzz", "--only", "eager"], "provides both op and expert levels: pass --level"),
+    (["fuzz", "--only", "triton_experts", "--level", "op"], "provides no op-level entry point"),
+])
+def test_usage_errors_are_one_line_and_exit_2(argv, text):
+    out = _cli(*argv)
+    assert out.returncode == 2, (out.returncode, out.stdout[-500:], out.stderr[-1500:])
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], out.stderr
+    assert lines[0].startswith("moe-lora-harness")
+
+
+def test_fuzz_picks_the_level_the_backend_provides():
+    out = _cli("fuzz", "--only", "triton_experts", "--max-examples", "2", "--seed", "1", "--no-db")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "claimed expert-level examples" in out.stdout and "no failure in 2" in out.stdout
+
+
+def test_nothing_tested_is_not_a_pass():
+    out = _cli("check", "--only", "gated_fast_experts", "--feature", "experts: gelu", "--cases-per-feature", "1")
+    assert out.returncode == 1 and "NOTHING TESTED: gated_fast_experts" in out.stdout, out.stdout[-2000:]
+
+
+def test_a_varargs_wrapper_is_inspected_not_called(tmp_path):
+    (tmp_path / "wrapmod.py").write_text(WRONG_OP.format(name="my_op"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        [spec] = load_ref("wrapmod:my_op")
+        import wrapmod
+        assert wrapmod.calls == [] and spec.name == "my_op" and spec.origin == "wrapmod:my_op"
+        assert spec.capabilities.levels == {"op"}
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("wrapmod", None)
+
+
+@pytest.mark.parametrize("source, attr, text", [
+    ("def factory():\n    return None\n", "factory", "expected a BackendSpec"),   # no factories: never called
+    ("class MyExperts:\n    pass\n", "MyExperts", "spec_for"),
+    ("X = []\n", "X", "non-empty list"),
+])
+def test_what_is_not_a_backend_says_so(tmp_path, source, attr, text):
+    f = tmp_path / "notabackend.py"
+    f.write_text(source)
+    with pytest.raises(BackendLoadError, match=text):
+        load_ref(f"{f}:{attr}")
+
+
+def test_a_file_backend_gets_its_short_name_and_only_accepts_either(tmp_path):
+    f = tmp_path / "myop.py"
+    f.write_text(WRONG_OP.format(name="fused_moe_lora"))
+    specs = {s.name: s for s in load_ref(f"{f}:fused_moe_lora")}
+    assert list(specs) == ["fused_moe_lora"] and specs["fused_moe_lora"].origin == f"{f}:fused_moe_lora"
+    assert select(specs, ["fused_moe_lora"]) == select(specs, [f"{f}:fused_moe_lora"]) == specs
+
+
+def test_repro_of_a_module_backend_replays_from_a_fresh_shell_elsewhere(tmp_path):
+    """`--backend mymod:attr` found through the working directory: the REPRO carries its PYTHONPATH."""
+    (tmp_path / "mymod.py").write_text(WRONG_OP.format(name="my_op"))
+    out = _cli("replay", "--backend", "mymod:my_op", "--only", "my_op", "--device", "cpu", "--case",
+               '{"T": 3, "seed": 2}', cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    repro = next(l for l in out.stdout.splitlines() if l.startswith("REPRO: ")).removeprefix("REPRO: ")
+    assert repro.startswith(f"PYTHONPATH={shlex.quote(str(tmp_path))} moe-lora-harness replay --backend mymod:my_op")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    again = subprocess.run(["bash", "-c", repro], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 1 and "FAIL backend=my_op" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+
+
+def test_a_third_party_experts_spec_replays_from_its_own_module(tmp_path):
+    (tmp_path / "myexperts.py").write_text(textwrap.dedent("""
+        from moe_lora_harness.backends.experts import spec_for
+        from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
+
+        class MyExperts(TritonExperts):
+            name = "my_experts"
+
+        SPEC = spec_for(MyExperts, "a third party's experts class")
+    """))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        [spec] = load_ref("myexperts:SPEC")
+        line = repro_command(spec, Case(level="expert", T=2), "cpu")
+        assert "--backend myexperts:SPEC --only my_experts" in line and "backends.experts" not in line
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("myexperts", None)
+
+
+def test_builtins_need_no_backend_argument_to_replay():
+    [spec] = [s for s in load_ref("moe_lora_harness.backends:BUILTINS") if s.name == "eager"]
+    line = repro_command(spec, Case(T=2), "cpu")
+    assert line.startswith("moe-lora-harness replay --only eager --device cpu --case ")
+
+
+@pytest.mark.skipif(not IN_SOURCE_TREE, reason="pyproject.toml is in the source repository only")
+def test_one_registration_list_and_one_namespace():
+    import tomllib
+
+    from moe_lora_harness.harness import registry
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    eps = meta["project"]["entry-points"]
+    assert eps["moe_lora_harness.backends"] == {"builtin": registry.BUILTIN_REF}
+    assert eps["pytest11"] == {"moe_lora_harness": "moe_lora_harness.harness.pytest_plugin"}
+    setup = meta["tool"]["setuptools"]
+    assert all(p == "moe_lora_harness" or p.startswith("moe_lora_harness.") for p in setup["packages"])
+    mapped = setup["package-dir"]
+    found = set()
+    for pkg, folder in mapped.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
+    found.add("moe_lora_harness.suites.kernels.data")   # package data only
+    assert found == set(setup["packages"]), f"packages list out of step with the folders: {found ^ set(setup['packages'])}"
+
+
+def test_a_backend_that_claims_everything_is_not_hurt_by_a_malformed_case():
+    with pytest.raises(ValueError, match="malformed case"):
+        run_case(load_ref("moe_lora_harness.backends:BUILTINS")[0], Case(T=-1), "cpu")
