@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities, Rule
+from moe_lora_harness.kernels.dtypes import TRITON_DTYPE_REASONS, TRITON_DTYPES
 
 try:
     import triton  # noqa: F401
@@ -15,16 +16,13 @@ try:
 except Exception as e:  # noqa: BLE001 - declared, not hidden: every case reports this reason
     _ops, _IMPORT_ERROR = None, f"Triton kernels not importable: {type(e).__name__}: {e}"
 
-_CPU_BF16 = "the Triton interpreter cannot do bf16 arithmetic (computes on bit patterns; Triton issue 11584)"
-
 
 def _caps(**kw) -> Capabilities:
     base = dict(
         levels=frozenset({"op"}),
         devices=frozenset() if _ops is None else frozenset({"cpu", "cuda"}),
-        dtypes={"cpu": frozenset({"float16", "float32"}),
-                "cuda": frozenset({"float16", "bfloat16", "float32"})},
-        dtype_reasons={("cpu", "bfloat16"): _CPU_BF16},
+        dtypes=dict(TRITON_DTYPES),
+        dtype_reasons=dict(TRITON_DTYPE_REASONS),
     )
     if _ops is None:
         base["rules"] = (Rule("import", lambda c: False, _IMPORT_ERROR),)

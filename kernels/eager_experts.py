@@ -17,11 +17,14 @@ OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0
 
 
+# act(gate) * up, and the same function alone as `<name>_no_mul`
+_ACT_AND_MUL = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
 def _gated(name, g, u, dt):
     """Gated activations on fp32 g, u with the production rounding points."""
-    if name in ("silu", "gelu", "gelu_tanh"):
-        f = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[name]
-        return (f(g).to(dt).float() * u).to(dt)          # act(gate) rounded before the product
+    if name in _ACT_AND_MUL:
+        return (_ACT_AND_MUL[name](g).to(dt).float() * u).to(dt)   # act(gate) rounded before the product
     if name in ("swigluoai", "swigluoai_uninterleave"):
         g = g.clamp(max=OAI_LIMIT)
         u = u.clamp(-OAI_LIMIT, OAI_LIMIT)
@@ -38,11 +41,8 @@ def _gated(name, g, u, dt):
     raise ValueError(f"activation {name!r} is not supported by the eager experts")
 
 
-_NO_MUL = {"silu_no_mul": F.silu, "gelu_no_mul": F.gelu,
-           "gelu_tanh_no_mul": lambda v: F.gelu(v, approximate="tanh"),
-           "relu2_no_mul": lambda v: torch.relu(v) ** 2}
-SUPPORTED = ("silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ",
-             *_NO_MUL)
+_NO_MUL = {**{f"{name}_no_mul": f for name, f in _ACT_AND_MUL.items()}, "relu2_no_mul": lambda v: torch.relu(v) ** 2}
+SUPPORTED = (*_ACT_AND_MUL, "swigluoai", "swigluoai_uninterleave", "swiglustep", "situ", *_NO_MUL)
 
 
 def activation(cache1: torch.Tensor, name: str) -> torch.Tensor:

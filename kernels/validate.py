@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
+
 UNCHECKED_ENV = "MOE_LORA_UNCHECKED"  # set to 1 to skip the value-range check (it syncs the device)
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # vLLM 0.33.0's tuning ints of fused_moe_lora, in signature order (after adapter_enabled).
 TUNING_PARAMS = (
     "shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
@@ -196,7 +197,7 @@ def validate_call(
     _check_tuning(tuning)
 
     _tensor(output, "output (expected (T, k, W))", 3)
-    if output.dtype not in _FLOAT_DTYPES:
+    if output.dtype not in FLOAT_DTYPES:
         raise TypeError(f"output must be float16, bfloat16 or float32; got dtype {output.dtype}")
     dt, dev = output.dtype, output.device
     _tensor(x, "qcurr_hidden_states (expected (T, K) or (T*k, K))", 2)

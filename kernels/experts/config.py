@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lora_harness.kernels.dtypes import DTYPE_NAMES
+
 DEVICES = ("cpu", "cuda")
 QUANT_SCHEMES = ("none", "int4_g128", "int8_channel")
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def is_gated_activation(name: str) -> bool:

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.kernels.experts.modular import CPU_BF16, ShapeRule
+from moe_lora_harness.kernels.dtypes import TRITON_16BIT_DTYPES, triton_16bit_reasons
+from moe_lora_harness.kernels.experts.modular import ShapeRule
 from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT, ExpertsPlan, TritonExperts
 
 TILE_I = 128
@@ -50,8 +51,8 @@ class GatedFastExperts(TritonExperts):
     """Gated SiLU experts with a fused silu-and-mul kernel; supports LoRA, biases and EP like TritonExperts."""
 
     name = "gated_fast_experts"
-    dtypes = {"cpu": frozenset({"float16"}), "cuda": frozenset({"float16", "bfloat16"})}
-    dtype_reasons = {("cpu", "bfloat16"): CPU_BF16, ("cpu", "float32"): _FP32, ("cuda", "float32"): _FP32}
+    dtypes = TRITON_16BIT_DTYPES
+    dtype_reasons = triton_16bit_reasons(_FP32)
     activations = frozenset({"silu"})
     supports_non_gated = False
     shape_rules = (ShapeRule("I % 128 == 0", lambda c: c.I % TILE_I == 0,

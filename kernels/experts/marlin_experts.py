@@ -11,11 +11,12 @@ from typing import Callable
 
 import torch
 
+from moe_lora_harness.kernels.dtypes import TRITON_16BIT_DTYPES, triton_16bit_reasons
 from moe_lora_harness.kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.experts.lora_mixin import LoRAExpertsMixin
 from moe_lora_harness.kernels.experts.modular import (
-    CPU_BF16, FusedMoEExperts, ShapeRule, check_activations_and_routing, check_biases, check_id_ranges,
+    FusedMoEExperts, ShapeRule, check_activations_and_routing, check_biases, check_id_ranges,
     check_lora_ctx,
 )
 from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
@@ -90,8 +91,8 @@ class MarlinExperts(LoRAExpertsMixin, FusedMoEExperts):
 
     name = "marlin_experts"
     devices = frozenset({"cpu", "cuda"})
-    dtypes = {"cpu": frozenset({"float16"}), "cuda": frozenset({"float16", "bfloat16"})}
-    dtype_reasons = {("cpu", "bfloat16"): CPU_BF16, ("cpu", "float32"): _FP32, ("cuda", "float32"): _FP32}
+    dtypes = TRITON_16BIT_DTYPES
+    dtype_reasons = triton_16bit_reasons(_FP32)
     activations = frozenset(_ACTIVATIONS)
     supports_non_gated = True
     quant_schemes = frozenset({"int4_g128", "int8_channel"})

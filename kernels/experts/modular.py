@@ -6,7 +6,6 @@ order (spec 8), and returns the first failing reason, so an oracle that consults
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Mapping
 
@@ -15,10 +14,7 @@ import torch
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.triton.platform import interpreting
-
-UNCHECKED_ENV = "MOE_LORA_UNCHECKED"   # 1 = skip the id value-range check (it syncs the device)
-CPU_BF16 = "the Triton interpreter cannot do bf16 arithmetic (computes on bit patterns; Triton issue 11584)"
-_ALL = frozenset({"float16", "bfloat16", "float32"})
+from moe_lora_harness.kernels.validate import checks_enabled
 
 
 @dataclass(frozen=True)
@@ -216,9 +212,7 @@ def check_id_ranges(config: MoEConfig, topk_ids, expert_map, lora_ctx) -> None:
 
     Skipped while a CUDA graph is being captured and when MOE_LORA_UNCHECKED=1.
     """
-    if os.environ.get(UNCHECKED_ENV, "0") not in ("", "0") or topk_ids.numel() == 0:
-        return
-    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+    if topk_ids.numel() == 0 or not checks_enabled(topk_ids.device):
         return
     E_global = int(expert_map.numel()) if expert_map is not None else config.E
     parts = [topk_ids.min().reshape(1).long(), topk_ids.max().reshape(1).long()]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_lora_harness.kernels.dtypes import TRITON_DTYPE_REASONS, TRITON_DTYPES
 from moe_lora_harness.kernels.eager_experts import OAI_ALPHA, OAI_LIMIT
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
@@ -19,7 +20,7 @@ from moe_lora_harness.kernels.experts.lora_mixin import LoRAExpertsMixin, build_
 from moe_lora_harness.kernels.experts.modular import (
     FusedMoEExperts, check_activations_and_routing, check_dense_weights, check_id_ranges, check_lora_ctx,
 )
-from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT, TRITON_DTYPES, TRITON_DTYPE_REASONS
+from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
 from moe_lora_harness.kernels.triton.grouped_gemm import grouped_gemm, permute_pairs, scatter_sum
 from moe_lora_harness.kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK
 

@@ -9,19 +9,18 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lora_harness.kernels.dtypes import TRITON_DTYPE_REASONS, TRITON_DTYPES
 from moe_lora_harness.kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.experts.lora_mixin import LoRAAlignment, LoRAExpertsMixin
 from moe_lora_harness.kernels.experts.modular import (
-    CPU_BF16, FusedMoEExperts, ShapeRule, check_activations_and_routing, check_dense_weights, check_id_ranges,
+    FusedMoEExperts, ShapeRule, check_activations_and_routing, check_dense_weights, check_id_ranges,
     check_lora_ctx,
 )
 from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
 from moe_lora_harness.kernels.triton.moe_align import moe_align_block_size
 from moe_lora_harness.kernels.triton.moe_sum import moe_sum
 
-TRITON_DTYPES = {"cpu": frozenset({"float16", "float32"}), "cuda": frozenset({"float16", "bfloat16", "float32"})}
-TRITON_DTYPE_REASONS = {("cpu", "bfloat16"): CPU_BF16}
 ALIGN_EXPERT_LIMIT = ShapeRule("round_up(E, 32) < 1024", lambda c: -(-c.E // 32) * 32 < 1024,
                                "the align kernels size their expert table to round_up(E, 32) < 1024")
 

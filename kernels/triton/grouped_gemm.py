@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
 from moe_lora_harness.kernels.triton.fused_moe_gemm import (
-    FLOAT_DTYPES, GemmConfig, _tensor, check_block_m, check_weights, choose_block_m, launch_gemm, routing_weights,
+    GemmConfig, _tensor, check_block_m, check_weights, choose_block_m, launch_gemm, routing_weights,
 )
 from moe_lora_harness.kernels.triton.moe_align import _pos_int, check_expert_map, check_topk_ids, pad_segments, sort_pairs_by_expert
 from moe_lora_harness.kernels.triton.moe_sum import check_out, launch_sum

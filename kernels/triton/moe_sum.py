@@ -10,9 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
 from moe_lora_harness.kernels.triton.one_shot import next_pow2
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
