@@ -10,15 +10,15 @@ On the CPU every call also runs the Recorder's race check (a race raises, failin
 """
 from __future__ import annotations
 
+from moe_lora_harness.backends.experts import (
+    apply_experts, capabilities_of, config_from_call, context_from_call, precision_for, unavailable,
+)
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, Rule
+from moe_lora_harness.harness.contract import BackendSpec
 
 try:
     import triton  # noqa: F401
-    from moe_lora_harness.backends.experts import config_from_call, config_from_case, context_from_call
     from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
-    from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
-    from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
     _IMPORT_ERROR = ""
 except Exception as e:  # noqa: BLE001 - declared, not hidden: every case reports this reason
     DualStreamTritonExperts = None
@@ -29,10 +29,8 @@ _LAYERS: dict = {}   # MoEConfig -> DualStreamTritonExperts (one "layer" per con
 
 def dual_stream_precision(case: Case) -> str:
     """Reference preset: the dual-stream add over the LoRA op path the experts take for this case."""
-    if not case.lora:
-        return "one_shot"
-    path = DualStreamTritonExperts.lora_path(config_from_case(case), case.T, case.max_loras)
-    if not DualStreamTritonExperts.dual_stream_applies(case.fully_sharded, case.T):
+    path = precision_for(DualStreamTritonExperts)(case)   # one_shot without LoRA
+    if not case.lora or not DualStreamTritonExperts.dual_stream_applies(case.fully_sharded, case.T):
         return path                        # one stream: the path's own rounding
     return "dual_stream_small_batch" if path == "small_batch" else "dual_stream"
 
@@ -46,40 +44,17 @@ def run_experts(call) -> None:
     ctx = context_from_call(call, config)
     if ctx is not None:
         ctx.dual_stream = True
-    FusedMoEKernel(NoEPPrepareAndFinalize(), experts).apply(
-        call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids, lora_ctx=ctx,
-        expert_map=call.expert_map, w13_bias=call.w13_bias, w2_bias=call.w2_bias, output=call.output)
+    apply_experts(call, experts, ctx)
 
 
-def _claims(case: Case) -> bool:
-    cls = DualStreamTritonExperts
-    try:
-        return any(cls.is_supported_config(config_from_case(case, dev))[0]
-                   for dev in sorted(cls.devices) if case.dtype in cls.dtypes.get(dev, ()))
-    except (ValueError, TypeError):
-        return False
-
-
-def _capabilities() -> Capabilities:
-    if DualStreamTritonExperts is None:
-        return Capabilities(levels=frozenset({"expert"}), devices=frozenset(),
-                            rules=(Rule("import", lambda c: False, _IMPORT_ERROR),))
-    cls = DualStreamTritonExperts
-    return Capabilities(
-        levels=frozenset({"expert"}), devices=frozenset(cls.devices), dtypes=dict(cls.dtypes),
-        dtype_reasons=dict(cls.dtype_reasons), activations=frozenset(cls.activations),
-        non_gated=cls.supports_non_gated, bias=cls.supports_bias, lora=True, base_only=True,
-        quant=frozenset(cls.quant_schemes), expert_map=cls.supports_ep, fully_sharded=cls.supports_fully_sharded,
-        max_rank=cls.max_lora_rank, shared_lora=True, tensor_parallel=True,
-        rules=(Rule(f"{cls.name}.is_supported_config", _claims,
-                    "declined by the class's is_supported_config (kernels.experts.oracle.explain says why)"),))
-
-
-BACKEND = BackendSpec(
-    name="triton_experts_dual_stream",
-    description="Triton experts with LoRA deltas on an aux stream (add_inputs=False into zeroed buffers, "
-                "joined by events, added on main; spec 5 dual-stream mode)",
-    capabilities=_capabilities(),
-    experts=run_experts if DualStreamTritonExperts is not None else (lambda call: None),
-    precision=dual_stream_precision,
-)
+if DualStreamTritonExperts is not None:
+    BACKEND = BackendSpec(
+        name="triton_experts_dual_stream",
+        description="Triton experts with LoRA deltas on an aux stream (add_inputs=False into zeroed buffers, "
+                    "joined by events, added on main; spec 5 dual-stream mode)",
+        capabilities=capabilities_of(DualStreamTritonExperts),
+        experts=run_experts,
+        precision=dual_stream_precision,
+    )
+else:
+    BACKEND = unavailable("triton_experts_dual_stream", _IMPORT_ERROR)

@@ -11,6 +11,7 @@ import torch
 
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities, ExpertCall, Rule
+from moe_lora_harness.kernels.dtypes import DTYPES
 
 try:
     import triton  # noqa: F401
@@ -25,9 +26,6 @@ except Exception as e:  # noqa: BLE001 - declared, not hidden: every case report
     oracle = None
     _IMPORT_ERROR = f"expert kernels not importable: {type(e).__name__}: {e}"
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
 def _here() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,7 +33,7 @@ def _here() -> str:
 def config_from_case(case: Case, device: str | None = None) -> "MoEConfig":
     """The MoEConfig one rank of an expert-level case runs on `device` (cpu/cuda; default: this machine's)."""
     return MoEConfig(
-        device=device or _here(), dtype=_DTYPES[case.dtype], activation=case.activation, H=case.H,
+        device=device or _here(), dtype=DTYPES[case.dtype], activation=case.activation, H=case.H,
         I=case.I // case.tp_size if case.I % case.tp_size == 0 else case.I,  # one TP rank's slice
         E=case.local_experts, top_k=case.top_k, has_bias=case.bias, quant=case.quant, lora_enabled=case.lora,
         max_lora_rank=case.max_rank if case.lora else 0, expert_map=case.ep_size > 1,
@@ -72,18 +70,23 @@ def context_from_call(call: ExpertCall, config: "MoEConfig") -> "MoELoRAContext 
         lora_collective=call.lora_collective)
 
 
-def run_call(call: ExpertCall, experts_cls=None) -> None:
-    """Run one ExpertCall through FusedMoEKernel(no-EP prepare/finalize, experts_cls or the oracle's pick)."""
-    config = config_from_call(call)
-    cls = experts_cls or oracle.select_experts(config)
+def apply_experts(call: ExpertCall, experts, lora_ctx: "MoELoRAContext | None") -> None:
+    """Run an experts object on an ExpertCall through FusedMoEKernel (no-EP prepare/finalize), writing call.output;
+    quantized weights are packed for it first."""
     w13, w2 = call.w13, call.w2
     if call.quant != "none":
         w13 = pack_weights(call.w13_q, call.w13_scales, call.quant)
         w2 = pack_weights(call.w2_q, call.w2_scales, call.quant)
-    kernel = FusedMoEKernel(NoEPPrepareAndFinalize(), cls(config))
-    kernel.apply(call.hidden_states, w13, w2, call.topk_weights, call.topk_ids,
-                 lora_ctx=context_from_call(call, config), expert_map=call.expert_map,
-                 w13_bias=call.w13_bias, w2_bias=call.w2_bias, output=call.output)
+    FusedMoEKernel(NoEPPrepareAndFinalize(), experts).apply(
+        call.hidden_states, w13, w2, call.topk_weights, call.topk_ids, lora_ctx=lora_ctx,
+        expert_map=call.expert_map, w13_bias=call.w13_bias, w2_bias=call.w2_bias, output=call.output)
+
+
+def run_call(call: ExpertCall, experts_cls=None) -> None:
+    """Run one ExpertCall on a new experts_cls (default: the oracle's pick) for the call's configuration."""
+    config = config_from_call(call)
+    cls = experts_cls or oracle.select_experts(config)
+    apply_experts(call, cls(config), context_from_call(call, config))
 
 
 def _safe(pred):
@@ -110,7 +113,7 @@ def precision_for(cls):
     return precision
 
 
-def _caps_of(cls) -> Capabilities:
+def capabilities_of(cls) -> Capabilities:
     """Capabilities translated from the class's declarations, plus the is_supported_config rule."""
     rules = tuple(Rule(r.name, _safe(lambda c, r=r: r.holds(config_from_case(c))), r.reason)
                   for r in cls.shape_rules)
@@ -127,7 +130,7 @@ def _caps_of(cls) -> Capabilities:
 def spec_for(cls, description: str) -> BackendSpec:
     """A harness BackendSpec for an experts class: capabilities from its declarations, run through FusedMoEKernel."""
     return BackendSpec(
-        name=cls.name, description=description, capabilities=_caps_of(cls),
+        name=cls.name, description=description, capabilities=capabilities_of(cls),
         experts=lambda call: run_call(call, cls), precision=precision_for(cls))
 
 
@@ -166,10 +169,11 @@ def _oracle_precision(case: Case, picked) -> str:
         return "one_shot"
 
 
-def _unavailable(name: str) -> BackendSpec:
+def unavailable(name: str, why: str = _IMPORT_ERROR) -> BackendSpec:
+    """An expert backend whose kernels did not import: it claims nothing, and every case says `why`."""
     return BackendSpec(name=name, description=f"{name} (unavailable)",
                        capabilities=Capabilities(levels=frozenset({"expert"}), devices=frozenset(),
-                                                 rules=(Rule("import", lambda c: False, _IMPORT_ERROR),)),
+                                                 rules=(Rule("import", lambda c: False, why),)),
                        experts=lambda call: None)
 
 
@@ -186,10 +190,10 @@ if oracle is not None:
                                           "LoRA through the wrapper's closures")
     EXPERTS_ORACLE = _oracle_spec()
 else:
-    TRITON_EXPERTS = _unavailable("triton_experts")
-    GATED_FAST_EXPERTS = _unavailable("gated_fast_experts")
-    OAI_EXPERTS = _unavailable("oai_experts")
-    MARLIN_EXPERTS = _unavailable("marlin_experts")
-    EXPERTS_ORACLE = _unavailable("experts_oracle")
+    TRITON_EXPERTS = unavailable("triton_experts")
+    GATED_FAST_EXPERTS = unavailable("gated_fast_experts")
+    OAI_EXPERTS = unavailable("oai_experts")
+    MARLIN_EXPERTS = unavailable("marlin_experts")
+    EXPERTS_ORACLE = unavailable("experts_oracle")
 
 ALL = [TRITON_EXPERTS, GATED_FAST_EXPERTS, OAI_EXPERTS, MARLIN_EXPERTS, EXPERTS_ORACLE]
