@@ -122,6 +122,7 @@ def test_planted_bug_in_the_triton_experts_fails_the_case(bug):
         return
     assert outcome.status == "fail", f"{bug} was not caught: {outcome.status} {outcome.reason}"
     if bug in RACY:
-        assert "raised ScheduleError" in outcome.detail and f"race on {RACE_ON[bug]}" in outcome.detail
+        assert outcome.kind == "raised" and "ScheduleError:" in outcome.detail, outcome.detail
+        assert f"race on {RACE_ON[bug]}" in outcome.detail, outcome.detail
     else:
         assert outcome.verdict is not None and outcome.verdict.kind in ("element", "aggregate"), outcome.detail
