@@ -1,5 +1,7 @@
 """The layout is the architecture: reference/ never imports kernels/ or harness/, kernels/ never imports
-the harness (or the reference), and the harness knows backends only through declared contracts."""
+the harness (or the reference), and the harness knows backends only through declared contracts.
+Everything is imported through the one package, `moe_lora_harness`: a bare `import harness` would find
+whatever generic package a user's environment has under that name."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +9,9 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+PKG = "moe_lora_harness"
+PARTS = ("reference", "kernels", "harness", "backends", "suites")
 FORBIDDEN = {
     "reference": {"kernels", "harness", "backends", "triton"},
     "kernels": {"harness", "reference", "backends"},
@@ -15,27 +19,58 @@ FORBIDDEN = {
 }
 
 
-def imported_top_levels(path: pathlib.Path) -> set[str]:
+def part_dir(part: str) -> pathlib.Path:
+    return pathlib.Path(__import__(f"{PKG}.{part}", fromlist=["_"]).__file__).parent
+
+
+def imported_parts(path: pathlib.Path) -> set[str]:
+    """Our subpackages (and third-party top levels) a module imports; `moe_lora_harness.X...` counts as X."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names = set()
     for node in ast.walk(tree):
+        mods = []
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            mods = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            mods = [node.module]
+        for m in mods:
+            parts = m.split(".")
+            names.add(parts[1] if parts[0] == PKG and len(parts) > 1 else parts[0])
     return names
+
+
+def bare_generic_imports(path: pathlib.Path) -> set[str]:
+    """Imports of our parts by their bare, generic name (`import harness`), which the package never uses."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bad = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bad |= {a.name for a in node.names if a.name.split(".")[0] in PARTS}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] in PARTS:
+            bad.add(node.module)
+    return bad
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_layering(package):
-    files = sorted((ROOT / package).rglob("*.py"))
+    files = sorted(part_dir(package).rglob("*.py"))
     assert files, f"{package}/ has no modules"
-    bad = {str(f.relative_to(ROOT)): sorted(imported_top_levels(f) & FORBIDDEN[package]) for f in files}
+    bad = {str(f): sorted(imported_parts(f) & FORBIDDEN[package]) for f in files}
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"layering violated (module -> forbidden imports): {bad}"
 
 
+@pytest.mark.parametrize("package", PARTS)
+def test_no_bare_generic_imports(package):
+    bad = {str(f): sorted(bare_generic_imports(f)) for f in sorted(part_dir(package).rglob("*.py"))}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"import through moe_lora_harness, not a generic top-level name: {bad}"
+
+
 def test_layering_check_detects_a_violation(tmp_path):
     p = tmp_path / "m.py"
-    p.write_text("import harness.case\nfrom kernels.triton import x\n")
-    assert imported_top_levels(p) == {"harness", "kernels"}
+    p.write_text("import moe_lora_harness.harness.case\nfrom moe_lora_harness.kernels.triton import x\nimport torch\n"
+                 "from kernels import y\n")
+    assert imported_parts(p) == {"harness", "kernels", "torch"}
+    assert bare_generic_imports(p) == {"kernels"}

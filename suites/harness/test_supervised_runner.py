@@ -156,3 +156,27 @@ def _worker_pids(parent_pid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in out.splitlines()[1:]
             if "moe_lora_harness.harness.worker" in line and line.split()[1] == str(parent_pid)]
+
+
+def test_pytest_lane_counts_the_tests_that_never_ran():
+    """In-process (no worker), a segfaulting backend kills xdist workers until xdist gives up; the plugin's
+    summary says how many tests never ran and the session fails."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--max-worker-restart", "1",
+         "--pyargs", "moe_lora_harness.suites.conformance", "-k", "test_feature",
+         "--moe-lora-backend", REF, "--moe-lora-only", "hostile-segfault", "--moe-lora-in-process",
+         "--moe-lora-cases-per-feature", "1"],
+        capture_output=True, text=True, timeout=600, cwd="/")
+    assert out.returncode != 0, out.stdout[-3000:]
+    assert "tests that never ran" in out.stdout and "collected tests never ran" in out.stdout, out.stdout[-3000:]
+
+
+def test_supervised_pytest_lane_runs_every_test_despite_a_segfault():
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+         "--pyargs", "moe_lora_harness.suites.conformance", "-k", "test_feature and (fp16 or mul_routed)",
+         "--moe-lora-backend", REF, "--moe-lora-only", "hostile-segfault", "--moe-lora-cases-per-feature", "1"],
+        capture_output=True, text=True, timeout=600, cwd="/")
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "1 failed, 1 passed" in out.stdout and "never ran" not in out.stdout, out.stdout[-3000:]
+    assert "kind=crash" in out.stdout and "SIGSEGV" in out.stdout
