@@ -1,7 +1,7 @@
 """Stream schedules: a small interface for issuing multi-stream GPU work, a CUDA implementation, and a
 CPU `Recorder` that checks the same program for races with vector clocks.
 
-`CudaSchedule` / `SleepySchedule` live in `kernels.schedule.cuda` (imported lazily: they need CUDA).
+`CudaSchedule` lives in `kernels.schedule.cuda` (imported lazily: it needs CUDA).
 """
 from moe_lora_harness.kernels.schedule.interface import MAIN, BufferRef, Schedule, ScheduleError, buffer_ref, named
 from moe_lora_harness.kernels.schedule.recorder import Hazard, Op, Race, Recorder

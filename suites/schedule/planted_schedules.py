@@ -1,4 +1,5 @@
-"""Planted bugs: variants of the dual-stream program, each with exactly one synchronisation or zeroing bug.
+"""Planted bugs: variants of kernels.experts.dual_stream's program, each with exactly one synchronisation or
+zeroing bug (test-only: the schedule suites run them).
 
 They exist so the schedule suites can prove they fail when they should: on the CPU the Recorder must
 report a race (or an event hazard) for each, except `not_zeroed`, which is race-free but leaves the

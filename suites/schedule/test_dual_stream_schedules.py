@@ -12,10 +12,10 @@ from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written
 from moe_lora_harness.harness.expert_runner import expert_expectations
-from moe_lora_harness.kernels.experts.dual_stream import (
-    AUX, EVENTS, PLANS, TorchPhases, all_programs, allocate_workspace, dual_stream_program, run_dual_stream,
-)
+from moe_lora_harness.kernels.experts.dual_stream import AUX, EVENTS, PLANS, dual_stream_program
 from moe_lora_harness.kernels.schedule import MAIN, Recorder, ScheduleError
+
+from .stand_in import TorchPhases, all_programs, allocate_workspace, run_dual_stream
 
 CASE = Case(level="expert", T=7, H=32, I=16, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed",
             dtype="float16", activation="silu", seed=7)

@@ -10,10 +10,11 @@ import torch
 
 from moe_lora_harness.harness.builders import build_expert_inputs
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.kernels.experts.dual_stream import (
-    AUX, EVENTS, POISON, TorchPhases, allocate_workspace, dual_stream_program, run_program,
-)
-from moe_lora_harness.kernels.experts.planted_schedules import PLANTED, RACY
+from moe_lora_harness.kernels.experts.dual_stream import AUX, EVENTS, dual_stream_program, run_program
+
+from .planted_schedules import PLANTED, RACY
+from .sleepy import SleepySchedule
+from .stand_in import POISON, TorchPhases, allocate_workspace
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU stress needs a CUDA device")]
@@ -112,7 +113,7 @@ def expected(inputs):
 
 def stress(program_for, inputs, expected) -> tuple[int, "Layer", object]:
     """Run REPS calls under sleep injection; returns (#results differing from single stream, layer, inner schedule)."""
-    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule, SleepySchedule
+    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule
     layer = Layer(CASE, program_for)
     inner = CudaSchedule()
     bad = 0

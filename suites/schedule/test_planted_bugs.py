@@ -10,9 +10,11 @@ from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written
 from moe_lora_harness.harness.expert_runner import expert_expectations
-from moe_lora_harness.kernels.experts.dual_stream import POISON, TorchPhases, allocate_workspace, dual_stream_program, run_program
-from moe_lora_harness.kernels.experts.planted_schedules import PLANTED, RACY, planted_program
+from moe_lora_harness.kernels.experts.dual_stream import dual_stream_program, run_program
 from moe_lora_harness.kernels.schedule import Recorder, ScheduleError
+
+from .planted_schedules import PLANTED, RACY, planted_program
+from .stand_in import POISON, TorchPhases, allocate_workspace
 
 # mixed mapping: some tokens carry no adapter, so their pairs are never written by the LoRA kernels
 CASE = Case(level="expert", T=7, H=32, I=16, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed",

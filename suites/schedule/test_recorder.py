@@ -258,7 +258,9 @@ def test_vector_clocks_match_brute_force_happens_before(prog):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_cuda_schedules_refuse_to_start_without_cuda():
-    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule, SleepySchedule
+    from moe_lora_harness.kernels.schedule.cuda import CudaSchedule
+
+    from .sleepy import SleepySchedule
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         CudaSchedule()
     with pytest.raises(TypeError, match="inner must be a CudaSchedule"):
