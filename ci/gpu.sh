@@ -31,8 +31,8 @@ for t in "${targets[@]}"; do
   case $t in
     tests)
       MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-3} timeout ${TEST_TIMEOUT:-330} \
-        python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-12} --device cuda \
-        --cases-per-feature ${CASES_PER_FEATURE:-1} suites --durations=12 --junitxml="$OUT/gpu_suites.junit.xml" \
+        python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-12} --moe-lora-device cuda \
+        --moe-lora-cases-per-feature ${CASES_PER_FEATURE:-1} suites --durations=12 --junitxml="$OUT/gpu_suites.junit.xml" \
         > "$OUT/gpu_suites.log" 2>&1 || rc=1
       tail -3 "$OUT/gpu_suites.log" ;;
     bench)
@@ -51,7 +51,7 @@ for t in "${targets[@]}"; do
       SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-300} OUT="$OUT" bash ci/sanitize.sh > "$OUT/sanitize_run.txt" 2>&1 || rc=1
       cat "$OUT/sanitize_summary.txt" ;;
     check)
-      timeout ${CHECK_TIMEOUT:-500} python3 -m harness.cli check --device cuda --json "$OUT/check_cuda.json" \
+      timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.cli check --device cuda --json "$OUT/check_cuda.json" \
         --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1
       tail -5 "$OUT/check_cuda.txt" ;;
   esac
