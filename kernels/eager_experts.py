@@ -6,8 +6,6 @@ LoRA goes through `kernels.eager.fused_moe_lora` (naive layout). Written indepen
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 

@@ -50,13 +50,3 @@ def device_info(device: torch.device | str | None) -> DeviceInfo:
         return CPU_DEFAULT
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return _cuda_info(index)
-
-
-def sm_count(device) -> int:
-    """Number of streaming multiprocessors (CPU default when interpreted)."""
-    return device_info(device).sm_count
-
-
-def max_shared_memory(device) -> int:
-    """Opt-in shared memory per block in bytes (CPU default when interpreted)."""
-    return device_info(device).max_shared_mem

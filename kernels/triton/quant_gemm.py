@@ -16,7 +16,6 @@ import triton.language as tl
 
 # scheme -> (qmin, qmax, group along K or None for per-channel, kernel QUANT code)
 SCHEMES = {"int4_g128": (-8, 7, 128, 1), "int8_channel": (-127, 127, None, 2)}
-INT4_GROUP = 128
 
 
 @dataclass

@@ -13,7 +13,7 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written
 from moe_lora_harness.harness.expert_runner import expert_expectations
 from moe_lora_harness.kernels.experts.dual_stream import AUX, EVENTS, PLANS, dual_stream_program
-from moe_lora_harness.kernels.schedule import MAIN, Recorder, ScheduleError
+from moe_lora_harness.kernels.schedule import MAIN, Recorder
 
 from .stand_in import TorchPhases, all_programs, allocate_workspace, run_dual_stream
 
@@ -99,7 +99,7 @@ def test_bad_arguments_are_named():
 # ------------------------------------------------------------------------------ the Triton experts
 
 try:
-    from moe_lora_harness.backends.dual_stream import BACKEND, dual_stream_precision, run_experts
+    from moe_lora_harness.backends.dual_stream import BACKEND, dual_stream_precision
     from moe_lora_harness.backends.experts import config_from_call, context_from_call
     from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
     from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
