@@ -27,6 +27,17 @@ _TUNING_WARPS = tuple(n for n in TUNING_PARAMS if n.endswith("_num_warps"))
 _TUNING_POSITIVE = tuple(n for n in TUNING_PARAMS if n not in _TUNING_BLOCKS + _TUNING_WARPS)
 
 
+class MoELoRAArgumentError(ValueError, AssertionError):
+    """An argument the MoE-LoRA op cannot take: a shape, size, stride, device, layout, id range or path condition.
+
+    A ValueError, as Python reports a bad argument value; and an AssertionError too, because vLLM 0.33.0's
+    fused_moe_lora checks the same conditions with `assert`, and its callers and tests expect that (vLLM's
+    test wants an AssertionError naming shrink_block_size_m when the sorted layout gets a BLOCK_M that is
+    not a power of two >= 16). As a drop-in, our op's argument errors satisfy `except ValueError` and
+    `except AssertionError` alike. Wrong types and dtypes stay TypeError.
+    """
+
+
 @dataclass
 class OpCall:
     """The validated tensors of one `fused_moe_lora` call and the sizes the launchers need."""
@@ -109,7 +120,7 @@ def _tensor(t, arg: str, dims: int) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor; got {_describe(t)}")
     if t.dim() != dims:
-        raise ValueError(f"{arg} must be {dims}-D; got shape {tuple(t.shape)}")
+        raise MoELoRAArgumentError(f"{arg} must be {dims}-D; got shape {tuple(t.shape)}")
     return t
 
 
@@ -119,7 +130,7 @@ def _ids(t, arg: str, dims: int, expect: str) -> torch.Tensor:
     if t.dtype != torch.int32:
         raise TypeError(f"{arg} must be int32 {expect}; got dtype {t.dtype}")
     if t.numel() > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{arg} must be contiguous along its last dim (stride 1); got strides {t.stride()}")
+        raise MoELoRAArgumentError(f"{arg} must be contiguous along its last dim (stride 1); got strides {t.stride()}")
     return t
 
 
@@ -127,7 +138,7 @@ def _stacked(ws, arg: str, dtype: torch.dtype, expect: str) -> list:
     if not isinstance(ws, (list, tuple)):
         raise TypeError(f"{arg} must be a list of S tensors {expect}; got {_describe(ws)}")
     if len(ws) == 0:
-        raise ValueError(f"{arg} must hold at least one slice tensor {expect}; got an empty list")
+        raise MoELoRAArgumentError(f"{arg} must hold at least one slice tensor {expect}; got an empty list")
     for i, w in enumerate(ws):
         _tensor(w, f"{arg}[{i}] (expected {expect})", 4)
         if w.dtype != dtype:
@@ -135,9 +146,9 @@ def _stacked(ws, arg: str, dtype: torch.dtype, expect: str) -> list:
                 f"{arg}[{i}] has dtype {w.dtype}; LoRA weights must have the output's dtype {dtype}"
             )
         if w.shape != ws[0].shape:
-            raise ValueError(f"{arg}[{i}] has shape {tuple(w.shape)}; every slice must match {tuple(ws[0].shape)}")
+            raise MoELoRAArgumentError(f"{arg}[{i}] has shape {tuple(w.shape)}; every slice must match {tuple(ws[0].shape)}")
         if w.stride() != ws[0].stride():
-            raise ValueError(
+            raise MoELoRAArgumentError(
                 f"{arg}[{i}] has strides {w.stride()}; the kernels share one stride set across slices, "
                 f"so every slice must have the strides of {arg}[0] {ws[0].stride()}"
             )
@@ -148,25 +159,25 @@ def _check_tuning(tuning: dict) -> None:
     for name in _TUNING_BLOCKS:
         v = _int(tuning[name], name)
         if v <= 0 or v & (v - 1):
-            raise ValueError(f"{name} must be a positive power of two; got {v}")
+            raise MoELoRAArgumentError(f"{name} must be a positive power of two; got {v}")
     for name in _TUNING_WARPS:
         v = _int(tuning[name], name)
         if v not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"{name} must be a power of two in [1, 32]; got {v}")
+            raise MoELoRAArgumentError(f"{name} must be a power of two in [1, 32]; got {v}")
     for name in _TUNING_POSITIVE:
         if _int(tuning[name], name) <= 0:
-            raise ValueError(f"{name} must be a positive int; got {tuning[name]}")
+            raise MoELoRAArgumentError(f"{name} must be a positive int; got {tuning[name]}")
 
 
 def _num_active(num_active_loras, n_ids: int) -> int:
     if isinstance(num_active_loras, torch.Tensor):
         if num_active_loras.numel() != 1 or num_active_loras.is_floating_point():
-            raise ValueError(
+            raise MoELoRAArgumentError(
                 "num_active_loras must be a one-element integer CPU tensor (or an int); "
                 f"got {_describe(num_active_loras)}"
             )
         if num_active_loras.device.type != "cpu":
-            raise ValueError(
+            raise MoELoRAArgumentError(
                 "num_active_loras must live on the CPU (it sizes the launch grid; a device tensor would "
                 f"need a sync); got device {num_active_loras.device}"
             )
@@ -174,7 +185,7 @@ def _num_active(num_active_loras, n_ids: int) -> int:
     else:
         n = _int(num_active_loras, "num_active_loras")
     if not 0 <= n <= n_ids:
-        raise ValueError(f"num_active_loras must be in [0, lora_ids.numel()={n_ids}]; got {n}")
+        raise MoELoRAArgumentError(f"num_active_loras must be in [0, lora_ids.numel()={n_ids}]; got {n}")
     return n
 
 
@@ -185,8 +196,8 @@ def validate_call(
 ) -> OpCall:
     """Check every argument of `fused_moe_lora` (vLLM 0.33.0 signature) and bundle them as an OpCall.
 
-    Raises TypeError for a wrong type/dtype and ValueError for a wrong shape, device, stride or range,
-    each naming the argument and what was expected. Reads no tensor values (no device sync).
+    Raises TypeError for a wrong type/dtype and MoELoRAArgumentError (a ValueError and an AssertionError) for
+    a wrong shape, device, stride or range, each naming the argument and what was expected. Reads no tensor values (no device sync).
     """
     mul_routed_weight = _flag(mul_routed_weight, "mul_routed_weight")
     fully_sharded = _flag(fully_sharded, "fully_sharded")
@@ -208,11 +219,11 @@ def validate_call(
         raise TypeError(f"topk_weights must be a floating-point tensor (promoted to fp32); got {topk_weights.dtype}")
     T, k = (int(s) for s in topk_weights.shape)
     if top_k < 1 or top_k != k:
-        raise ValueError(f"top_k_num must equal topk_weights.shape[1]={k} (>= 1); got {top_k}")
+        raise MoELoRAArgumentError(f"top_k_num must equal topk_weights.shape[1]={k} (>= 1); got {top_k}")
     if tuple(output.shape[:2]) != (T, k):
-        raise ValueError(f"output must have shape (T, k, W) = ({T}, {k}, W) like topk_weights; got {tuple(output.shape)}")
+        raise MoELoRAArgumentError(f"output must have shape (T, k, W) = ({T}, {k}, W) like topk_weights; got {tuple(output.shape)}")
     if T > 1 and output.stride(0) != k * output.stride(1):
-        raise ValueError(
+        raise MoELoRAArgumentError(
             "output's (T, k) dims must collapse to one pair axis: output.stride(0) must equal "
             f"k * output.stride(1) = {k} * {output.stride(1)}; got strides {output.stride()}"
         )
@@ -220,73 +231,73 @@ def validate_call(
     A = _stacked(lora_a, "lora_a_stacked", dt, "(L, E|1, R, K)")
     B = _stacked(lora_b, "lora_b_stacked", dt, "(L, E|1, N, R)")
     if len(A) != len(B):
-        raise ValueError(f"lora_a_stacked and lora_b_stacked must have the same length S; got {len(A)} and {len(B)}")
+        raise MoELoRAArgumentError(f"lora_a_stacked and lora_b_stacked must have the same length S; got {len(A)} and {len(B)}")
     S = len(A)
     L, Ea, R, K = (int(s) for s in A[0].shape)
     Lb, Eb, N, Rb = (int(s) for s in B[0].shape)
     if min(L, Ea, R, K) < 1 or min(Eb, N, Rb) < 1:
-        raise ValueError(f"LoRA weights must have non-empty dims; got A {tuple(A[0].shape)}, B {tuple(B[0].shape)}")
+        raise MoELoRAArgumentError(f"LoRA weights must have non-empty dims; got A {tuple(A[0].shape)}, B {tuple(B[0].shape)}")
     if Lb != L:
-        raise ValueError(f"lora_b_stacked[0].shape[0] must equal max_loras L={L} (from lora_a_stacked); got {Lb}")
+        raise MoELoRAArgumentError(f"lora_b_stacked[0].shape[0] must equal max_loras L={L} (from lora_a_stacked); got {Lb}")
     if Ea > 1 and Eb > 1 and Ea != Eb:
-        raise ValueError(f"LoRA expert dims must be equal or 1 (shared); got lora_a E={Ea}, lora_b E={Eb}")
+        raise MoELoRAArgumentError(f"LoRA expert dims must be equal or 1 (shared); got lora_a E={Ea}, lora_b E={Eb}")
     if max_lora_rank != R:
-        raise ValueError(f"max_lora_rank must equal lora_a_stacked[0].shape[2]={R}; got {max_lora_rank}")
+        raise MoELoRAArgumentError(f"max_lora_rank must equal lora_a_stacked[0].shape[2]={R}; got {max_lora_rank}")
     if fully_sharded:
         if not add_inputs:
-            raise ValueError("add_inputs must be True when fully_sharded=True (as vLLM 0.33.0 asserts)")
+            raise MoELoRAArgumentError("add_inputs must be True when fully_sharded=True (as vLLM 0.33.0 asserts)")
         if Rb % R:
-            raise ValueError(
+            raise MoELoRAArgumentError(
                 f"fully_sharded: lora_b_stacked rank dim ({Rb}) must be R (w2, all_reduce) or a multiple "
                 f"of the local rank R={R} (w13, all_gather)"
             )
     elif Rb != R:
-        raise ValueError(f"lora_b_stacked[0].shape[3] must equal the rank R={R}; got {Rb}")
+        raise MoELoRAArgumentError(f"lora_b_stacked[0].shape[3] must equal the rank R={R}; got {Rb}")
     rows = T * k if mul_routed_weight else T
     if tuple(x.shape) != (rows, K):
         what = "(T*k, K) with mul_routed_weight=True" if mul_routed_weight else "(T, K) with mul_routed_weight=False"
-        raise ValueError(f"qcurr_hidden_states must have shape {what} = {(rows, K)}; got {tuple(x.shape)}")
+        raise MoELoRAArgumentError(f"qcurr_hidden_states must have shape {what} = {(rows, K)}; got {tuple(x.shape)}")
     if offset < 0 or output.shape[2] < offset + S * N:
-        raise ValueError(
+        raise MoELoRAArgumentError(
             f"output.shape[2] must be >= offset + S*N = {offset} + {S}*{N} = {offset + S * N} (offset >= 0); "
             f"got W={output.shape[2]}, offset={offset}"
         )
 
     mapping = _ids(token_lora_mapping, "token_lora_mapping", 1, "(T,)")
     if mapping.shape[0] != T:
-        raise ValueError(f"token_lora_mapping must have shape (T,)=({T},); got {tuple(mapping.shape)}")
+        raise MoELoRAArgumentError(f"token_lora_mapping must have shape (T,)=({T},); got {tuple(mapping.shape)}")
     enabled = _ids(adapter_enabled, "adapter_enabled", 1, "(L+1,)")
     if enabled.shape[0] < L:
-        raise ValueError(f"adapter_enabled must have shape (L+1,)=({L + 1},) (at least L entries); got {tuple(enabled.shape)}")
+        raise MoELoRAArgumentError(f"adapter_enabled must have shape (L+1,)=({L + 1},) (at least L entries); got {tuple(enabled.shape)}")
     ids = _ids(lora_ids, "lora_ids", 1, "(L+1,)")
     block_m = _int(tuning["shrink_block_size_m"], "shrink_block_size_m")
     if sorted_token_ids is None:
         if num_tokens_post_padded is not None:
-            raise ValueError("num_tokens_post_padded must be None when sorted_token_ids is None (naive mode)")
+            raise MoELoRAArgumentError("num_tokens_post_padded must be None when sorted_token_ids is None (naive mode)")
         eids = _ids(expert_ids, "expert_ids", 1, "(T*k,) in naive mode")
         if eids.shape[0] != T * k:
-            raise ValueError(f"expert_ids must have shape (T*k,)=({T * k},) in naive mode; got {tuple(eids.shape)}")
+            raise MoELoRAArgumentError(f"expert_ids must have shape (T*k,)=({T * k},) in naive mode; got {tuple(eids.shape)}")
         n_active = 1
     else:
         if num_tokens_post_padded is None:
-            raise ValueError("num_tokens_post_padded (shape (L,)) must be given with sorted_token_ids")
+            raise MoELoRAArgumentError("num_tokens_post_padded (shape (L,)) must be given with sorted_token_ids")
         sids = _ids(sorted_token_ids, "sorted_token_ids", 2, "(L, EM)")
         if block_m < 16 or block_m & (block_m - 1):
-            raise ValueError(
+            raise MoELoRAArgumentError(
                 f"shrink_block_size_m must be a power of two >= 16 and equal the align block size; got {block_m}"
             )
         em = int(sids.shape[1])
         mb = -(-em // block_m)
         eids = _ids(expert_ids, "expert_ids", 2, "(L, EM/block)")
         if sids.shape[0] != L or tuple(eids.shape) != (L, mb):
-            raise ValueError(
+            raise MoELoRAArgumentError(
                 f"sorted mode needs sorted_token_ids (L, EM) and expert_ids (L, cdiv(EM, shrink_block_size_m)) = "
                 f"({L}, {em}) and ({L}, {mb}); got {tuple(sids.shape)} and {tuple(eids.shape)} "
                 "(is shrink_block_size_m the align block size?)"
             )
         ntpp = _ids(num_tokens_post_padded, "num_tokens_post_padded", 1, "(L,)")
         if ntpp.shape[0] != L:
-            raise ValueError(f"num_tokens_post_padded must have shape (L,)=({L},); got {tuple(ntpp.shape)}")
+            raise MoELoRAArgumentError(f"num_tokens_post_padded must have shape (L,)=({L},); got {tuple(ntpp.shape)}")
         n_active = _num_active(num_active_loras, ids.shape[0])
 
     named = [("qcurr_hidden_states", x), ("topk_weights", topk_weights), ("expert_ids", expert_ids),
@@ -296,7 +307,7 @@ def validate_call(
         named += [("sorted_token_ids", sorted_token_ids), ("num_tokens_post_padded", num_tokens_post_padded)]
     for arg, t in named:
         if t.device != dev:
-            raise ValueError(f"{arg} is on {t.device}; every tensor must be on the output's device {dev}")
+            raise MoELoRAArgumentError(f"{arg} is on {t.device}; every tensor must be on the output's device {dev}")
 
     return OpCall(
         output=output, x=x, lora_a=A, lora_b=B, weights=topk_weights.reshape(-1),
@@ -354,6 +365,6 @@ def check_value_ranges(call: OpCall) -> None:
     bad = torch.stack(flags).tolist()
     failed = [n for n, b in zip(names, bad) if b]
     if failed:
-        raise ValueError(
+        raise MoELoRAArgumentError(
             "; ".join(failed) + f" (set {UNCHECKED_ENV}=1 to skip this check)"
         )

@@ -3,9 +3,10 @@
 `fused_moe_lora` validates, checks id ranges (one sync; see kernels/validate.py, MOE_LORA_UNCHECKED),
 and dispatches like vLLM (spec 1.3): small-batch for a naive layout with rank <= 64 and
 T*k*rank <= 1024, else one-shot for rank <= 128 when not fully sharded, else two-kernel (any rank,
-fully_sharded collectives). `fused_moe_lora_{one_shot,small_batch,two_kernel}` force a path and raise
-ValueError naming the condition a call fails. vLLM's tuning ints are validated, not honoured, except
-shrink_block_size_m, which must be the align block size in sorted mode.
+fully_sharded collectives). `fused_moe_lora_{one_shot,small_batch,two_kernel}` force a path. An argument
+error (a call a path cannot take included) raises MoELoRAArgumentError, a ValueError and an AssertionError
+(vLLM asserts), naming the condition; a wrong type raises TypeError. vLLM's tuning ints are validated, not
+honoured, except shrink_block_size_m, which must be the align block size in sorted mode.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Callable
 
 import torch
 
-from moe_lora_harness.kernels.validate import TUNING_PARAMS, OpCall, check_value_ranges, validate_call
+from moe_lora_harness.kernels.validate import (
+    TUNING_PARAMS, MoELoRAArgumentError, OpCall, check_value_ranges, validate_call,
+)
 from moe_lora_harness.kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, OneShotConfig, run_one_shot
 from moe_lora_harness.kernels.triton.small_batch import run_small_batch, small_batch_unsupported
 from moe_lora_harness.kernels.triton.two_kernel import run_two_kernel
@@ -49,7 +52,7 @@ def _run(path: str, call: OpCall, collective: Callable | None, one_shot_config=N
     else:
         why = None
     if why:
-        raise ValueError(why)
+        raise MoELoRAArgumentError(why)
     if collective is not None and not callable(collective):
         raise TypeError(f"collective must be a callable cache -> cache or None; got {type(collective).__name__}")
     check_value_ranges(call)
@@ -101,7 +104,7 @@ def fused_moe_lora_one_shot(
     expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
     mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, config=None,
 ) -> None:
-    """`fused_moe_lora` forced onto the one-shot kernel (rank <= 128, not fully_sharded; else ValueError).
+    """`fused_moe_lora` forced onto the one-shot kernel (rank <= 128, not fully_sharded; else MoELoRAArgumentError).
 
     `config` (keyword-only): a OneShotConfig, or a callable OpCall -> OneShotConfig, replacing the launch
     heuristic (tests and sweeps use it to force split-K, N splits, tiles)."""
@@ -116,7 +119,8 @@ def fused_moe_lora_small_batch(
     expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
     mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True,
 ) -> None:
-    """`fused_moe_lora` forced onto the small-batch kernel (naive, rank <= 64, T*k*rank <= 1024; else ValueError)."""
+    """`fused_moe_lora` forced onto the small-batch kernel (naive, rank <= 64, T*k*rank <= 1024; else
+    MoELoRAArgumentError)."""
     _run("small_batch", _prepare_from(locals()), None)
 
 

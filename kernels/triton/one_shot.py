@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from moe_lora_harness.kernels.validate import OpCall
+from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
 from moe_lora_harness.kernels.triton.platform import device_info
 
 MAX_RANK = 128  # the (SUB_M, BLOCK_R) fp32 accumulators live in registers
@@ -416,14 +416,14 @@ def run_one_shot(call: OpCall, config: OneShotConfig | None = None) -> None:
     slots) * split_k * 2 * sub_m * BLOCK_R and zeroed int32 counters: sized for every program of the grid,
     not only the live ones (89 MB at mixtral w2 R64 T4096 with 5 slots, split_k 2; most groups exit unused)."""
     if call.rank > MAX_RANK:
-        raise ValueError(f"the one-shot kernel needs max_lora_rank <= {MAX_RANK}; got {call.rank}")
+        raise MoELoRAArgumentError(f"the one-shot kernel needs max_lora_rank <= {MAX_RANK}; got {call.rank}")
     P = call.num_pairs
     n_lora = 1 if call.naive else call.num_active
     if P == 0 or n_lora == 0 or (not call.naive and call.em == 0):
         return
     cfg = config or choose_config(call)
     if not call.naive and call.block_m % cfg.sub_m:
-        raise ValueError(f"sub_m={cfg.sub_m} must divide the align block {call.block_m}")
+        raise MoELoRAArgumentError(f"sub_m={cfg.sub_m} must divide the align block {call.block_m}")
     if call.naive and cfg.sub_m != 16:
         cfg = replace(cfg, sub_m=16)
     m_programs = P if call.naive else triton.cdiv(call.em, cfg.sub_m)

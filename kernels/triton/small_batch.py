@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from moe_lora_harness.kernels.validate import OpCall
+from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
 from moe_lora_harness.kernels.triton.one_shot import CostModel, launch, next_pow2, slice_pairs
 from moe_lora_harness.kernels.triton.platform import device_info
 
@@ -149,10 +149,10 @@ def choose_config(call: OpCall) -> SmallBatchConfig:
 
 
 def run_small_batch(call: OpCall, config: SmallBatchConfig | None = None) -> None:
-    """Launch the small-batch kernel for a validated call (raises ValueError if the path cannot take it)."""
+    """Launch the small-batch kernel for a validated call (raises MoELoRAArgumentError if the path cannot take it)."""
     why = small_batch_unsupported(call.naive, call.rank, call.num_pairs, call.fully_sharded)
     if why:
-        raise ValueError(why)
+        raise MoELoRAArgumentError(why)
     P = call.num_pairs
     if P == 0:
         return

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.kernels.validate import OpCall
+from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
 from moe_lora_harness.kernels.triton.one_shot import (
     _bucket_stats, block_k_for, block_tokens, launch, next_pow2, resolve_lora_expert, slice_pairs,
 )
@@ -162,7 +162,7 @@ def _join(call: OpCall, cache: torch.Tensor, collective: Callable | None) -> tor
     want = (*cache.shape[:3], call.rank_b)
     if tuple(joined.shape) != want:
         how = "all_gather over the rank dim" if gather else "all_reduce"
-        raise ValueError(
+        raise MoELoRAArgumentError(
             f"fully_sharded: the joined rank cache must have shape {want} to match lora_b_stacked's rank dim "
             f"{call.rank_b}; got {tuple(joined.shape)} (expected {how}; is a process group or collective= set?)"
         )
