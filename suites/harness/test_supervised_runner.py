@@ -180,3 +180,11 @@ def test_supervised_pytest_lane_runs_every_test_despite_a_segfault():
     assert out.returncode == 1, out.stdout[-3000:]
     assert "1 failed, 1 passed" in out.stdout and "never ran" not in out.stdout, out.stdout[-3000:]
     assert "kind=crash" in out.stdout and "SIGSEGV" in out.stdout
+
+
+def test_fuzz_reports_a_nondeterministic_backend_without_a_traceback():
+    out = _cli("fuzz", "--backend", REF, "--only", "hostile-nondeterministic", "--max-examples", "20", "--no-db",
+               "--seed", "3")
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert ("kind=nondeterministic" in out.stdout or "NONDETERMINISTIC" in out.stdout), out.stdout[-2000:]
+    assert "Traceback" not in out.stdout + out.stderr and "REPRO: " in out.stdout
