@@ -22,7 +22,7 @@ from moe_lora_harness.kernels.experts.modular import (
 )
 from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
 from moe_lora_harness.kernels.triton.grouped_gemm import grouped_gemm, permute_pairs, scatter_sum
-from moe_lora_harness.kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK
+from moe_lora_harness.kernels.triton.one_shot import one_shot_unsupported
 
 
 def swigluoai_and_mul(cache1: torch.Tensor) -> torch.Tensor:
@@ -58,9 +58,7 @@ class OAIExperts(LoRAExpertsMixin, FusedMoEExperts):
     @classmethod
     def lora_path(cls, config: MoEConfig, num_tokens: int, max_loras: int) -> str:
         """Forced: one_shot (rank <= 128, not fully sharded), else two_kernel; independent of T."""
-        if config.fully_sharded or config.max_lora_rank > ONE_SHOT_MAX_RANK:
-            return "two_kernel"
-        return "one_shot"
+        return "two_kernel" if one_shot_unsupported(config.max_lora_rank, config.fully_sharded) else "one_shot"
 
     def apply(self, output, hidden_states, w13, w2, topk_weights, topk_ids, *, expert_map=None,
               w13_bias=None, w2_bias=None, lora_ctx: MoELoRAContext | None = None) -> None:

@@ -17,7 +17,7 @@ import torch
 from moe_lora_harness.kernels.validate import (
     TUNING_PARAMS, MoELoRAArgumentError, OpCall, check_value_ranges, validate_call,
 )
-from moe_lora_harness.kernels.triton.one_shot import MAX_RANK as ONE_SHOT_MAX_RANK, OneShotConfig, run_one_shot
+from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, one_shot_unsupported, run_one_shot
 from moe_lora_harness.kernels.triton.small_batch import run_small_batch, small_batch_unsupported
 from moe_lora_harness.kernels.triton.two_kernel import run_two_kernel
 
@@ -25,23 +25,13 @@ PATHS = ("one_shot", "small_batch", "two_kernel")
 
 
 def select_path(*, naive: bool, max_lora_rank: int, num_pairs: int, fully_sharded: bool = False) -> str:
-    """The path `fused_moe_lora` takes for a call (naive = sorted_token_ids is None, num_pairs = T*k)."""
-    if fully_sharded:
-        return "two_kernel"
+    """The path `fused_moe_lora` takes for a call (naive = sorted_token_ids is None, num_pairs = T*k): the
+    first of small-batch and one-shot that can take it (each path's module says), else two-kernel (any call)."""
     if small_batch_unsupported(naive, max_lora_rank, num_pairs, fully_sharded) is None:
         return "small_batch"
-    if max_lora_rank <= ONE_SHOT_MAX_RANK:
+    if one_shot_unsupported(max_lora_rank, fully_sharded) is None:
         return "one_shot"
     return "two_kernel"
-
-
-def one_shot_unsupported(rank: int, fully_sharded: bool) -> str | None:
-    """Why the one-shot path cannot take a call (None if it can)."""
-    if fully_sharded:
-        return "one-shot cannot run fully_sharded (the rank intermediate never leaves registers for a collective)"
-    if rank > ONE_SHOT_MAX_RANK:
-        return f"one-shot needs max_lora_rank <= {ONE_SHOT_MAX_RANK}; got {rank}"
-    return None
 
 
 def _run(path: str, call: OpCall, collective: Callable | None, one_shot_config=None) -> None:

@@ -27,6 +27,15 @@ from moe_lora_harness.kernels.triton.platform import device_info
 MAX_RANK = 128  # the (SUB_M, BLOCK_R) fp32 accumulators live in registers
 
 
+def one_shot_unsupported(rank: int, fully_sharded: bool) -> str | None:
+    """Why the one-shot path cannot take a call (None if it can)."""
+    if fully_sharded:
+        return "one-shot cannot run fully_sharded (the rank intermediate never leaves registers for a collective)"
+    if rank > MAX_RANK:
+        return f"one-shot needs max_lora_rank <= {MAX_RANK}; got {rank}"
+    return None
+
+
 @triton.jit
 def resolve_lora_expert(m_id, lora_idx, sub_start, top_k, max_loras, map_ptr, lora_ids_ptr, enabled_ptr,
                         ntpp_ptr, expert_ptr, stride_el, NAIVE: tl.constexpr, BLOCK_M: tl.constexpr):
