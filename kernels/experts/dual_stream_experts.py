@@ -130,7 +130,7 @@ class DualStreamTritonExperts(TritonExperts):
         if plan.T == 0:
             return
         sched = self.schedule_for(hidden_states.device, lora_ctx)
-        x_lora = lora_ctx.original_hidden_states if lora_ctx.original_hidden_states is not None else hidden_states
+        x_lora = lora_ctx.w13_lora_input(hidden_states)
         cache1, cache2, cache3 = self.workspaces(plan)
         if self.poison_workspace is None:
             delta1, delta2 = torch.empty_like(cache1), torch.empty_like(cache3)

@@ -157,3 +157,7 @@ class MoELoRAContext:
     def dtype(self) -> torch.dtype:
         """The LoRA weights' dtype (must equal the activations' dtype)."""
         return self.w13_lora_a_stacked[0].dtype
+
+    def w13_lora_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the w13 LoRA reads: the original (unweighted) hidden states FusedMoEKernel stashed, else these."""
+        return self.original_hidden_states if self.original_hidden_states is not None else hidden_states

@@ -17,7 +17,7 @@ from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.experts.lora_mixin import LoRAExpertsMixin
 from moe_lora_harness.kernels.experts.modular import (
     FusedMoEExperts, ShapeRule, check_activations_and_routing, check_biases, check_id_ranges,
-    check_lora_ctx,
+    check_lora_ctx, local_expert_ids,
 )
 from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
 from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
@@ -50,8 +50,7 @@ def fused_marlin_moe(hidden_states: torch.Tensor, w13: QuantWeights, w2: QuantWe
         return output
     E, N1, H, I = w13.num_experts, w13.N, w13.K, w2.K
     dt, dev = hidden_states.dtype, hidden_states.device
-    local = expert_map[topk_ids.long()].to(torch.int32) if expert_map is not None else topk_ids
-    valid = local >= 0 if expert_map is not None else None
+    valid = local_expert_ids(topk_ids, expert_map)[1]
     bm = choose_block_m(T * k, E)
     ids, eids, ntpp = moe_align_block_size(topk_ids, bm, E, expert_map)
     alloc = torch.zeros if valid is not None else torch.empty
@@ -124,10 +123,9 @@ class MarlinExperts(LoRAExpertsMixin, FusedMoEExperts):
         """The activation-with-LoRA and moe-sum-with-LoRA closures (alignment built once, shared)."""
         c = self.config
         T, k = (int(s) for s in topk_ids.shape)
-        local = expert_map[topk_ids.long()].to(torch.int32) if expert_map is not None else topk_ids
-        valid = local >= 0 if expert_map is not None else None
+        local, valid = local_expert_ids(topk_ids, expert_map)
         align = self.lora_alignment(ctx, local, expert_map=expert_map is not None)
-        x_lora = ctx.original_hidden_states if ctx.original_hidden_states is not None else hidden_states
+        x_lora = ctx.w13_lora_input(hidden_states)
         plain = _plain_activation(c.activation)
 
         def activation_with_lora(cache1, cache2):

@@ -115,6 +115,14 @@ def _tensor(t, name: str, shape: tuple, dtype, device_type: str) -> None:
         raise ValueError(f"{name} must be on a {device_type} device (config.device); got {t.device}")
 
 
+def local_expert_ids(topk_ids: torch.Tensor, expert_map) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(local ids (T, k) int32, -1 = non-local; valid = local >= 0, or None when every pair is local)."""
+    if expert_map is None:
+        return topk_ids, None
+    local = expert_map[topk_ids.long()].to(torch.int32)
+    return local, local >= 0
+
+
 def check_activations_and_routing(config: MoEConfig, output, hidden_states, topk_weights, topk_ids,
                                   expert_map) -> int:
     """Validate output/hidden/routing/expert_map against the config (shapes, dtypes, devices); returns T."""

@@ -94,7 +94,7 @@ class OAIExperts(LoRAExpertsMixin, FusedMoEExperts):
         """LoRA op inputs for the permuted rows: x (P, H), weights (P, 1), local ids (P, 1), alignment."""
         k = self.config.top_k
         tok = torch.div(perm, k, rounding_mode="floor")
-        x0 = ctx.original_hidden_states if ctx.original_hidden_states is not None else hidden_states
+        x0 = ctx.w13_lora_input(hidden_states)
         ids = topk_ids.reshape(-1)[perm]
         if expert_map is not None:
             ids = expert_map[ids.long()]

@@ -15,7 +15,7 @@ from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.experts.lora_mixin import LoRAAlignment, LoRAExpertsMixin
 from moe_lora_harness.kernels.experts.modular import (
     FusedMoEExperts, ShapeRule, check_activations_and_routing, check_dense_weights, check_id_ranges,
-    check_lora_ctx,
+    check_lora_ctx, local_expert_ids,
 )
 from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
 from moe_lora_harness.kernels.triton.moe_align import moe_align_block_size
@@ -104,11 +104,7 @@ class TritonExperts(LoRAExpertsMixin, FusedMoEExperts):
                                  f"{getattr(x0, 'dtype', type(x0).__name__)} {tuple(getattr(x0, 'shape', ()))}")
         check_id_ranges(c, topk_ids, expert_map, lora_ctx)
         k = c.top_k
-        if expert_map is not None:
-            local = expert_map[topk_ids.long()].to(torch.int32)
-            valid = local >= 0
-        else:
-            local, valid = topk_ids, None
+        local, valid = local_expert_ids(topk_ids, expert_map)
         bm = choose_block_m(T * k, c.E)
         align = moe_align_block_size(topk_ids, bm, c.E, expert_map) if T else None
         lora_align = None
@@ -176,7 +172,7 @@ class TritonExperts(LoRAExpertsMixin, FusedMoEExperts):
                               w13_bias=w13_bias, w2_bias=w2_bias, lora_ctx=lora_ctx)
         if plan.T == 0:
             return
-        x_lora = _lora_input(lora_ctx, hidden_states)
+        x_lora = lora_ctx.w13_lora_input(hidden_states) if lora_ctx is not None else None
         cache1, cache2, cache3 = self.workspaces(plan)
         self.base_w13(plan, hidden_states, cache1)
         if lora_ctx is not None:
@@ -186,11 +182,3 @@ class TritonExperts(LoRAExpertsMixin, FusedMoEExperts):
         if lora_ctx is not None:
             self.lora_w2(plan, lora_ctx, cache2, cache3)
         self.moe_sum(plan, cache3, output)
-
-
-def _lora_input(lora_ctx, hidden_states):
-    """The w13 LoRA input: the original (unweighted) hidden states stashed by FusedMoEKernel, else x."""
-    if lora_ctx is None:
-        return None
-    return lora_ctx.original_hidden_states if lora_ctx.original_hidden_states is not None else hidden_states
-
