@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -32,7 +33,10 @@ def {name}(*args, **kwargs):
 '''
 
 
-def _cli(*args, cwd=None, env=None, timeout=600):
+def _cli(*args, cwd=None, timeout=600):
+    import moe_lora_harness
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(moe_lora_harness.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([parent, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run([sys.executable, "-m", "moe_lora_harness", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
 
@@ -100,6 +104,8 @@ def test_a_file_backend_gets_its_short_name_and_only_accepts_either(tmp_path):
     assert select(specs, ["fused_moe_lora"]) == select(specs, [f"{f}:fused_moe_lora"]) == specs
 
 
+@pytest.mark.skipif(shutil.which("moe-lora-harness") is None,
+                    reason="needs the moe-lora-harness command on PATH (an installed package, not a bare source tree)")
 def test_repro_of_a_module_backend_replays_from_a_fresh_shell_elsewhere(tmp_path):
     """`--backend mymod:attr` found through the working directory: the REPRO carries its PYTHONPATH."""
     (tmp_path / "mymod.py").write_text(WRONG_OP.format(name="my_op"))
@@ -107,7 +113,7 @@ def test_repro_of_a_module_backend_replays_from_a_fresh_shell_elsewhere(tmp_path
                '{"T": 3, "seed": 2}', cwd=tmp_path)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     repro = next(l for l in out.stdout.splitlines() if l.startswith("REPRO: ")).removeprefix("REPRO: ")
-    assert repro.startswith(f"PYTHONPATH={shlex.quote(str(tmp_path))} moe-lora-harness replay --backend mymod:my_op")
+    assert repro.startswith(f"PYTHONPATH={shlex.quote(str(tmp_path))} moe-lora-harness replay --backend mymod:my_op"), repro
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

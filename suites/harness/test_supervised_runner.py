@@ -51,7 +51,7 @@ def test_hostile_backend_fails_the_case_and_the_run_goes_on(name, supervisor):
     out = run_case(SPECS[name], W2, "cpu", executor=supervisor, reruns=0)
     assert out.status == "fail" and out.kind == kind, (out.status, out.kind, out.detail)
     assert text in out.detail
-    assert "CASE: " in out.detail and "REPRO: moe-lora-harness replay --backend " + REF in out.detail
+    assert "CASE: " in out.detail and "moe-lora-harness replay --backend " + REF in out.detail
     after = run_case(SPECS["hostile-control"], W2, "cpu", executor=supervisor)
     assert after.status == "pass", after.detail
 
@@ -97,9 +97,24 @@ def test_a_malformed_case_is_not_a_backend_failure():
 
 
 def _cli(*args, timeout=600, **kw):
-    env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "moe_lora_harness", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, **kw)
+                          timeout=timeout, env=_child_env(), **kw)
+
+
+def _child_env() -> dict:
+    """This process's environment, with the package importable (also from a source tree not installed)."""
+    import moe_lora_harness
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(moe_lora_harness.__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([parent, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+
+
+def _pytest(*args):
+    """pytest from the root directory, with our plugin (by entry point, or named when not installed)."""
+    from importlib import metadata
+    registered = any(ep.value == "moe_lora_harness.harness.pytest_plugin" for ep in metadata.entry_points(group="pytest11"))
+    plugin = [] if registered else ["-p", "moe_lora_harness.harness.pytest_plugin"]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, *args],
+                          capture_output=True, text=True, timeout=600, cwd="/", env=_child_env())
 
 
 def test_check_over_hostile_backends_writes_the_whole_matrix(tmp_path):
@@ -161,22 +176,17 @@ def _worker_pids(parent_pid: int) -> list[int]:
 def test_pytest_lane_counts_the_tests_that_never_ran():
     """In-process (no worker), a segfaulting backend kills xdist workers until xdist gives up; the plugin's
     summary says how many tests never ran and the session fails."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--max-worker-restart", "1",
-         "--pyargs", "moe_lora_harness.suites.conformance", "-k", "test_feature",
-         "--moe-lora-backend", REF, "--moe-lora-only", "hostile-segfault", "--moe-lora-in-process",
-         "--moe-lora-cases-per-feature", "1"],
-        capture_output=True, text=True, timeout=600, cwd="/")
+    out = _pytest("-n", "2", "--max-worker-restart", "1", "--pyargs", "moe_lora_harness.suites.conformance",
+                  "-k", "test_feature", "--moe-lora-backend", REF, "--moe-lora-only", "hostile-segfault",
+                  "--moe-lora-in-process", "--moe-lora-cases-per-feature", "1", "--moe-lora-device", "cpu")
     assert out.returncode != 0, out.stdout[-3000:]
     assert "tests that never ran" in out.stdout and "collected tests never ran" in out.stdout, out.stdout[-3000:]
 
 
 def test_supervised_pytest_lane_runs_every_test_despite_a_segfault():
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-         "--pyargs", "moe_lora_harness.suites.conformance", "-k", "test_feature and (fp16 or mul_routed)",
-         "--moe-lora-backend", REF, "--moe-lora-only", "hostile-segfault", "--moe-lora-cases-per-feature", "1"],
-        capture_output=True, text=True, timeout=600, cwd="/")
+    out = _pytest("-n", "2", "--pyargs", "moe_lora_harness.suites.conformance",
+                  "-k", "test_feature and (fp16 or mul_routed)", "--moe-lora-backend", REF,
+                  "--moe-lora-only", "hostile-segfault", "--moe-lora-cases-per-feature", "1", "--moe-lora-device", "cpu")
     assert out.returncode == 1, out.stdout[-3000:]
     assert "1 failed, 1 passed" in out.stdout and "never ran" not in out.stdout, out.stdout[-3000:]
     assert "kind=crash" in out.stdout and "SIGSEGV" in out.stdout
