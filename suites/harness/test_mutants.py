@@ -34,7 +34,7 @@ EXPOSING = {
 def test_mutant_is_caught(name):
     out = run_case(BY_NAME[f"mutant-{name}"], EXPOSING[name], "cpu")
     assert out.status == "fail", f"planted bug {name} was not caught: {out.status} {out.reason}"
-    assert "REPRO: moe-lora-harness replay" in out.detail and "CASE: {" in out.detail
+    assert "\nREPRO: " in out.detail and "moe-lora-harness replay" in out.detail and "CASE: {" in out.detail
 
 
 @pytest.mark.parametrize("case", [c for c in EXPOSING.values() if c.level == "op"] + [BASE.replace(dtype="float32")],
