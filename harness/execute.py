@@ -27,6 +27,10 @@ _FATAL_DEVICE_ERROR = re.compile(r"CUDA error|illegal memory access|device-side 
                                  r"|CUBLAS_STATUS|cudaError", re.I)
 
 
+class HarnessInterrupt(BaseException):
+    """Raised by the harness itself into a running backend (a test's timeout): never the backend's failure."""
+
+
 @dataclass
 class Failure:
     """Why a backend call produced no judged output: raised, crash, timeout, load (its reference), worker."""
@@ -150,7 +154,7 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
         else:
             digest, out = _run_expert(spec, case, device, watch)
     except BaseException as e:  # noqa: BLE001 - whatever a backend raises is its failure, never our exit
-        if isinstance(e, KeyboardInterrupt) and not catch_interrupt:
+        if isinstance(e, HarnessInterrupt) or (isinstance(e, KeyboardInterrupt) and not catch_interrupt):
             raise
         msg = f"{e}"
         failure = Failure("raised", msg[:4000], type(e).__name__,

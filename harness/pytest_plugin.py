@@ -10,6 +10,7 @@ plugin): --moe-lora-device, --moe-lora-backend (repeatable), --moe-lora-only (re
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import pathlib
 import signal
@@ -61,7 +62,7 @@ def pytest_configure(config):
     if dev is not None:
         from moe_lora_harness.harness.device import parse_device
         try:
-            parse_device(dev)
+            parse_device(dev, "--moe-lora-device")
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
 
@@ -102,10 +103,15 @@ def is_ours(item) -> bool:
 
 # -- per-test timeout -----------------------------------------------------------------------------------------
 
-class TestTimeout(Exception):
-    """A test of our suites ran past --moe-lora-test-timeout."""
+@functools.lru_cache(maxsize=None)
+def _test_timeout_class():
+    from moe_lora_harness.harness.execute import HarnessInterrupt
 
-    __test__ = False
+    class TestTimeout(HarnessInterrupt):
+        """A test of our suites ran past --moe-lora-test-timeout (passes through a backend's own except)."""
+
+        __test__ = False
+    return TestTimeout
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -113,8 +119,10 @@ def pytest_runtest_call(item):
     limit = item.config.getoption("moe_lora_test_timeout") or 0
     armed = limit > 0 and is_ours(item) and hasattr(signal, "SIGALRM") and _main_thread()
     if armed:
+        timeout_error = _test_timeout_class()
+
         def on_alarm(signum, frame):
-            raise TestTimeout(f"{item.nodeid} ran past --moe-lora-test-timeout={limit:g}s")
+            raise timeout_error(f"{item.nodeid} ran past --moe-lora-test-timeout={limit:g}s")
         old = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, limit)
         # a hang the alarm cannot interrupt (inside C code): dump every stack and end the process

@@ -198,3 +198,19 @@ def test_fuzz_reports_a_nondeterministic_backend_without_a_traceback():
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert ("kind=nondeterministic" in out.stdout or "NONDETERMINISTIC" in out.stdout), out.stdout[-2000:]
     assert "Traceback" not in out.stdout + out.stderr and "REPRO: " in out.stdout
+
+
+def test_pytest_lane_times_out_a_hanging_test_and_goes_on():
+    """In-process, a hang is stopped by the per-test timeout: that test fails, the next one runs."""
+    out = _pytest("-p", "no:xdist", "--pyargs", "moe_lora_harness.suites.conformance",
+                  "-k", "test_feature and (fp16 or mul_routed)", "--moe-lora-backend", REF,
+                  "--moe-lora-only", "hostile-hang", "--moe-lora-in-process", "--moe-lora-cases-per-feature", "1",
+                  "--moe-lora-test-timeout", "5", "--moe-lora-device", "cpu")
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "1 failed, 1 passed" in out.stdout and "ran past --moe-lora-test-timeout=5s" in out.stdout, out.stdout[-3000:]
+
+
+def test_pytest_lane_rejects_an_unknown_device():
+    out = _pytest("--pyargs", "moe_lora_harness.suites.conformance", "--moe-lora-device", "gpu")
+    assert out.returncode == 4 and "--moe-lora-device: expected cpu, cuda or cuda:N; got 'gpu'" in out.stderr, \
+        out.stdout[-1000:] + out.stderr[-1000:]
