@@ -26,12 +26,18 @@ def cuda_present() -> bool:
         return False
 
 
-def prepare_device(text: str | None, option: str = "--device") -> str:
-    """The device to run on (default: cuda when present). Without CUDA, Triton kernels must run in the
-    interpreter, so TRITON_INTERPRET=1 is set (before our kernel modules are imported) unless already set."""
+def interpret_without_cuda() -> bool:
+    """Without CUDA, Triton kernels must run in the interpreter: set TRITON_INTERPRET=1 (unless set) before
+    our kernel modules are imported. Returns whether CUDA is present."""
     has_cuda = cuda_present()
     if not has_cuda:
         os.environ.setdefault(INTERPRET_ENV, "1")
+    return has_cuda
+
+
+def prepare_device(text: str | None, option: str = "--device") -> str:
+    """The device to run on (default: cuda when present), the interpreter set up where there is no CUDA."""
+    has_cuda = interpret_without_cuda()
     d = parse_device(text, option) if text is not None else ("cuda" if has_cuda else "cpu")
     if d.startswith("cuda") and not has_cuda:
         raise ValueError(f"{option} {d}: no CUDA device is available here")

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from moe_lora_harness.harness.device import interpret_without_cuda
 from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
+
+interpret_without_cuda()   # before any suite module imports our Triton kernels (even one module run alone)
 
 
 @pytest.fixture(scope="session")
