@@ -8,7 +8,8 @@
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
 times to tell a wrong backend from a nondeterministic one. REF is MODULE:ATTR or path/to/file.py:ATTR.
-Exit codes: 0 all claimed cases pass, 1 a failure (or nothing was tested), 2 a usage error, 130 interrupted.
+Exit codes: 0 all claimed cases pass, 1 a failure (or nothing was tested), 2 a usage error, 3 an error of
+the harness itself (reports still written), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def cmd_check(args) -> int:
             if case.level in spec.capabilities.levels]   # a backend is asked only at the levels it has
     feature_of, outcomes = {}, []
     t0 = time.time()
-    interrupted = in_flight = None
+    interrupted = in_flight = harness_error = None
     executor = _executor(args)
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -115,6 +116,10 @@ def cmd_check(args) -> int:
             print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
         in_flight = None
     except KeyboardInterrupt:
+        interrupted = True
+    except Exception:  # noqa: BLE001 - a bug of ours: say so, and still write what was judged
+        import traceback
+        harness_error = traceback.format_exc()
         interrupted = True
     finally:
         signal.signal(signal.SIGTERM, previous_term)
@@ -141,6 +146,8 @@ def cmd_check(args) -> int:
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
             "counts": counts, "planned_runs": len(plan), "worker_restarts": restarts,
             "interrupted": bool(interrupted), "not_tested": untested if not interrupted else []}
+    if harness_error:
+        meta["harness_error"] = harness_error
     if interrupted:
         meta["not_run"] = len(plan) - len(outcomes)
         if in_flight:
@@ -149,6 +156,11 @@ def cmd_check(args) -> int:
     summary = (f"\n{len(outcomes)} runs: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
                + f" in {time.time() - t0:.0f}s on {device}" + (f"; {restarts} worker restart(s)" if restarts else ""))
     print(summary)
+    if harness_error:
+        where = f"{in_flight[0]} / {in_flight[1]}: {in_flight[2].to_json()}" if in_flight else "the run"
+        print(f"HARNESS ERROR (a bug of moe-lora-harness, not of the backend) while judging {where}\n"
+              f"{harness_error}", file=sys.stderr)
+        return 3
     if interrupted:
         where = (f"; in flight: {in_flight[0]} / {in_flight[1]}: {in_flight[2].to_json()}" if in_flight else "")
         print(f"INTERRUPTED: {len(plan) - len(outcomes)} of {len(plan)} planned runs not run{where}; "

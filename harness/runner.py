@@ -52,7 +52,7 @@ class Outcome:
 
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
 FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "inputs-differ",
-                 "nondeterministic")
+                 "nondeterministic", "declaration")
 
 
 def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
@@ -152,11 +152,19 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     problems = case.problems()
     if problems:
         raise MalformedCase(f"malformed case {case.to_json()}: " + "; ".join(problems))
-    ok, reason = support_for(spec, case, device)
+    try:   # the backend's own declarations (rules, precision function) run here: their errors are its failures
+        ok, reason = support_for(spec, case, device)
+        exp = expectations(spec, case) if (ok or probe) else None
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        message = f"the backend's declaration raised {type(e).__name__}: {e} (a Rule or its precision function)"
+        detail = "\n".join([f"FAIL backend={spec.name} case={case.id} device={device} kind=declaration",
+                            f"  {message}", "  " + "".join(traceback.format_exception(e)[-3:]).strip(),
+                            f"CASE: {case.to_json()}", f"REPRO: {repro_command(spec, case, device)}"])
+        return Outcome(spec.name, case, device, "fail", "declaration", None, detail, kind="declaration")
     if not ok and not probe:
         return Outcome(spec.name, case, device, "unsupported", reason)
     executor = executor or InProcess()
-    exp = expectations(spec, case)
     ex = executor.execute(spec, case, device, exp.poison)
     kind, message, verdict = _judge_execution(case, exp, ex)
     seconds = ex.seconds

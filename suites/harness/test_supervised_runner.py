@@ -214,3 +214,16 @@ def test_pytest_lane_rejects_an_unknown_device():
     out = _pytest("--pyargs", "moe_lora_harness.suites.conformance", "--moe-lora-device", "gpu")
     assert out.returncode == 4 and "--moe-lora-device: expected cpu, cuda or cuda:N; got 'gpu'" in out.stderr, \
         out.stdout[-1000:] + out.stderr[-1000:]
+
+
+def test_a_declaration_that_raises_is_the_backends_failure():
+    import dataclasses
+
+    from moe_lora_harness.harness.contract import Capabilities, Rule
+
+    def broken(case):
+        raise ZeroDivisionError("rule bug")
+    spec = dataclasses.replace(SPECS["hostile-control"], capabilities=Capabilities(
+        levels=frozenset({"op"}), rules=(Rule("broken", broken, "always raises"),)))
+    out = run_case(spec, W13, "cpu")
+    assert out.status == "fail" and out.kind == "declaration" and "ZeroDivisionError: rule bug" in out.detail
