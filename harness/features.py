@@ -104,6 +104,7 @@ def _act(name):
 
 
 EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
+    Feature("experts: I multiple of 128 (wide-tile paths)", "expert", lambda s: dict(I=128 * max(1, s.I // 128))),
     Feature("experts: base only (no LoRA)", "expert", lambda s: dict(lora=False)),
     Feature("experts: bf16", "expert", lambda s: dict(dtype="bfloat16")),
     Feature("experts: fp32", "expert", lambda s: dict(dtype="float32")),
