@@ -276,7 +276,15 @@ class FusedMoEKernel:
             if not isinstance(hidden_states, torch.Tensor):
                 raise TypeError(f"hidden_states must be a torch.Tensor; got {type(hidden_states).__name__}")
             output = torch.empty_like(hidden_states)
-        a1 = self.prepare_finalize.prepare(hidden_states, topk_weights, topk_ids, self.config)
+        final = output
+        if getattr(self.prepare_finalize, "dispatches", False):
+            # a dispatching prepare (EP): it returns the group's gathered batch (and sets the context's
+            # local mapping); the experts write a gathered-size buffer, finalize returns this rank's rows
+            a1, hidden_states, topk_weights, topk_ids = self.prepare_finalize.prepare(
+                hidden_states, topk_weights, topk_ids, self.config, lora_ctx=lora_ctx)
+            output = torch.empty_like(hidden_states)
+        else:
+            a1 = self.prepare_finalize.prepare(hidden_states, topk_weights, topk_ids, self.config)
         saved = None
         if lora_ctx is not None:
             saved = lora_ctx.original_hidden_states
@@ -287,4 +295,7 @@ class FusedMoEKernel:
         finally:
             if lora_ctx is not None:
                 lora_ctx.original_hidden_states = saved
-        return self.prepare_finalize.finalize(output, self.config)
+        out = self.prepare_finalize.finalize(output, self.config)
+        if out is not final:
+            final.copy_(out)
+        return final
