@@ -21,6 +21,7 @@ import sys
 import time
 
 from moe_lora_harness.harness.device import DEVICE_FORMS, parse_device, prepare_device
+from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
 
 
 class UsageError(Exception):
@@ -338,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
             return
         sp.add_argument("--device", type=_device_arg, default=None, metavar="DEVICE",
                         help=f"{DEVICE_FORMS} (default: cuda when available)")
-        sp.add_argument("--timeout", type=_positive(float), default=None, metavar="SECONDS",
-                        help="per backend call in the supervised worker (default 300)")
+        sp.add_argument("--timeout", type=_positive(float), default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help=f"per backend call in the supervised worker (default {DEFAULT_TIMEOUT:g})")
         sp.add_argument("--reruns", type=int, default=2, metavar="N",
                         help="run a failing case N more times; a changed outcome is reported as nondeterministic")
         sp.add_argument("--in-process", action="store_true",
@@ -382,9 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        if getattr(args, "timeout", None) is None and hasattr(args, "timeout"):
-            from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
-            args.timeout = DEFAULT_TIMEOUT
         if getattr(args, "reruns", 0) < 0:
             raise UsageError(f"--reruns must be >= 0; got {args.reruns}")
         return args.fn(args)

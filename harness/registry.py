@@ -14,7 +14,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import json
 import os
 import subprocess
 import sys
