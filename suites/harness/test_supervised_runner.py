@@ -168,9 +168,21 @@ def test_ctrl_c_keeps_the_results_and_names_the_case_in_flight(tmp_path):
 
 
 def _worker_pids(parent_pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines()[1:]
-            if "moe_lora_harness.harness.worker" in line and line.split()[1] == str(parent_pid)]
+    """The harness's worker children, read from /proc (ps truncates long command lines to its width)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue   # exited while we looked
+        if ppid == parent_pid and b"moe_lora_harness.harness.worker" in args:
+            pids.append(int(entry))
+    return pids
 
 
 def test_pytest_lane_counts_the_tests_that_never_ran():
