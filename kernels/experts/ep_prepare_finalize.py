@@ -8,13 +8,15 @@ the experts run this rank's E/ep local experts (`expert_map`) over the gathered 
 reduce-scatters the partial outputs (fp32 accumulate, one rounding) so each rank gets back its own tokens.
 `FusedMoEKernel.apply` recognizes it by `dispatches = True`. Ranks may hold uneven token counts, 0 included.
 
-`slice_lora_to_local` cuts a rank's local experts out of LoRA factors that hold the global experts.
+`comm` is any object with `rank`, `size`, `all_gather(list of tensors)` (concatenate along dim 0 over the
+ranks, uneven first dims allowed) and `reduce_scatter(t, sizes)` (fp32 sum over the ranks, one rounding to
+t.dtype, this rank's rows); the harness's `harness.communicator` has a torch.distributed one and a simulated
+one. `slice_lora_to_local` cuts a rank's local experts out of LoRA factors that hold the global experts.
 """
 from __future__ import annotations
 
 import torch
 
-from moe_lora_harness.kernels.experts.communicator import Communicator
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 
@@ -84,7 +86,7 @@ class NaiveEPPrepareAndFinalize:
 
     dispatches = True
 
-    def __init__(self, comm: Communicator, num_experts_global: int, *, fully_sharded: bool = False):
+    def __init__(self, comm, num_experts_global: int, *, fully_sharded: bool = False):
         for attr in ("rank", "size", "all_gather", "reduce_scatter"):
             if not hasattr(comm, attr):
                 raise TypeError(f"comm must be a Communicator (rank, size, all_gather, reduce_scatter); "

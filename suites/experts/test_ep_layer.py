@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 
 import pytest
@@ -26,7 +25,7 @@ pytest.importorskip("triton")
 from moe_lora_harness.harness.builders import build_expert_inputs  # noqa: E402
 from moe_lora_harness.harness.case import Case  # noqa: E402
 from moe_lora_harness.harness.compare import compare_written  # noqa: E402
-from moe_lora_harness.kernels.experts.communicator import (  # noqa: E402
+from moe_lora_harness.harness.communicator import (  # noqa: E402
     CollectiveError, SimulatedGroup, TorchDistributedCommunicator)
 from moe_lora_harness.kernels.experts.config import MoEConfig  # noqa: E402
 from moe_lora_harness.kernels.experts.ep_prepare_finalize import (  # noqa: E402
@@ -41,18 +40,6 @@ from moe_lora_harness.reference.sharding import (  # noqa: E402
 
 H, I, R, L, TOP_K = 32, 32, 8, 3, 2
 DT = {"float16": torch.float16, "float32": torch.float32}
-
-_KERNEL_LOCK = threading.Lock()
-
-
-class _SerialTritonExperts(TritonExperts):
-    """TritonExperts with its compute serialized across threads (the interpreter's patching is global);
-    the collectives stay concurrent, outside the lock."""
-
-    def apply(self, *args, **kwargs):
-        with _KERNEL_LOCK:
-            return super().apply(*args, **kwargs)
-
 
 # ----------------------------------------------------------------------------- the layer and its truth
 
@@ -107,33 +94,14 @@ def _rank_layer(comm, inp, mapping, counts, activation, dtype, E, pf_cls=NaiveEP
     ctx = MoELoRAContext(w13_lora_a_stacked=a13, w13_lora_b_stacked=b13, w2_lora_a_stacked=a2,
                          w2_lora_b_stacked=b2, adapter_enabled=st.adapter_enabled.clone(), max_loras=L, top_k=TOP_K,
                          w13_num_slices=len(a13), local_num_experts=E // ep, token_lora_mapping=mapping[lo:hi].clone())
-    kernel = FusedMoEKernel(pf, _SerialTritonExperts(cfg))
+    kernel = FusedMoEKernel(pf, TritonExperts(cfg))
     return kernel.apply(inp.hidden[lo:hi].clone(), w13, w2, inp.topk_weights[lo:hi].clone(),
                         inp.topk_ids[lo:hi].clone(), lora_ctx=ctx, expert_map=pf.expert_map)
 
 
 def _run_threads(group: SimulatedGroup, fn):
-    """fn(comm) on every rank in its own thread; the first real error is re-raised (the group is aborted)."""
-    results, errors = [None] * group.size, [None] * group.size
-
-    def body(r):
-        try:
-            results[r] = fn(group.rank_communicator(r))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors[r] = e
-            group.abort()
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(group.size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    first = next((e for e in errors if e is not None and not isinstance(e, CollectiveError)), None)
-    first = first or next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    return results
+    """fn(comm) on every rank (threads taking turns); the root-cause error is re-raised."""
+    return group.run(fn, join_timeout_s=120)
 
 
 def _verdicts(outs, truth, emu, counts, dtype):

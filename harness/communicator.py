@@ -1,4 +1,8 @@
-"""The collectives of the naive EP prepare/finalize, behind one small interface (`Communicator`).
+"""The collectives an expert-parallel backend is handed (`ExpertCall.ep_comm`), behind one small interface.
+
+This is part of the backend contract: a dispatched-EP backend gets a `Communicator` for its rank and does its
+own dispatch and combine through it (our kernels' NaiveEPPrepareAndFinalize takes any object with this
+interface).
 
 `all_gather(tensors)` concatenates each tensor along dim 0 over the ranks, in rank order, with uneven
 first dims allowed (the sizes are exchanged first); `reduce_scatter(t, sizes)` sums the ranks' `t`
@@ -6,8 +10,10 @@ first dims allowed (the sizes are exchanged first); `reduce_scatter(t, sizes)` s
 
 Two implementations: `TorchDistributedCommunicator` (torch.distributed, default or given group; gloo
 works: the all-gather pads to the largest rank and trims) and `SimulatedGroup(size)`, whose
-`rank_communicator(r)` objects are used by `size` Python threads running concurrently; a rank that skips
+`rank_communicator(r)` objects are used by `size` Python threads (`SimulatedGroup.run`); a rank that skips
 (or mismatches) a collective makes the others raise after `timeout_s`, naming the rank and the collective.
+The threads take turns (one runs at a time, switching only inside a collective): the Triton interpreter and
+much other code are not thread-safe, and turn-taking keeps a simulated run deterministic.
 """
 from __future__ import annotations
 
@@ -16,11 +22,17 @@ import threading
 import torch
 
 __all__ = ["Communicator", "TorchDistributedCommunicator", "SimulatedGroup", "SimulatedCommunicator",
-           "CollectiveError"]
+           "CollectiveError", "RankHung"]
 
 
 class CollectiveError(RuntimeError):
     """A collective could not complete (a rank skipped it, called another one, or failed)."""
+
+
+class RankHung(CollectiveError):
+    """A simulated rank never returned; its thread cannot be stopped, so the process must be replaced."""
+
+    harness_fatal = True
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,6 +131,49 @@ class SimulatedGroup:
         self._barrier = threading.Barrier(size)
         self._slots: list = [None] * size
         self._names: list = [None] * size
+        self._turn = threading.Lock()          # held by the one rank that runs (SimulatedGroup.run)
+        self._turn_holder: int | None = None
+
+    def run(self, fn, join_timeout_s: float | None = None) -> list:
+        """fn(rank_communicator(r)) for every rank, each in its own thread, taking turns; results in rank order.
+
+        The first error that is not a CollectiveError (the root cause) is re-raised, with a note naming its
+        rank; the group is aborted so no other rank waits for the failed one. A rank still running after
+        `join_timeout_s` raises RankHung.
+        """
+        results, errors = [None] * self.size, [None] * self.size
+
+        def body(r):
+            self._turn.acquire()
+            self._turn_holder = r
+            try:
+                results[r] = fn(self.rank_communicator(r))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                errors[r] = e
+                self.abort()
+            finally:
+                self._turn_holder = None
+                self._turn.release()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"ep-rank-{r}")
+                   for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(join_timeout_s)
+        hung = [r for r, t in enumerate(threads) if t.is_alive()]
+        if hung:
+            self.abort()
+            raise RankHung(f"simulated EP rank(s) {hung} did not return within {join_timeout_s:g}s")
+        first = next((r for r, e in enumerate(errors) if e is not None and not isinstance(e, CollectiveError)), None)
+        if first is None:
+            first = next((r for r, e in enumerate(errors) if e is not None), None)
+        if first is not None:
+            e = errors[first]
+            if hasattr(e, "add_note"):
+                e.add_note(f"raised on EP rank {first} of {self.size}")
+            raise e
+        return results
 
     def rank_communicator(self, rank: int) -> "SimulatedCommunicator":
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
@@ -130,13 +185,23 @@ class SimulatedGroup:
         self._barrier.abort()
 
     def _wait(self, rank: int, name: str) -> None:
+        mine = self._turn_holder == rank and self._turn.locked()
+        if mine:                   # give the turn to another rank while this one waits
+            self._turn_holder = None
+            self._turn.release()
         try:
             self._barrier.wait(self.timeout_s)
         except threading.BrokenBarrierError:
+            if mine:
+                self._turn.acquire()
+                self._turn_holder = rank
             missing = [r for r in range(self.size) if self._names[r] != name]
             raise CollectiveError(
                 f"rank {rank}: collective {name} did not complete within {self.timeout_s:g}s: rank(s) "
                 f"{missing} never joined it (skipped it, called another collective, or failed)") from None
+        if mine:
+            self._turn.acquire()
+            self._turn_holder = rank
 
     def exchange(self, rank: int, name: str, value):
         """Deposit rank's value under `name`, wait for every rank, return all values in rank order."""
