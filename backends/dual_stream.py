@@ -11,7 +11,8 @@ On the CPU every call also runs the Recorder's race check (a race raises, failin
 from __future__ import annotations
 
 from moe_lora_harness.backends.experts import (
-    apply_experts, capabilities_of, config_from_call, context_from_call, precision_for, unavailable,
+    apply_experts, capabilities_of, config_from_call, context_from_call, precision_for, prepare_finalize_for,
+    unavailable,
 )
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec
@@ -37,6 +38,7 @@ def dual_stream_precision(case: Case) -> str:
 
 def run_experts(call) -> None:
     """ExpertCall -> FusedMoEKernel(no-EP prepare/finalize, this config's dual-stream experts), dual_stream on."""
+    pf_and_map = prepare_finalize_for(call)   # the layer's construction checks (EP) first
     config = config_from_call(call)
     experts = _LAYERS.get(config)
     if experts is None:
@@ -44,7 +46,7 @@ def run_experts(call) -> None:
     ctx = context_from_call(call, config)
     if ctx is not None:
         ctx.dual_stream = True
-    apply_experts(call, experts, ctx)
+    apply_experts(call, experts, ctx, pf_and_map)
 
 
 if DualStreamTritonExperts is not None:

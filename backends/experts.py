@@ -19,6 +19,7 @@ try:
     from moe_lora_harness.kernels.experts.config import MoEConfig
     from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
     from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+    from moe_lora_harness.kernels.experts.ep_prepare_finalize import NaiveEPPrepareAndFinalize, slice_lora_to_local
     from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
     from moe_lora_harness.kernels.triton.quant_gemm import pack_weights
     _IMPORT_ERROR = ""
@@ -49,18 +50,25 @@ def config_from_call(call: ExpertCall) -> "MoEConfig":
         device=x.device.type, dtype=x.dtype, activation=call.activation, H=int(x.shape[1]), I=int(call.w2.shape[2]),
         E=int(call.w13.shape[0]), top_k=int(call.topk_ids.shape[1]), has_bias=call.w13_bias is not None,
         quant=call.quant, lora_enabled=lora, max_lora_rank=int(call.w2_lora_a[0].shape[2]) if lora else 0,
-        expert_map=call.expert_map is not None, apply_router_weight_on_input=call.apply_router_weight_on_input,
-        fully_sharded=bool(call.fully_sharded) and lora)
+        expert_map=call.expert_map is not None or call.ep_comm is not None,
+        apply_router_weight_on_input=call.apply_router_weight_on_input,
+        fully_sharded=bool(call.fully_sharded) and lora and call.ep_comm is None)
 
 
 def context_from_call(call: ExpertCall, config: "MoEConfig") -> "MoELoRAContext | None":
-    """The explicit LoRA context of an ExpertCall (None without LoRA); under EP the mapping is also the local one."""
+    """The explicit LoRA context of an ExpertCall (None without LoRA). With an expert_map the mapping is also
+    the local one; under dispatched EP the factors are sliced to this rank's experts and the prepare sets
+    the local mapping from the dispatched one."""
     if call.w13_lora_a is None:
         return None
-    ws = [*call.w13_lora_a, *call.w13_lora_b, *call.w2_lora_a, *call.w2_lora_b]
+    a13, b13, a2, b2 = call.w13_lora_a, call.w13_lora_b, call.w2_lora_a, call.w2_lora_b
+    if call.ep_comm is not None:
+        a13, b13, a2, b2 = slice_lora_to_local(a13, b13, a2, b2, ep_rank=call.ep_rank, ep_size=call.ep_size,
+                                               num_experts_global=call.num_experts_global)
+    ws = [*a13, *b13, *a2, *b2]
     return MoELoRAContext(
-        w13_lora_a_stacked=list(call.w13_lora_a), w13_lora_b_stacked=list(call.w13_lora_b),
-        w2_lora_a_stacked=list(call.w2_lora_a), w2_lora_b_stacked=list(call.w2_lora_b),
+        w13_lora_a_stacked=list(a13), w13_lora_b_stacked=list(b13),
+        w2_lora_a_stacked=list(a2), w2_lora_b_stacked=list(b2),
         adapter_enabled=call.adapter_enabled, max_loras=call.max_loras, top_k=config.top_k,
         w13_num_slices=len(call.w13_lora_a), local_num_experts=config.E,
         token_lora_mapping=call.token_lora_mapping,
@@ -70,23 +78,35 @@ def context_from_call(call: ExpertCall, config: "MoEConfig") -> "MoELoRAContext 
         lora_collective=call.lora_collective)
 
 
-def apply_experts(call: ExpertCall, experts, lora_ctx: "MoELoRAContext | None") -> None:
-    """Run an experts object on an ExpertCall through FusedMoEKernel (no-EP prepare/finalize), writing call.output;
-    quantized weights are packed for it first."""
+def prepare_finalize_for(call: ExpertCall):
+    """(prepare/finalize, expert_map) for a call: the naive EP one over call.ep_comm under dispatched EP
+    (it refuses fully-sharded LoRA and an uneven expert split), else the no-EP one with the call's map."""
+    if call.ep_comm is None:
+        return NoEPPrepareAndFinalize(), call.expert_map
+    pf = NaiveEPPrepareAndFinalize(call.ep_comm, call.num_experts_global, fully_sharded=bool(call.fully_sharded))
+    return pf, pf.expert_map.to(call.hidden_states.device)
+
+
+def apply_experts(call: ExpertCall, experts, lora_ctx: "MoELoRAContext | None", pf_and_map=None) -> None:
+    """Run an experts object on an ExpertCall through FusedMoEKernel, writing call.output; quantized weights
+    are packed for it first. `pf_and_map`: from prepare_finalize_for(call) (built here when not given)."""
+    pf, expert_map = pf_and_map or prepare_finalize_for(call)
     w13, w2 = call.w13, call.w2
     if call.quant != "none":
         w13 = pack_weights(call.w13_q, call.w13_scales, call.quant)
         w2 = pack_weights(call.w2_q, call.w2_scales, call.quant)
-    FusedMoEKernel(NoEPPrepareAndFinalize(), experts).apply(
+    FusedMoEKernel(pf, experts).apply(
         call.hidden_states, w13, w2, call.topk_weights, call.topk_ids, lora_ctx=lora_ctx,
-        expert_map=call.expert_map, w13_bias=call.w13_bias, w2_bias=call.w2_bias, output=call.output)
+        expert_map=expert_map, w13_bias=call.w13_bias, w2_bias=call.w2_bias, output=call.output)
 
 
 def run_call(call: ExpertCall, experts_cls=None) -> None:
-    """Run one ExpertCall on a new experts_cls (default: the oracle's pick) for the call's configuration."""
+    """Run one ExpertCall on a new experts_cls (default: the oracle's pick) for the call's configuration
+    (the layer's construction checks, e.g. EP's, come first, as a layer would make them)."""
+    pf_and_map = prepare_finalize_for(call)
     config = config_from_call(call)
     cls = experts_cls or oracle.select_experts(config)
-    apply_experts(call, cls(config), context_from_call(call, config))
+    apply_experts(call, cls(config), context_from_call(call, config), pf_and_map)
 
 
 def _safe(pred):
@@ -124,7 +144,8 @@ def capabilities_of(cls) -> Capabilities:
         dtype_reasons=dict(cls.dtype_reasons), activations=frozenset(cls.activations),
         non_gated=cls.supports_non_gated, bias=cls.supports_bias, lora=cls.supports_lora(), base_only=True,
         quant=frozenset(cls.quant_schemes), expert_map=cls.supports_ep, fully_sharded=cls.supports_fully_sharded,
-        max_rank=cls.max_lora_rank, shared_lora=True, tensor_parallel=True, rules=rules)
+        max_rank=cls.max_lora_rank, shared_lora=True, tensor_parallel=True, expert_parallel=cls.supports_ep,
+        rules=rules)
 
 
 def spec_for(cls, description: str) -> BackendSpec:
@@ -155,7 +176,7 @@ def _oracle_spec() -> BackendSpec:
                     + ", ".join(c.name for c in classes) + ")",
         capabilities=Capabilities(levels=frozenset({"expert"}), devices=devices, dtypes=dtypes,
                                   dtype_reasons=reasons, quant=frozenset({"none", "int4_g128", "int8_channel"}),
-                                  tensor_parallel=True, rules=(rule,)),
+                                  tensor_parallel=True, expert_parallel=True, rules=(rule,)),
         experts=run_call,
         precision=lambda case: _oracle_precision(case, picked))
 

@@ -54,6 +54,11 @@ def make_token_lora_mapping(case: Case, g: torch.Generator) -> torch.Tensor:
         m = torch.where(torch.rand(T, generator=g) < 0.35, torch.full_like(m, -1), m)
     elif case.mapping == "skewed":   # one adapter takes most tokens
         m = torch.where(torch.rand(T, generator=g) < 0.8, torch.zeros_like(m), m)
+    elif case.mapping == "by_rank":  # EP rank r's tokens use slot r % L only (every third one none): each
+        # adapter is used by one rank's tokens, and every other rank must still run it for them
+        counts = case.ep_tokens or (T,)
+        m = torch.cat([torch.full((n,), r % L, dtype=torch.int32) for r, n in enumerate(counts)])
+        m[1::3] = -1
     return m
 
 
@@ -240,7 +245,8 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
         raise ValueError(f"build_expert_inputs needs an expert-level case, got level={case.level!r}")
     dt = torch_dtype(case)
     gated = is_gated(case.activation)
-    T, H, I, k, El = case.T, case.H, case.I, case.top_k, case.local_experts
+    T, H, I, k = case.T, case.H, case.I, case.top_k
+    El = case.E if case.dispatched else case.local_experts   # dispatched EP: the global layer (ranks slice it)
     N1 = 2 * I if gated else I
     g = _gen(case, 11)
     hidden = torch.randn(T, H, generator=g).to(dt)
@@ -257,7 +263,8 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
     b2 = (0.5 * torch.randn(El, H, generator=g)).to(dt) if case.bias else None
     w, ids = make_routing(case, _gen(case, 1))
     mapping = make_token_lora_mapping(case, _gen(case, 2))
-    expert_map = expert_map_for(case.E, case.ep_size, case.ep_rank) if case.ep_size > 1 else None
+    expert_map = (expert_map_for(case.E, case.ep_size, case.ep_rank)
+                  if case.ep_size > 1 and not case.dispatched else None)
     stacked = None
     if case.lora:
         ga = _gen(case, 12)

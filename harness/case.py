@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 LEVELS = ("op", "expert")
 DTYPES = ("float16", "bfloat16", "float32")
-MAPPINGS = ("uniform", "mixed", "skewed", "none", "disabled")
+MAPPINGS = ("uniform", "mixed", "skewed", "none", "disabled", "by_rank")
 ROUTINGS = ("uniform", "skewed")
 LAYOUTS = ("sorted", "naive")
 QUANTS = ("none", "int4_g128", "int8_channel")
 WHICH = ("w13", "w2")
+EP_COMMS = ("simulated", "processes")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class Case:
     tp_rank: int = 0
     ep_size: int = 1
     ep_rank: int = 0
+    # expert level, dispatched expert parallelism: every EP rank runs (its own tokens, dispatched and
+    # combined by the backend through a communicator); ep_tokens = tokens per rank (sum = T), ep_size ranks;
+    # ep_comm: ranks as turn-taking threads ("simulated") or real processes ("processes": gloo / NCCL)
+    ep_tokens: tuple = ()
+    ep_comm: str = "simulated"
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -77,6 +83,20 @@ class Case:
     @property
     def local_experts(self) -> int:
         return self.E // self.ep_size
+
+    @property
+    def dispatched(self) -> bool:
+        """Every EP rank runs, with its own tokens (ep_tokens): the backend dispatches and combines."""
+        return bool(self.ep_tokens)
+
+    def rank_of_token(self, t: int) -> int:
+        """The EP rank whose batch holds token t (0 for a case that is not dispatched)."""
+        end = 0
+        for r, n in enumerate(self.ep_tokens):
+            end += n
+            if t < end:
+                return r
+        return 0
 
     @property
     def slot_ranks(self) -> tuple:
@@ -105,7 +125,7 @@ class Case:
         for n in ("H", "I", "E", "top_k", "max_loras", "max_rank", "num_slices", "block_size_m",
                   "tp_size", "ep_size"):
             need(getattr(self, n) >= 1, f"{n} must be >= 1, got {getattr(self, n)}")
-        need(self.top_k <= self.local_experts * self.ep_size,
+        need(self.top_k <= self.E,
              f"top_k ({self.top_k}) must be <= E ({self.E})")
         need(len(self.ranks) <= self.max_loras, f"ranks has {len(self.ranks)} entries > max_loras {self.max_loras}")
         need(all(0 <= r <= self.max_rank for r in self.ranks),
@@ -113,10 +133,23 @@ class Case:
         need(self.offset >= 0, f"offset must be >= 0, got {self.offset}")
         need(self.block_size_m >= 16 and (self.block_size_m & (self.block_size_m - 1)) == 0,
              f"block_size_m must be a power of two >= 16, got {self.block_size_m}")
-        need(self.E % self.ep_size == 0, f"E ({self.E}) must be divisible by ep_size ({self.ep_size})")
+        if self.dispatched:   # E % ep and fully_sharded are configurations a backend must reject (contract.must_reject)
+            need(self.level == "expert", "ep_tokens (dispatched EP) is an expert-level field")
+            need(len(self.ep_tokens) == self.ep_size and self.ep_size >= 2,
+                 f"ep_tokens must hold one token count per EP rank (ep_size={self.ep_size} >= 2); got {list(self.ep_tokens)}")
+            need(all(isinstance(n, int) and n >= 0 for n in self.ep_tokens) and sum(self.ep_tokens) == self.T,
+                 f"ep_tokens {list(self.ep_tokens)} must be counts >= 0 summing to T={self.T}")
+            need(self.ep_rank == 0, "ep_rank is not used with ep_tokens (every rank runs): leave it 0")
+            need(self.tp_size == 1, "dispatched EP with tp_size > 1 is not modelled (vLLM's MoE TP is 1 under EP)")
+            need(self.E >= self.ep_size, f"E ({self.E}) must be >= ep_size ({self.ep_size})")
+        else:
+            need(self.E % self.ep_size == 0, f"E ({self.E}) must be divisible by ep_size ({self.ep_size})")
+            need(self.ep_comm == "simulated", "ep_comm is used only with ep_tokens")
+        need(self.ep_comm in EP_COMMS, f"ep_comm must be one of {EP_COMMS}, got {self.ep_comm!r}")
         need(0 <= self.ep_rank < self.ep_size, f"ep_rank must lie in [0, {self.ep_size})")
         need(0 <= self.tp_rank < self.tp_size, f"tp_rank must lie in [0, {self.tp_size})")
-        need(not (self.ep_size > 1 and self.fully_sharded), "EP with fully_sharded LoRA is not supported (vLLM rejects it)")
+        need(not (self.ep_size > 1 and self.fully_sharded) or self.dispatched,
+             "EP with fully_sharded LoRA is not supported (vLLM rejects it)")
         if self.level == "expert" and self.tp_size > 1:   # every TP rank is simulated; tp_rank is not used
             need(self.ep_size == 1, "expert level: tp_size > 1 with ep_size > 1 is not modelled (vLLM's MoE TP is 1 "
                                     "under EP)")
@@ -151,8 +184,9 @@ class Case:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown Case field(s) {unknown}; known fields: {sorted(names)}")
-        if "ranks" in d:
-            d["ranks"] = tuple(d["ranks"])
+        for name in ("ranks", "ep_tokens"):
+            if name in d:
+                d[name] = tuple(d[name])
         return cls(**d)
 
     def replace(self, **kw) -> "Case":
@@ -164,4 +198,6 @@ class Case:
         import hashlib
         h = hashlib.sha1(self.to_json().encode()).hexdigest()[:8]
         head = f"{self.level}-{self.which if self.level == 'op' else self.activation}-{self.dtype}-T{self.T}"
+        if self.dispatched:
+            head += f"-ep{self.ep_size}{'p' if self.ep_comm == 'processes' else ''}"
         return f"{head}-{h}"

@@ -54,6 +54,7 @@ class Capabilities:
     lora: bool = True                         # expert level: can run with LoRA
     base_only: bool = True                    # expert level: can run without LoRA
     tensor_parallel: bool = False             # expert level: simulated TP ranks
+    expert_parallel: bool = False             # expert level: dispatched EP (its own dispatch/combine over ep_comm)
     quant: frozenset = frozenset({"none"})     # expert level: weight-only schemes accepted
     rules: tuple = ()
 
@@ -103,6 +104,16 @@ class ExpertCall:
     tp_size: int = 1
     fully_sharded: bool = False
     lora_collective: object = None
+    # dispatched expert parallelism (a case with ep_tokens): this call is EP rank `ep_rank` of `ep_size`.
+    # hidden_states, topk_weights, topk_ids (GLOBAL expert ids), token_lora_mapping and output hold this
+    # rank's own tokens; w13/w2 (biases, quantized tensors) its local experts [r*E/ep, (r+1)*E/ep); the
+    # LoRA factors all `num_experts_global` experts, as an adapter is loaded (the backend slices its own).
+    # The backend dispatches and combines through `ep_comm` (harness.communicator.Communicator); expert_map
+    # is None (the backend derives its own). With fully_sharded, or E % ep != 0, it must raise (must_reject).
+    ep_comm: object = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    num_experts_global: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,8 +138,38 @@ class BackendSpec:
         return self.precision(case) if callable(self.precision) else self.precision
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """A configuration the contract says a backend must refuse: it must raise an error whose message
+    matches `names` (so it names the setting), never run. `nearest` is the closest valid case: what a
+    backend's declarations are asked about (a backend that cannot run it at all is not asked to refuse)."""
+
+    what: str
+    names: str          # regex (case-insensitive) the error message must match
+    nearest: Case
+
+
+def must_reject(case: Case) -> Rejection | None:
+    """The contract's rejected configurations (vLLM's EP+LoRA layer refuses both at construction)."""
+    if not case.dispatched:
+        return None
+    if case.fully_sharded and case.lora:
+        return Rejection("expert parallelism with fully-sharded LoRA (both shard over the same group)",
+                         r"fully[ _-]?shard", case.replace(fully_sharded=False))
+    if case.E % case.ep_size:
+        return Rejection(f"E={case.E} experts over ep_size={case.ep_size} ranks (LoRA slices [r*E/ep, (r+1)*E/ep) "
+                         f"need an even split)", r"divisible|E ?% ?ep|even split",
+                         case.replace(E=case.ep_size * max(1, case.E // case.ep_size)))
+    return None
+
+
 def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
-    """(ok, reason): whether `spec` claims `case` on `device`, judged only from its declarations."""
+    """(ok, reason): whether `spec` claims `case` on `device`, judged only from its declarations.
+
+    A configuration the contract rejects is claimed when the nearest valid one is (it must be refused)."""
+    rejection = must_reject(case)
+    if rejection is not None:
+        case = rejection.nearest
     cap = spec.capabilities
     dev = "cuda" if str(device).startswith("cuda") else str(device)
     if case.level not in cap.levels:
@@ -149,6 +190,8 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
             return False, "fully_sharded not supported"
     if cap.max_rank is not None and case.max_rank > cap.max_rank:
         return False, f"max_rank {case.max_rank} > supported {cap.max_rank}"
+    if case.dispatched and not cap.expert_parallel:
+        return False, "dispatched expert parallelism not declared (Capabilities.expert_parallel)"
     if case.ep_size > 1 and not cap.expert_map:
         return False, "expert_map (expert parallel) not supported"
     if (case.shared_a or case.shared_b) and not cap.shared_lora:

@@ -27,6 +27,14 @@ _FATAL_DEVICE_ERROR = re.compile(r"CUDA error|illegal memory access|device-side 
                                  r"|CUBLAS_STATUS|cudaError", re.I)
 
 
+class ExecutionFailure(Exception):
+    """Raised by a driver of the harness with the Failure it already classified (e.g. an EP rank's crash)."""
+
+    def __init__(self, failure: "Failure"):
+        super().__init__(failure.message)
+        self.failure = failure
+
+
 class HarnessInterrupt(BaseException):
     """Raised by the harness itself into a running backend (a test's timeout): never the backend's failure."""
 
@@ -95,6 +103,7 @@ class InputWatch:
 
     def __init__(self):
         self._snaps: list = []
+        self.extra_written: list = []    # names reported written by another process (EP rank processes)
 
     def add(self, name: str, obj, skip=("output",)):
         for sub, t in _tensors(obj, name):
@@ -103,7 +112,7 @@ class InputWatch:
             self._snaps.append((sub, t, _raw(t).clone()))
 
     def written(self) -> list[str]:
-        return [name for name, t, snap in self._snaps if not torch.equal(_raw(t), snap)]
+        return [name for name, t, snap in self._snaps if not torch.equal(_raw(t), snap)] + self.extra_written
 
 
 def _sync(device: str):
@@ -128,7 +137,14 @@ def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch):
     from moe_lora_harness.harness.expert_runner import run_tp_ranks
     built = build_expert_inputs(case)
     digest = inputs_digest(built)
-    if case.tp_size > 1:
+    if case.dispatched:
+        from moe_lora_harness.harness import ep_ranks
+        if case.ep_comm == "processes":
+            output, written, digest = ep_ranks.run_processes(spec, case, device, digest)
+            watch.extra_written.extend(written)
+        else:
+            output = ep_ranks.run_simulated(spec, built, case, device, watch)
+    elif case.tp_size > 1:
         output = run_tp_ranks(spec, built, case, device, watch)
     else:
         call = built.call(device)
@@ -153,13 +169,18 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
             digest, out = _run_op(spec, case, device, poison, watch)
         else:
             digest, out = _run_expert(spec, case, device, watch)
+    except ExecutionFailure as e:   # a driver's own classification (an EP rank that died, hung or raised)
+        failure = e.failure
     except BaseException as e:  # noqa: BLE001 - whatever a backend raises is its failure, never our exit
         if isinstance(e, HarnessInterrupt) or (isinstance(e, KeyboardInterrupt) and not catch_interrupt):
             raise
         msg = f"{e}"
+        notes = getattr(e, "__notes__", None)     # e.g. "raised on EP rank 1 of 2"
+        if notes:
+            msg += " [" + "; ".join(str(n) for n in notes) + "]"
         failure = Failure("raised", msg[:4000], type(e).__name__,
                           "".join(traceback.format_exception(e)[-6:])[-6000:],
-                          fatal=bool(_FATAL_DEVICE_ERROR.search(msg)))
+                          fatal=bool(_FATAL_DEVICE_ERROR.search(msg)) or bool(getattr(e, "harness_fatal", False)))
     seconds = time.perf_counter() - t0
     written = watch.written() if failure is None else []
     cpu_out = out.detach().cpu().clone() if (out is not None and failure is None) else None

@@ -1,4 +1,5 @@
-"""Expert-level runs: the float64 expectations of a case, and the simulated tensor-parallel ranks a backend runs as."""
+"""Expert-level runs: the float64 expectations of a case, and the simulated tensor-parallel ranks a backend runs as
+(dispatched expert-parallel ranks: harness.ep_ranks)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,10 @@ def expert_expectations(case: Case, backend_precision: str):
     lora = LoRAInputs(inp.stacked, inp.token_lora_mapping) if inp.stacked is not None else None
     kw = dict(activation=case.activation, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, lora=lora,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
-    if case.tp_size > 1:
+    if case.dispatched:   # the whole concatenated batch, dispatched and combined as the ranks must
+        forward = sharded_experts_forward
+        kw.update(ep_size=case.ep_size, tokens_per_rank=list(case.ep_tokens))
+    elif case.tp_size > 1:
         forward = sharded_experts_forward
         kw.update(tp_size=case.tp_size, fully_sharded=case.fully_sharded and case.lora)
     else:

@@ -99,6 +99,21 @@ OP_FEATURES = (
 ACTIVATION_NAMES = SUPPORTED_ACTIVATIONS   # the reference's list: one feature row each
 
 
+def _split(T: int, shares) -> tuple:
+    """T tokens over len(shares) EP ranks in proportion to `shares` (0 gives a rank no tokens); sums to T."""
+    total = sum(shares)
+    counts = [T * w // total for w in shares]
+    counts[max(range(len(shares)), key=lambda r: shares[r])] += T - sum(counts)
+    return tuple(counts)
+
+
+def _ep(s, ep=2, shares=None, **kw):
+    """A dispatched-EP case: ep ranks, each with E experts of its own (E global = ep * E), tokens per `shares`."""
+    shares = shares or tuple(range(1, ep + 1))          # uneven by default: 1 : 2 : ... : ep
+    T = max(s.T, 12)                                     # enough tokens that every share shows
+    return dict(dict(T=T, ep_size=ep, ep_tokens=_split(T, shares), E=ep * s.E), **kw)
+
+
 def _act(name):
     return Feature(f"experts: {name}", "expert", lambda s: dict(activation=name))
 
@@ -121,6 +136,20 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: fully-sharded LoRA, TP 2", "expert", lambda s: dict(tp_size=2, fully_sharded=True)),
     Feature("experts: int4 g128", "expert", lambda s: dict(quant="int4_g128", H=128, I=128)),
     Feature("experts: int8 per-channel", "expert", lambda s: dict(quant="int8_channel")),
+    # dispatched expert parallelism: every rank runs with its own tokens (harness.ep_ranks)
+    Feature("experts: EP 2, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 2)),
+    Feature("experts: EP 4, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 4)),
+    Feature("experts: EP 2 over processes (gloo on CPU, NCCL on GPUs)", "expert",
+            lambda s: _ep(s, 2, ep_comm="processes", mapping="by_rank")),
+    Feature("experts: EP uneven batches (1 : 5 : 2 : 0)", "expert", lambda s: _ep(s, 4, (1, 5, 2, 0))),
+    Feature("experts: EP rank with no tokens", "expert", lambda s: _ep(s, 2, (0, 1))),
+    Feature("experts: EP non-gated (no w3)", "expert", lambda s: _ep(s, 2, activation="relu2_no_mul")),
+    Feature("experts: EP adapter used only by another rank", "expert", lambda s: _ep(s, 2, mapping="by_rank")),
+    Feature("experts: EP quantized (int8 per-channel)", "expert", lambda s: _ep(s, 2, quant="int8_channel")),
+    Feature("experts: EP + fully-sharded LoRA (must be refused)", "expert", lambda s: _ep(s, 2, fully_sharded=True),
+            note="a backend passes by raising an error that names fully-sharded LoRA, not by running"),
+    Feature("experts: EP with E % ep != 0 (must be refused)", "expert", lambda s: dict(_ep(s, 2), E=2 * s.E + 1),
+            note="a backend passes by raising an error that names the uneven expert split, not by running"),
 )
 
 FEATURES = OP_FEATURES + EXPERT_FEATURES

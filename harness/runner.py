@@ -17,7 +17,7 @@ import torch
 from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
-from moe_lora_harness.harness.contract import OP_TUNING_PARAMS, BackendSpec, known_bug_for, support_for
+from moe_lora_harness.harness.contract import OP_TUNING_PARAMS, BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import precision as make_precision
@@ -52,7 +52,9 @@ class Outcome:
 
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
 FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "inputs-differ",
-                 "nondeterministic", "declaration")
+                 "nondeterministic", "declaration", "accepted", "unclear-error")
+# accepted: a configuration the contract rejects (contract.must_reject) ran instead of raising;
+# unclear-error: it raised, but the message does not name the setting
 
 
 def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
@@ -106,13 +108,35 @@ def expectations(spec: BackendSpec, case: Case) -> Expectation:
             poison = truth.written.clone()
             before[poison] = float("nan")
         return Expectation(cpu, digest, truth, emu, poison, before)
+    if must_reject(case) is not None:   # nothing to compute: the backend must refuse to run
+        from moe_lora_harness.harness.builders import build_expert_inputs
+        inp = build_expert_inputs(case)
+        return Expectation(inp, inputs_digest(inp), None, None)
     from moe_lora_harness.harness.expert_runner import expert_expectations
     inp, truth, emu = expert_expectations(case, spec.precision_for(case))
     return Expectation(inp, inputs_digest(inp), truth, emu)
 
 
+def _judge_rejection(case: Case, ex: Execution) -> tuple[str, str, None]:
+    """A rejected configuration passes only by raising an error that names the setting."""
+    import re
+    rej = must_reject(case)
+    f = ex.failure
+    if f is None:
+        return "accepted", (f"the backend ran {rej.what} instead of refusing it: it must raise an error naming the "
+                            f"setting (matching /{rej.names}/)"), None
+    if f.kind != "raised" or f.exc_type in ("SystemExit", "KeyboardInterrupt"):
+        return f.kind, f.message, None
+    if not re.search(rej.names, f.message, re.I):
+        return "unclear-error", (f"the backend refused {rej.what}, but its error does not name the setting "
+                                 f"(/{rej.names}/): {f.exc_type}: {f.message[:300]}"), None
+    return "pass", "", None
+
+
 def _judge_execution(case: Case, exp: Expectation, ex: Execution) -> tuple[str, str, Verdict | None]:
     """(kind, message, verdict): kind 'pass' or a failure kind."""
+    if must_reject(case) is not None:
+        return _judge_rejection(case, ex)
     if ex.failure is not None:
         f = ex.failure
         return f.kind, (f"{f.exc_type}: {f.message}" if f.exc_type and f.kind == "raised" else f.message), None
@@ -164,6 +188,11 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         return Outcome(spec.name, case, device, "fail", "declaration", None, detail, kind="declaration")
     if not ok and not probe:
         return Outcome(spec.name, case, device, "unsupported", reason)
+    if case.dispatched:
+        from moe_lora_harness.harness.ep_ranks import driver_problem
+        problem = driver_problem(case, device)
+        if problem:   # the machine, not the backend: declared as a skip with its reason
+            return Outcome(spec.name, case, device, "unsupported", f"this machine: {problem}")
     executor = executor or InProcess()
     ex = executor.execute(spec, case, device, exp.poison)
     kind, message, verdict = _judge_execution(case, exp, ex)
@@ -213,12 +242,13 @@ def _op_coords(case: Case, cpu):
     return coords
 
 
-def _expert_coords(inp):
+def _expert_coords(case: Case, inp):
     ids, mapping = inp.topk_ids, inp.token_lora_mapping
 
     def coords(idx):
         t = idx[0]
-        return f"experts={ids[t].tolist()} lora={int(mapping[t])}"
+        where = f"ep_rank={case.rank_of_token(t)} " if case.dispatched else ""
+        return f"{where}experts={ids[t].tolist()} lora={int(mapping[t])}"
     return coords
 
 
@@ -227,7 +257,7 @@ def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Exp
     if ex.failure is not None and ex.failure.traceback:
         lines.append("  " + ex.failure.traceback.strip().replace("\n", "\n  "))
     if verdict is not None and verdict.worst and not verdict.ok:
-        coords = _op_coords(case, exp.inputs) if case.level == "op" else _expert_coords(exp.inputs)
+        coords = _op_coords(case, exp.inputs) if case.level == "op" else _expert_coords(case, exp.inputs)
         names = ("t", "j", "col") if case.level == "op" else ("t", "h")
         lines.append(format_worst(verdict, names, coords))
     if ex.log.strip():

@@ -122,9 +122,41 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), tp_size=tp, fully_sharded=fully_sharded)
 
 
+@st.composite
+def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
+             activations=EXPERT_ACTIVATIONS, quants=QUANTS, comms=("simulated",)):
+    """Dispatched expert-parallel cases: 2 or 4 ranks with uneven token counts (0 included; up to max_T/2
+    each), E = ep x local experts, the LoRA mix and mapping pattern (by_rank: each adapter used by one
+    rank's tokens only)."""
+    ep = draw(st.sampled_from((2, 4)))
+    max_tokens_per_rank = max(1, max_T // 2)
+    counts = tuple(draw(st.lists(st.integers(0, max_tokens_per_rank), min_size=ep, max_size=ep)))
+    quant = draw(st.sampled_from(tuple(quants)))
+    if quant == "int4_g128":
+        H, I = 128, 128
+    else:
+        dims = st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim))
+        H, I = draw(dims), draw(dims)
+    E = ep * draw(st.integers(1, 3))
+    top_k = draw(st.integers(1, min(E, 4)))
+    L = draw(st.integers(1, 3))
+    R = draw(st.sampled_from((1, 4, 8, 16)))
+    return Case(
+        level="expert", T=sum(counts), H=H, I=I, E=E, top_k=top_k, dtype=draw(st.sampled_from(dtypes)),
+        max_loras=L, max_rank=R,
+        ranks=tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), max_size=L))),
+        mapping=draw(st.sampled_from(("by_rank", "by_rank", "uniform", "mixed", "none", "disabled"))),
+        routing=draw(st.sampled_from(("uniform", "skewed"))), shared_a=draw(st.booleans()),
+        shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+        activation=draw(st.sampled_from(activations)), bias=draw(st.booleans()), lora=draw(st.booleans()),
+        apply_router_weight_on_input=top_k == 1 and draw(st.booleans()), quant=quant,
+        ep_size=ep, ep_tokens=counts, ep_comm=draw(st.sampled_from(tuple(comms))))
+
+
 def claimed_cases(spec, device: str, level: str, **sizes):
-    """Cases of `level` that `spec` claims on `device`: drawn over its declared dtypes, layouts, activations
-    and quant schemes, then filtered by its whole declaration (rules included, so nothing it declines runs)."""
+    """Cases of `level` (op, expert, or "ep": dispatched expert-parallel only) that `spec` claims on `device`:
+    drawn over its declared dtypes, layouts, activations and quant schemes, then filtered by its whole
+    declaration (rules included, so nothing it declines runs)."""
     from moe_lora_harness.harness.contract import support_for
     cap = spec.capabilities
     dev = "cuda" if str(device).startswith("cuda") else str(device)
@@ -136,6 +168,11 @@ def claimed_cases(spec, device: str, level: str, **sizes):
     else:
         acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
         quants = tuple(q for q in QUANTS if q in cap.quant)
-        base = expert_cases(dtypes=dtypes, activations=acts or SUPPORTED_ACTIVATIONS, quants=quants or ("none",),
-                            **sizes)
+        kw = dict(dtypes=dtypes, activations=acts or SUPPORTED_ACTIVATIONS, quants=quants or ("none",))
+        if level == "ep":       # dispatched expert parallelism (expert-level cases with ep_tokens)
+            base = ep_cases(**kw, **sizes)
+        else:
+            base = expert_cases(**kw, **sizes)
+            if cap.expert_parallel:   # one case in four dispatched, so fuzzing reaches EP too
+                base = st.one_of(base, base, base, ep_cases(**kw, **sizes))
     return base.filter(lambda c: support_for(spec, c, device)[0])
