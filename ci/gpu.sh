@@ -6,8 +6,10 @@
 #   experts   the expert benchmark: kernel level and expert level with/without LoRA (~95 s)
 #   dual      the dual-stream benchmark, 15 shapes (~25 s)
 #   sanitize  compute-sanitizer racecheck + synccheck on a dual-stream forward (~60 s)
+#   ep        expert parallelism: the EP suites and check rows on CUDA (simulated ranks; NCCL processes when
+#             the machine has a GPU per rank), bf16 at real shapes, and the dispatch benchmark (~120 s)
 #   check     the conformance matrix on CUDA (not in `all`: over 220 s; run it alone)
-#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|check ...] [-- extra bench_lora_op args]
+#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 targets=()
@@ -16,8 +18,8 @@ while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
 [[ ${#targets[@]} -eq 0 ]] && targets=(all)
 [[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize)
 for t in "${targets[@]}"; do
-  case $t in tests|bench|experts|dual|sanitize|check) ;;
-    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, check)"; exit 2 ;; esac
+  case $t in tests|bench|experts|dual|sanitize|ep|check) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check)"; exit 2 ;; esac
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -50,6 +52,23 @@ for t in "${targets[@]}"; do
     sanitize)
       SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-300} OUT="$OUT" bash ci/sanitize.sh > "$OUT/sanitize_run.txt" 2>&1 || rc=1
       cat "$OUT/sanitize_summary.txt" ;;
+    ep)
+      MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-10} timeout ${EP_TIMEOUT:-240} \
+        python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-8} --moe-lora-device cuda \
+        suites/experts/test_ep_harness.py suites/experts/test_ep_layer.py suites/conformance -k "EP or ep_ or expert_random" \
+        -rs --junitxml="$OUT/ep_suites.junit.xml" > "$OUT/ep_suites.log" 2>&1 || rc=1
+      tail -3 "$OUT/ep_suites.log"
+      timeout ${EP_CHECK_TIMEOUT:-200} python3 -m moe_lora_harness check --device cuda --feature "experts: EP" \
+        --json "$OUT/check_ep_cuda.json" --markdown "$OUT/check_ep_cuda.md" > "$OUT/check_ep_cuda.txt" 2>&1 || rc=1
+      tail -3 "$OUT/check_ep_cuda.txt"
+      if [[ -f bench/bench_ep_dispatch.py ]]; then
+        timeout 120 python3 bench/bench_ep_dispatch.py --backend simulated --world 2 --out "$OUT/ep_dispatch_simulated" \
+          > "$OUT/ep_dispatch_simulated.txt" 2>&1 || rc=1
+        if [[ $(nvidia-smi -L | wc -l) -ge 2 ]]; then
+          timeout 200 python3 bench/bench_ep_dispatch.py --backend nccl --world 2 --out "$OUT/ep_dispatch_nccl" \
+            > "$OUT/ep_dispatch_nccl.txt" 2>&1 || rc=1
+        fi
+      fi ;;
     check)
       timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.cli check --device cuda --json "$OUT/check_cuda.json" \
         --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1

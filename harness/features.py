@@ -146,6 +146,7 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: EP non-gated (no w3)", "expert", lambda s: _ep(s, 2, activation="relu2_no_mul")),
     Feature("experts: EP adapter used only by another rank", "expert", lambda s: _ep(s, 2, mapping="by_rank")),
     Feature("experts: EP quantized (int8 per-channel)", "expert", lambda s: _ep(s, 2, quant="int8_channel")),
+    Feature("experts: EP swigluoai with biases", "expert", lambda s: _ep(s, 2, activation="swigluoai", bias=True)),
     Feature("experts: EP + fully-sharded LoRA (must be refused)", "expert", lambda s: _ep(s, 2, fully_sharded=True),
             note="a backend passes by raising an error that names fully-sharded LoRA, not by running"),
     Feature("experts: EP with E % ep != 0 (must be refused)", "expert", lambda s: dict(_ep(s, 2), E=2 * s.E + 1),
