@@ -88,14 +88,16 @@ def _int(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
     return t.to(torch.int64)
 
 
-def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor) -> Tensor:
-    """Row p: x[p] @ w[experts[p]]^T for experts[p] >= 0, else 0. x (P, K), w (E, N, K) float64."""
+def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | None = None) -> Tensor:
+    """Row p: x[p] @ w[experts[p]]^T for experts[p] >= 0, else 0. x (P, K), w (E, N, K) float64.
+
+    `prec` with an alternative GEMM model computes the products by `prec.mm` (None: exact float64)."""
     out = torch.zeros(x.shape[0], w.shape[1], dtype=_F64)
     for e in torch.unique(experts).tolist():
         if e < 0:
             continue
         m = experts == e
-        out[m] = x[m] @ w[e].T
+        out[m] = x[m] @ w[e].T if prec is None or prec.plain_gemm else prec.mm(x[m], w[e])
     return out
 
 
@@ -264,7 +266,7 @@ def moe_experts_forward(
     # base GEMM1: cache1 = r(x_in @ w13[e]^T + b1)
     x_in = prec.r(x * prec.r(w64)) if apply_router_weight_on_input else x  # k == 1 here: w64 is (T, 1)
     xr = x_in[tok]
-    c1 = _per_expert_gemm(xr, W13, e_flat)
+    c1 = _per_expert_gemm(xr, W13, e_flat, prec)
     s1 = _per_expert_gemm(xr.abs(), W13.abs(), e_flat)
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
@@ -300,7 +302,7 @@ def moe_experts_forward(
     s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
 
     # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input)
-    c3 = _per_expert_gemm(a, W2, e_flat)
+    c3 = _per_expert_gemm(a, W2, e_flat, prec)
     s3 = _per_expert_gemm(s2, W2.abs(), e_flat)
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)

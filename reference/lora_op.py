@@ -76,14 +76,21 @@ def _chunks(n: int, per_item: int):
         yield slice(start, min(n, start + step))
 
 
-def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor) -> torch.Tensor:
-    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64, gathered chunk by chunk."""
+def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Precision | None = None) -> torch.Tensor:
+    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64, gathered chunk by chunk.
+
+    `prec` with an alternative GEMM model (operand rounding, low-precision accumulation) computes each
+    product by `prec.bmv`; None or a path preset: the exact float64 product.
+    """
     lead = w.shape[2]
     out = torch.empty((vec.shape[0], lead), dtype=torch.float64, device=vec.device)
     e_idx = _expert_index(w, expert)
     for sl in _chunks(vec.shape[0], w.shape[2] * w.shape[3]):
         mats = w[lora[sl], e_idx[sl]].to(torch.float64)  # (c, lead, inner)
-        out[sl] = torch.bmm(mats, vec[sl].unsqueeze(-1)).squeeze(-1)
+        if prec is None or prec.plain_gemm:
+            out[sl] = torch.bmm(mats, vec[sl].unsqueeze(-1)).squeeze(-1)
+        else:
+            out[sl] = prec.bmv(mats, vec[sl])
     return out
 
 
@@ -182,8 +189,23 @@ def lora_shrink(
     Rounded to prec.dtype when prec.round_rank_intermediate (one-shot/two-kernel paths).
     """
     rows = x.to(torch.float64)[_x_rows(layout, top_k_num, mul_routed_weight)]
-    u = torch.stack([_gathered_matvec(a, layout.lora, layout.expert, rows) for a in lora_a_stacked])
+    if prec.rank_split > 1 and prec.round_rank_intermediate:
+        return _split_shrink(rows, lora_a_stacked, layout, prec)
+    u = torch.stack([_gathered_matvec(a, layout.lora, layout.expert, rows, prec) for a in lora_a_stacked])
     return prec.r(u) if prec.round_rank_intermediate else u
+
+
+def _split_shrink(rows: torch.Tensor, lora_a_stacked, layout: PairLayout, prec: Precision) -> torch.Tensor:
+    """The rank intermediate rounded twice (variant rank2x): split-K over `prec.rank_split` contiguous K
+    parts, each part's partial rounded to dtype and added, in order, into a dtype buffer (r(r(u1) + r(u2)))."""
+    K = rows.shape[1]
+    parts = torch.tensor_split(torch.arange(K, device=rows.device), prec.rank_split)
+    u = None
+    for ks in parts:
+        part = torch.stack([_gathered_matvec(a[..., ks], layout.lora, layout.expert, rows[:, ks], prec)
+                            for a in lora_a_stacked])
+        u = prec.r(part) if u is None else prec.r(u + prec.r(part))
+    return u
 
 
 def lora_shrink_scale(
@@ -246,7 +268,7 @@ def lora_expand(
     occ[order] = torch.arange(len(sp), device=sp.device) - grp_start
     for s, b in enumerate(lora_b_stacked):
         N = b.shape[2]
-        d = _gathered_matvec(b, layout.lora, layout.expert, cache[s].to(torch.float64)) * w[:, None]
+        d = _gathered_matvec(b, layout.lora, layout.expert, cache[s].to(torch.float64), prec) * w[:, None]
         if prec.round_delta:
             d = prec.r(d)
         dscale = _gathered_matvec(b.to(torch.float64).abs(), layout.lora, layout.expert, cs[s]) * w.abs()[:, None]

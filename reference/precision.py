@@ -57,13 +57,39 @@ def rnd(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype == torch.float32:
         return x.to(torch.float32).to(torch.float64)
     bits, emin = _FORMATS[dtype]
-    finfo = torch.finfo(dtype)
+    return _round_bits(x, bits, emin, torch.finfo(dtype).max)
+
+
+def _round_bits(x: torch.Tensor, bits: int, emin: int, fmax: float) -> torch.Tensor:
+    """float64 `x` rounded (nearest-even) to `bits` significant bits, exponent >= emin (subnormals below),
+    |values| above `fmax` to inf."""
     _, ex = torch.frexp(x)  # x = m * 2**ex with 0.5 <= |m| < 1, so the leading bit is 2**(ex-1)
     ulp_exp = torch.clamp(ex.to(torch.float64) - 1, min=emin) - (bits - 1)
     ulp = torch.pow(2.0, ulp_exp)
     y = torch.round(x / ulp) * ulp  # torch.round is half-to-even; x / ulp is exact
-    y = torch.where(y.abs() > finfo.max, torch.copysign(torch.full_like(y, float("inf")), x), y)
+    y = torch.where(y.abs() > fmax, torch.copysign(torch.full_like(y, float("inf")), x), y)
     return torch.where(torch.isfinite(x), y, x)
+
+
+# GEMM operand formats of the alternative models: name -> (significant bits, min normal exponent, max finite)
+_OPERAND_FORMATS = {
+    "tf32": (11, -126, (2 - 2.0 ** -10) * 2.0 ** 127),   # fp32's range, 10 explicit mantissa bits
+    "bf16": (8, -126, float(torch.finfo(torch.bfloat16).max)),
+    "fp16": (11, -14, float(torch.finfo(torch.float16).max)),
+}
+
+
+# a torch dtype with each format's epsilon (for the error model's bound; compare.py reads only the epsilon)
+_EPS_TWIN = {"tf32": torch.float16, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rnd_format(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """Round float64 `x` to the named format ("tf32", "bf16", "fp16"; nearest-even) as float64; identity if None."""
+    if fmt is None:
+        return x
+    if fmt not in _OPERAND_FORMATS:
+        raise ValueError(f"format must be one of {tuple(_OPERAND_FORMATS)} or None; got {fmt!r}")
+    return _round_bits(x.to(torch.float64), *_OPERAND_FORMATS[fmt])
 
 
 def eps(dtype: torch.dtype) -> float:
@@ -73,6 +99,20 @@ def eps(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps)
 
 
+# Alternative rounding models (variants), composable with a path preset as "<path>_<variant>[_<variant>]",
+# e.g. "one_shot_tf32" (an fp32 kernel whose tl.dot uses TF32). Each is computed in float64 with roundings at
+# the stated points; harness/diagnose.py re-judges a failing case against them.
+VARIANTS = {
+    "tf32": "GEMM operands rounded to TF32 (10 explicit mantissa bits, nearest-even; tl.dot's default for fp32)",
+    "bf16ops": "GEMM operands rounded to bf16",
+    "rankraw": "the rank intermediate not rounded (kept at accumulator precision)",
+    "rank2x": "the rank intermediate rounded twice (split-K 2: each half's partial rounded, their sum rounded)",
+    "fp16acc": "GEMM products summed in fp16 (in K order, each partial sum rounded)",
+    "out2x": "the output rounded twice (the delta rounded before the add)",
+}
+_EXCLUSIVE = (("tf32", "bf16ops"), ("rankraw", "rank2x"))
+
+
 @dataclass(frozen=True)
 class Precision:
     """Where a production path rounds to `dtype` (None = exact float64, nothing rounded).
@@ -80,6 +120,10 @@ class Precision:
     When `dtype` is set the final add into the output is always rounded; `round_rank_intermediate`
     rounds the shrink result u, `round_delta` rounds the expand result d before the add, and
     `round_base` (True in every preset) says base GEMM/activation/moe_sum values are rounded.
+    The alternative models (VARIANTS) add: `operand` ("tf32"/"bf16": every GEMM input rounded to that
+    format), `accumulate` ("fp16": GEMM products summed in that format) and `rank_split` (> 1: the
+    shrink summed in that many K parts, each rounded to `dtype`, added in `dtype`). Their defaults
+    leave the path presets' computation unchanged, operation for operation.
     """
 
     name: str
@@ -87,6 +131,9 @@ class Precision:
     round_rank_intermediate: bool
     round_delta: bool
     round_base: bool = True
+    operand: str | None = None
+    accumulate: str | None = None
+    rank_split: int = 1
 
     def r(self, x: torch.Tensor) -> torch.Tensor:
         """Round `x` (float64) to this precision's dtype; identity when exact."""
@@ -97,16 +144,105 @@ class Precision:
         """True when nothing is rounded (dtype None)."""
         return self.dtype is None
 
+    @property
+    def bound_dtype(self) -> torch.dtype | None:
+        """The dtype whose epsilon the error model's bound must use (compare_written's `dtype`): the coarsest
+        of `dtype` and the GEMM operand / accumulation formats. TF32 is stood for by float16, which has the
+        same epsilon 2^-10 (compare_written reads only the epsilon). `dtype` for every path preset."""
+        if self.dtype is None:
+            return None
+        fmts = [self.dtype] + [_EPS_TWIN[f] for f in (self.operand, self.accumulate) if f is not None]
+        return max(fmts, key=lambda d: torch.finfo(d).eps)
+
+    @property
+    def plain_gemm(self) -> bool:
+        """True when GEMMs are exact float64 products of the given values (every path preset)."""
+        return self.operand is None and self.accumulate is None
+
+    def bmv(self, mats: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        """out[c] = mats[c] @ vec[c] (mats (c, M, K), vec (c, K), float64), per the GEMM model."""
+        if self.plain_gemm:
+            return torch.bmm(mats, vec.unsqueeze(-1)).squeeze(-1)
+        mats, vec = rnd_format(mats, self.operand), rnd_format(vec, self.operand)
+        if self.accumulate is None:
+            return torch.bmm(mats, vec.unsqueeze(-1)).squeeze(-1)
+        acc = torch.zeros(mats.shape[:2], dtype=torch.float64, device=mats.device)
+        for i in range(mats.shape[2]):   # products are exact in float64; every partial sum rounded
+            acc = rnd_format(acc + mats[:, :, i] * vec[:, i, None], self.accumulate)
+        return acc
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w.T (x (P, K), w (N, K), float64), per the GEMM model."""
+        if self.plain_gemm:
+            return x @ w.T
+        x, w = rnd_format(x, self.operand), rnd_format(w, self.operand)
+        if self.accumulate is None:
+            return x @ w.T
+        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64, device=x.device)
+        for i in range(x.shape[1]):
+            acc = rnd_format(acc + x[:, i, None] * w[None, :, i], self.accumulate)
+        return acc
+
+
+def bound_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype to judge a case of working dtype `dtype` at when the backend declares preset `name`:
+    `dtype` itself for every path preset (and `exact`), coarser for the variants whose operands or
+    accumulation are coarser (one_shot_tf32 at fp32: float16, TF32's epsilon; *_bf16ops: bfloat16)."""
+    return precision(name, dtype).bound_dtype or dtype
+
+
+def split_name(name: str) -> tuple[str, tuple[str, ...]]:
+    """"one_shot_tf32_rankraw" -> ("one_shot", ("tf32", "rankraw")); ValueError if not path[_variant...]."""
+    if not isinstance(name, str):
+        raise ValueError(f"precision name must be a str; got {type(name).__name__}")
+    if name in _PRESET_FLAGS:
+        return name, ()
+    paths = [p for p in PRESETS if p != "exact" and name.startswith(p + "_")]
+    if paths:
+        path = max(paths, key=len)
+        variants = tuple(name[len(path) + 1:].split("_"))
+        if all(v in VARIANTS for v in variants):
+            return path, variants
+    raise ValueError(f"precision name must be one of {PRESETS}, optionally followed by _<variant> with variants "
+                     f"from {tuple(VARIANTS)} (e.g. 'one_shot_tf32'); got {name!r}")
+
+
+def compose(path: str, *variants: str) -> str:
+    """The preset name of `path` with `variants` (canonical order); checked by precision()."""
+    return "_".join((path,) + tuple(v for v in VARIANTS if v in variants))
+
 
 def precision(name: str, dtype: torch.dtype | None) -> Precision:
-    """Build the named preset (see PRESETS) at `dtype`; `exact` always has dtype None."""
-    if name not in _PRESET_FLAGS:
-        raise ValueError(f"precision name must be one of {PRESETS}; got {name!r}")
+    """Build the named preset (see PRESETS, optionally with VARIANTS) at `dtype`; `exact` always has dtype None.
+
+    A variant that would change nothing in the path (rankraw / rank2x where the path keeps the intermediate
+    unrounded, out2x where it already rounds the delta) or contradicts another one is rejected. The
+    operand variants are accepted at every dtype: a TF32 rounding of fp16/bf16 values (or bf16 of bf16) is
+    the identity, so "one_shot_tf32" can be declared for a backend at every dtype.
+    """
+    path, variants = split_name(name)
     _check_dtype(dtype)
     if name == "exact":
         dtype = None
-    rank, delta = _PRESET_FLAGS[name]
-    return Precision(name=name, dtype=dtype, round_rank_intermediate=rank, round_delta=delta)
+    rank, delta = _PRESET_FLAGS[path]
+    if not variants:
+        return Precision(name=name, dtype=dtype, round_rank_intermediate=rank, round_delta=delta)
+    problems = []
+    if len(set(variants)) != len(variants):
+        problems.append("a variant is repeated")
+    problems += [f"{a} and {b} exclude each other" for a, b in _EXCLUSIVE if a in variants and b in variants]
+    if ("rankraw" in variants or "rank2x" in variants) and not rank:
+        problems.append(f"{path} does not round the rank intermediate (rankraw/rank2x change nothing)")
+    if "out2x" in variants and delta:
+        problems.append(f"{path} already rounds the delta before the add (out2x changes nothing)")
+    if problems:
+        raise ValueError(f"precision {name!r}: " + "; ".join(problems))
+    operand = "tf32" if "tf32" in variants else "bf16" if "bf16ops" in variants else None
+    return Precision(name=compose(path, *variants), dtype=dtype,
+                     round_rank_intermediate=rank and "rankraw" not in variants,
+                     round_delta=delta or "out2x" in variants,
+                     operand=operand, accumulate="fp16" if "fp16acc" in variants else None,
+                     rank_split=2 if "rank2x" in variants else 1)
 
 
 def vllm_dispatch_path(*, naive: bool, max_rank: int, num_pairs: int, fully_sharded: bool) -> str:

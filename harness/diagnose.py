@@ -1,0 +1,215 @@
+"""Precision diagnosis: which rounding model a failing kernel's output follows.
+
+A case that fails its bound (compare.py's per-element or aggregate check) without a gross error is
+re-judged against alternative rounding models the reference computes (reference.precision.VARIANTS:
+TF32 or bf16 GEMM operands, the rank intermediate unrounded or rounded twice, fp16 accumulation, the
+output rounded twice), each composed with the path preset the backend declared. For every model two
+numbers, both compare.py's aggregate statistic (`compare_written(...).ratio`, nothing recomputed here):
+
+* `ratio`: the verdict against that model: ||out - truth|| / max(||emu - truth||, floor), the statistic the
+  harness bounds by 3. It says whether the output would pass had the backend declared that model.
+* `distance`: the same statistic with the roles of truth and emulation swapped,
+  ||out - emu|| / max(||truth - emu||, floor'): how far the output is from that model's emulation in units
+  of the model's own error (floor' is compare.py's floor with ||emu|| for ||truth||, a relative difference
+  of at most one rounding). `ratio` alone cannot name a model: every model with a larger error than the
+  kernel's has a small ratio. The output's own model has a distance far below 1 (0 when it rounds at the
+  very points the emulation does); a model it does not follow has a distance near 1 (coarser model) or
+  well above (finer model).
+
+The match is the model with the smallest distance, provided the output passes against it (at the bound that
+model is judged at when declared: reference.precision.bound_dtype), its distance is at most MATCH_DISTANCE =
+1/sqrt(2) and at most MARGIN times the declared model's. An output whose error is independent of a model's
+sits at distance >= ~1 from it (the two errors add in quadrature); below 1/sqrt(2) the output shares more than
+half of the model's error energy (the bf16-operands mutant, which keeps the rank intermediate in fp16 while the
+model rounds it to bf16 too, sits at ~0.5; an exact emulation of a model at 0). Otherwise the diagnosis says no
+rounding model explains the failure.
+
+Gross errors are not diagnosed (diagnose returns None): an element off by more than GROSS_REL of its
+forward-error scale (|prev| + |w||B||A||x| at op level). Every model offered changes an element by at most a
+few unit roundoffs of its coarsest format times that scale (bf16 operands through two chained GEMMs:
+about 3 u_bf16 = 2^-6.4; fp16 accumulation over K: about sqrt(K) u_fp16 typically, 2^-6 at K = 1024),
+whereas a semantic bug moves it by O(|delta|), typically 2^-4 of scale or more. The threshold is relative to
+the scale, not to the dtype's per-element bound, because the bound is dtype-specific: TF32 operands on fp32
+put elements at 10^2-10^3 times the fp32 bound (2^13 times fp32's epsilon, before cancellation), while a
+dropped delta in bf16 can stay under 64 times the bf16 bound. The threshold is only a filter: below it the
+verdict still rests on a model matching.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lora_harness.harness.builders import torch_dtype
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import RATIO, compare_written
+from moe_lora_harness.reference.precision import PRESETS, VARIANTS, bound_dtype, compose, precision, split_name
+
+GROSS_REL = 2.0 ** -5      # worst |out - truth| / scale above this: a gross (semantic) error, not diagnosed
+MATCH_DISTANCE = 2 ** -0.5  # a model matches when the output is at most this far from its emulation (see above)
+MARGIN = 0.5               # ... and at most this fraction of its distance from the declared model's emulation
+
+_DIAGNOSED_KINDS = ("element", "aggregate")
+
+
+@dataclass
+class ModelFit:
+    """One rounding model against the output: `ratio` (verdict statistic), `distance` (to its emulation)."""
+
+    name: str
+    description: str
+    ratio: float
+    distance: float
+    passes: bool
+
+
+@dataclass
+class Diagnosis:
+    """The best-matching rounding model (None: no model explains the failure) and the declared one."""
+
+    model: str | None
+    description: str
+    ratio: float                 # aggregate ratio against the matched model (or the nearest, without a match)
+    distance: float
+    declared: str
+    declared_ratio: float
+    declared_distance: float
+    worst_rel: float             # worst |out - truth| / scale over the written elements
+    text: str
+    fits: list = field(default_factory=list)   # every ModelFit tried, nearest first (declared included)
+
+    @property
+    def matched(self) -> bool:
+        return self.model is not None
+
+
+def describe(name: str) -> str:
+    """Words for a preset name: 'TF32 operands' for one_shot_tf32, 'one_shot roundings' for one_shot."""
+    path, variants = split_name(name)
+    if not variants:
+        return f"{path} roundings"
+    words = {"tf32": "TF32 operands", "bf16ops": "bf16 operands", "rankraw": "rank intermediate not rounded",
+             "rank2x": "rank intermediate rounded twice", "fp16acc": "fp16 accumulation",
+             "out2x": "output rounded twice"}
+    return " + ".join(words[v] for v in variants)
+
+
+def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
+    """The preset names diagnose() tries for a backend declaring `backend_precision` at `dtype`.
+
+    Each variant alone on the declared path (plus the plain path when the declaration has variants), where
+    it changes something: TF32 operands only for fp32 (fp16 and bf16 values are TF32 values), bf16 operands
+    not for bf16, path variants only where reference.precision.precision accepts them. A declared `exact`
+    is tried against every path preset.
+    """
+    path, declared_variants = split_name(backend_precision)
+    if path == "exact":
+        return [p for p in PRESETS if p != "exact"]
+    names = [path] if declared_variants else []
+    for v in VARIANTS:
+        if v in declared_variants or (v == "tf32" and dtype != torch.float32) or \
+                (v == "bf16ops" and dtype == torch.bfloat16):
+            continue
+        name = compose(path, v)
+        try:
+            precision(name, dtype)
+        except ValueError:
+            continue
+        names.append(name)
+    return [n for n in names if n != backend_precision]
+
+
+def _judging(case: Case, truth):
+    """(written mask, K+R, index names): as harness.runner._judge_execution compares a case."""
+    if case.level == "op":
+        return truth.written, case.K + case.max_rank, ("t", "j", "col")
+    return torch.ones(case.T, case.H, dtype=torch.bool), case.H + case.I + case.max_rank, ("t", "h")
+
+
+def _emulation(case: Case, name: str) -> torch.Tensor:
+    if case.level == "op":
+        from moe_lora_harness.harness.runner import op_expectations
+        return op_expectations(case, name)[2].value
+    from moe_lora_harness.harness.expert_runner import expert_expectations
+    return expert_expectations(case, name)[2].value
+
+
+def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelFit:
+    # the verdict at the bound the model would be judged at if declared; the distance at the data's dtype
+    v = compare_written(out, truth.value, emu, truth.scale, written, dtype=bound_dtype(name, dtype),
+                        k_plus_r=k_plus_r)
+    swapped = compare_written(out, emu, truth.value, truth.scale, written, dtype=dtype, k_plus_r=k_plus_r)
+    return ModelFit(name, description, v.ratio, swapped.ratio, v.ok)
+
+
+def worst_relative_error(output: torch.Tensor, truth, written: torch.Tensor) -> float:
+    """max |out - truth| / scale over the written elements (inf where scale is 0 and they differ)."""
+    o = output.detach().cpu().to(torch.float64)[written]
+    t, s = truth.value[written], truth.scale[written]
+    err = (o - t).abs()
+    rel = torch.where(s > 0, err / torch.where(s > 0, s, torch.ones_like(s)),
+                      torch.where(err > 0, torch.full_like(err, math.inf), torch.zeros_like(err)))
+    rel = torch.where(torch.isfinite(o) | ~torch.isfinite(t), rel, torch.full_like(rel, math.inf))
+    return float(rel.max()) if rel.numel() else 0.0
+
+
+def model_fits(case: Case, backend_precision: str, output: torch.Tensor, truth) -> list[ModelFit]:
+    """Every model diagnose() tries (the declared one first, then `alternatives`), fitted to `output`, with no
+    gating: a passing or grossly wrong output gets its fits too (e.g. to see which model a passing kernel
+    follows most closely)."""
+    dtype = torch_dtype(case)
+    written, k_plus_r, _ = _judging(case, truth)
+    out = output.detach().cpu()
+    return [_fit(n, describe(n), out, truth, _emulation(case, n), written, dtype, k_plus_r)
+            for n in [backend_precision] + alternatives(backend_precision, dtype)]
+
+
+def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) -> Diagnosis | None:
+    """Name the rounding model a failing output follows, or say that none does.
+
+    `output`: the kernel's output as the runner judged it (op level (T, k, W), expert level (T, H));
+    `truth`: the runner's float64 truth for the case (`Expectation.truth`: OpExpected / ExpertExpected).
+    None when there is nothing to diagnose: the output passes against `backend_precision`, fails in a way
+    that is no precision matter (non-finite, shape), or is grossly wrong (worst element > GROSS_REL scale).
+    """
+    if truth is None:
+        return None
+    dtype = torch_dtype(case)
+    written, k_plus_r, _ = _judging(case, truth)
+    out = output.detach().cpu()
+    declared_emu = _emulation(case, backend_precision)
+    verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,
+                              dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r)
+    if verdict.ok or verdict.kind not in _DIAGNOSED_KINDS:
+        return None
+    worst = worst_relative_error(out, truth, written)
+    if worst > GROSS_REL:
+        return None
+    declared = _fit(backend_precision, describe(backend_precision), out, truth, declared_emu, written, dtype,
+                    k_plus_r)
+    fits = [declared] + [_fit(n, describe(n), out, truth, _emulation(case, n), written, dtype, k_plus_r)
+                         for n in alternatives(backend_precision, dtype)]
+    fits.sort(key=lambda f: f.distance)
+    best = fits[0]
+    matched = (best is not declared and best.passes and best.distance <= MATCH_DISTANCE
+               and best.distance <= MARGIN * declared.distance)
+    others = [f for f in fits if f is not declared]
+    if matched:
+        nxt = next((f for f in others if f is not best), None)
+        text = (f"consistent with {best.description} ({best.name}): aggregate ratio {best.ratio:.3g} against its "
+                f"emulation, {declared.ratio:.3g} against the declared {backend_precision}; the output is "
+                f"{best.distance:.2g}x that model's error from its emulation"
+                + (f" (next nearest: {nxt.description}, {nxt.distance:.2g}x)" if nxt else "")
+                + f"; if the kernel rounds so on purpose, declare precision {best.name!r}")
+        shown = best
+    else:
+        shown = others[0] if others else declared
+        text = (f"no rounding model explains it (worst element off by {worst:.2g} of its scale): nearest "
+                + (f"{shown.description} ({shown.name}), {shown.distance:.2g}x its error from its emulation, "
+                   f"aggregate ratio {shown.ratio:.3g}; " if others else "")
+                + f"declared {backend_precision}: {declared.distance:.2g}x, ratio {declared.ratio:.3g} "
+                f"(bound {RATIO:g})")
+    return Diagnosis(model=shown.name if matched else None, description=shown.description, ratio=shown.ratio,
+                     distance=shown.distance, declared=backend_precision, declared_ratio=declared.ratio,
+                     declared_distance=declared.distance, worst_rel=worst, text=text, fits=fits)
