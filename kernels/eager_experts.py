@@ -79,7 +79,9 @@ def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, 
     if apply_router_weight_on_input:
         if k != 1:
             raise ValueError(f"apply_router_weight_on_input needs top_k == 1; got topk_ids of shape {tuple(topk_ids.shape)}")
-        x_in = (hidden_states.float() * w).to(dt)
+        # vLLM's prepare: a1 * topk_weights.to(a1.dtype) -- the fp32 weight is rounded to dt FIRST, then the
+        # dt x dt product (exact in fp32) is rounded once: rnd(x * rnd(w)), not rnd(x * w)
+        x_in = (hidden_states.float() * w.to(dt).float()).to(dt)
     flat_local = local.reshape(-1)
     cache1 = torch.zeros(T * k, N1, dtype=dt, device=dev)
     for e in torch.unique(flat_local[flat_local >= 0]).tolist():
