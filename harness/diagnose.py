@@ -89,7 +89,8 @@ def describe(name: str) -> str:
     path, variants = split_name(name)
     if not variants:
         return f"{path} roundings"
-    words = {"tf32": "TF32 operands", "bf16ops": "bf16 operands", "rankraw": "rank intermediate not rounded",
+    words = {"tf32": "TF32 operands", "tf32rz": "truncated TF32 operands", "bf16ops": "bf16 operands",
+             "rankraw": "rank intermediate not rounded",
              "rank2x": "rank intermediate rounded twice", "fp16acc": "fp16 accumulation",
              "out2x": "output rounded twice"}
     return " + ".join(words[v] for v in variants)
@@ -99,17 +100,17 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     """The preset names diagnose() tries for a backend declaring `backend_precision` at `dtype`.
 
     Each variant alone on the declared path (plus the plain path when the declaration has variants), where
-    it changes something: TF32 operands only for fp32 (fp16 and bf16 values are TF32 values), bf16 operands
-    not for bf16, path variants only where reference.precision.precision accepts them. A declared `exact`
-    is tried against every path preset.
+    it changes something: TF32 operands (rounded or truncated) only for fp32 (fp16 and bf16 values are TF32
+    values), bf16 operands not for bf16, path variants only where reference.precision.precision accepts them.
+    A declared `exact` is tried against every path preset.
     """
     path, declared_variants = split_name(backend_precision)
     if path == "exact":
         return [p for p in PRESETS if p != "exact"]
     names = [path] if declared_variants else []
     for v in VARIANTS:
-        if v in declared_variants or (v == "tf32" and dtype != torch.float32) or \
-                (v == "bf16ops" and dtype == torch.bfloat16):
+        if (v in declared_variants or (v in ("tf32", "tf32rz") and dtype != torch.float32)
+                or (v == "bf16ops" and dtype == torch.bfloat16)):
             continue
         name = compose(path, v)
         try:

@@ -60,31 +60,38 @@ def rnd(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return _round_bits(x, bits, emin, torch.finfo(dtype).max)
 
 
-def _round_bits(x: torch.Tensor, bits: int, emin: int, fmax: float) -> torch.Tensor:
+def _round_bits(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:
     """float64 `x` rounded (nearest-even) to `bits` significant bits, exponent >= emin (subnormals below),
-    |values| above `fmax` to inf."""
+    |values| above `fmax` to inf; `toward_zero`: truncated instead (the dropped bits cleared)."""
     _, ex = torch.frexp(x)  # x = m * 2**ex with 0.5 <= |m| < 1, so the leading bit is 2**(ex-1)
     ulp_exp = torch.clamp(ex.to(torch.float64) - 1, min=emin) - (bits - 1)
     ulp = torch.pow(2.0, ulp_exp)
-    y = torch.round(x / ulp) * ulp  # torch.round is half-to-even; x / ulp is exact
+    if toward_zero:
+        y = torch.trunc(x / ulp) * ulp
+    else:
+        y = torch.round(x / ulp) * ulp  # torch.round is half-to-even; x / ulp is exact
     y = torch.where(y.abs() > fmax, torch.copysign(torch.full_like(y, float("inf")), x), y)
     return torch.where(torch.isfinite(x), y, x)
 
 
-# GEMM operand formats of the alternative models: name -> (significant bits, min normal exponent, max finite)
+# GEMM operand formats of the alternative models: name -> (significant bits, min normal exponent, max finite[,
+# toward zero]). tf32rz: fp32 bits fed to a TF32 tensor-core MMA unconverted, whose low 13 mantissa bits the MMA
+# ignores (Triton's default tl.dot on NVIDIA: no cvt.rna; triton-lang/triton#4574, #9295 added rounding as an option)
 _OPERAND_FORMATS = {
     "tf32": (11, -126, (2 - 2.0 ** -10) * 2.0 ** 127),   # fp32's range, 10 explicit mantissa bits
+    "tf32rz": (11, -126, (2 - 2.0 ** -10) * 2.0 ** 127, True),
     "bf16": (8, -126, float(torch.finfo(torch.bfloat16).max)),
     "fp16": (11, -14, float(torch.finfo(torch.float16).max)),
 }
 
 
 # a torch dtype with each format's epsilon (for the error model's bound; compare.py reads only the epsilon)
-_EPS_TWIN = {"tf32": torch.float16, "bf16": torch.bfloat16, "fp16": torch.float16}
+_EPS_TWIN = {"tf32": torch.float16, "tf32rz": torch.float16, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def rnd_format(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
-    """Round float64 `x` to the named format ("tf32", "bf16", "fp16"; nearest-even) as float64; identity if None."""
+    """Round float64 `x` to the named format as float64 ("tf32", "bf16", "fp16": nearest-even; "tf32rz": toward
+    zero); identity if None."""
     if fmt is None:
         return x
     if fmt not in _OPERAND_FORMATS:
@@ -103,14 +110,15 @@ def eps(dtype: torch.dtype) -> float:
 # e.g. "one_shot_tf32" (an fp32 kernel whose tl.dot uses TF32). Each is computed in float64 with roundings at
 # the stated points; harness/diagnose.py re-judges a failing case against them.
 VARIANTS = {
-    "tf32": "GEMM operands rounded to TF32 (10 explicit mantissa bits, nearest-even; tl.dot's default for fp32)",
+    "tf32": "GEMM operands rounded to TF32 (10 explicit mantissa bits, nearest-even: cuBLAS, cvt.rna)",
+    "tf32rz": "GEMM operands truncated to TF32 (low 13 bits dropped: Triton's default tl.dot on fp32, NVIDIA)",
     "bf16ops": "GEMM operands rounded to bf16",
     "rankraw": "the rank intermediate not rounded (kept at accumulator precision)",
     "rank2x": "the rank intermediate rounded twice (split-K 2: each half's partial rounded, their sum rounded)",
     "fp16acc": "GEMM products summed in fp16 (in K order, each partial sum rounded)",
     "out2x": "the output rounded twice (the delta rounded before the add)",
 }
-_EXCLUSIVE = (("tf32", "bf16ops"), ("rankraw", "rank2x"))
+_EXCLUSIVE = (("tf32", "bf16ops"), ("tf32", "tf32rz"), ("tf32rz", "bf16ops"), ("rankraw", "rank2x"))
 
 
 @dataclass(frozen=True)
@@ -121,9 +129,9 @@ class Precision:
     rounds the shrink result u, `round_delta` rounds the expand result d before the add, and
     `round_base` (True in every preset) says base GEMM/activation/moe_sum values are rounded.
     The alternative models (VARIANTS) add: `operand` ("tf32"/"bf16": every GEMM input rounded to that
-    format), `accumulate` ("fp16": GEMM products summed in that format) and `rank_split` (> 1: the
-    shrink summed in that many K parts, each rounded to `dtype`, added in `dtype`). Their defaults
-    leave the path presets' computation unchanged, operation for operation.
+    format; "tf32rz": truncated to TF32), `accumulate` ("fp16": GEMM products summed in that format) and
+    `rank_split` (> 1: the shrink summed in that many K parts, each rounded to `dtype`, added in `dtype`).
+    Their defaults leave the path presets' computation unchanged, operation for operation.
     """
 
     name: str
@@ -237,7 +245,8 @@ def precision(name: str, dtype: torch.dtype | None) -> Precision:
         problems.append(f"{path} already rounds the delta before the add (out2x changes nothing)")
     if problems:
         raise ValueError(f"precision {name!r}: " + "; ".join(problems))
-    operand = "tf32" if "tf32" in variants else "bf16" if "bf16ops" in variants else None
+    operand = next((f for v, f in (("tf32", "tf32"), ("tf32rz", "tf32rz"), ("bf16ops", "bf16")) if v in variants),
+                   None)
     return Precision(name=compose(path, *variants), dtype=dtype,
                      round_rank_intermediate=rank and "rankraw" not in variants,
                      round_delta=delta or "out2x" in variants,

@@ -44,6 +44,11 @@ def _tf32_bits(t: torch.Tensor) -> torch.Tensor:
     return ((b + 0xFFF + ((b >> 13) & 1)) & ~0x1FFF).view(torch.float32)
 
 
+def _tf32_truncated(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> TF32 as a tensor-core MMA reads unconverted fp32 bits: the 13 low mantissa bits dropped."""
+    return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
 def _op_backend(name: str, declared: str, *, computes: str = "one_shot", inputs=None, delta_factor=None):
     """The reference op as a backend: computes with preset `computes` (after `inputs(t)` on x, A and B),
     declares `declared`; `delta_factor` scales B (a small semantic error)."""
@@ -91,6 +96,7 @@ def test_tf32_rounding_is_nearest_even_on_fp32_bit_patterns():
     x = torch.cat([x, ties, -ties, torch.tensor([0.0, -0.0, float("inf"), 1e-40])])
     got = rnd_format(x.double(), "tf32")
     assert torch.equal(got, _tf32_bits(x).double())
+    assert torch.equal(rnd_format(x.double(), "tf32rz"), _tf32_truncated(x).double())
     assert rnd_format(torch.tensor([1 + 2.0 ** -11], dtype=torch.float64), "tf32").item() == 1.0   # tie to even
 
 
@@ -101,7 +107,7 @@ def test_variant_names_compose_with_path_presets():
     assert precision("small_batch_out2x", torch.float16).round_delta
     assert not precision("dual_stream_rankraw", torch.float16).round_rank_intermediate
     assert precision("one_shot_fp16acc_tf32", torch.float32).name == "one_shot_tf32_fp16acc"   # canonical order
-    for bad, why in [("one_shot_tf32_bf16ops", "exclude"), ("small_batch_rankraw", "does not round"),
+    for bad, why in [("one_shot_tf32_bf16ops", "exclude"), ("one_shot_tf32_tf32rz", "exclude"), ("small_batch_rankraw", "does not round"),
                      ("one_shot_out2x", "already rounds"), ("one_shot_tf33", "variant"), ("exact_tf32", "one_shot")]:
         with pytest.raises(ValueError, match=why):
             precision(bad, torch.float32)
@@ -142,6 +148,15 @@ def test_tf32_op_backend_fails_fp32_and_is_diagnosed_as_tf32():
     assert d.text.startswith("consistent with TF32 operands (one_shot_tf32): aggregate ratio")
     assert d.ratio <= 3 < d.declared_ratio and d.distance < 0.7 < d.declared_distance
     assert "against the declared one_shot" in d.text
+
+
+def test_truncating_tf32_backend_is_diagnosed_as_truncated_tf32():
+    """TF32 by truncation (fp32 bits fed to the MMA unconverted) is biased: the nearest-even model does not
+    explain it (distance > 1), the truncating one does."""
+    outcome, d, _ = _run_and_diagnose(_op_backend("tf32-truncated", "one_shot", inputs=_tf32_truncated), FP32)
+    assert outcome.status == "fail"
+    assert d is not None and d.model == "one_shot_tf32rz", d and d.text
+    assert next(f for f in d.fits if f.name == "one_shot_tf32").distance > 1
 
 
 def test_tf32_expert_backend_is_diagnosed_as_tf32():
