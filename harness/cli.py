@@ -2,7 +2,7 @@
 
   moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
-  moe-lora-harness fuzz --only NAME [--level op|expert] [--max-examples N] [--device D]
+  moe-lora-harness fuzz --only NAME [--level op|expert] [--budget 10m] [--max-examples N] [--out DIR] [--junit F]
   moe-lora-harness list [--backend REF] [--only NAME]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import re
 import signal
 import sys
 import time
@@ -74,11 +76,13 @@ def _executor(args):
 
 
 def _write_reports(args, matrix, names, meta, title):
-    from moe_lora_harness.harness.report import to_json, to_markdown
+    from moe_lora_harness.harness.report import matrix_junit_cases, to_json, to_junit, to_markdown
     if args.json:
         pathlib.Path(args.json).write_text(to_json(matrix, meta))
     if args.markdown:
         pathlib.Path(args.markdown).write_text(to_markdown(matrix, names, title))
+    if getattr(args, "junit", None):
+        pathlib.Path(args.junit).write_text(to_junit("moe-lora-harness check", matrix_junit_cases(matrix)))
 
 
 def cmd_check(args) -> int:
@@ -264,13 +268,26 @@ def fuzz_level(spec, asked: str | None) -> str:
     return asked
 
 
+def parse_budget(text: str) -> float:
+    """'90s', '10m', '1h', '1h30m' or plain seconds -> seconds."""
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        return float(t)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", t)
+    if not parts or "".join(n + u for n, u in parts) != t:
+        raise argparse.ArgumentTypeError(f"expected a duration like 90s, 10m, 1h30m or seconds; got {text!r}")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def _progress_wanted(args) -> bool:
+    return not args.quiet and sys.stderr.isatty() and not os.environ.get("CI")
+
+
 def cmd_fuzz(args) -> int:
-    """Search for a failing case (op or expert level) with hypothesis and shrink it to the smallest one."""
+    """A campaign against one backend: every distinct failure within the budget, each shrunk, with its repro."""
     device = _device(args)
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
-    from hypothesis.errors import Flaky, Unsatisfiable
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.campaign import Campaign, summary_table
+    from moe_lora_harness.harness.report import to_junit
     from moe_lora_harness.harness.strategies import claimed_cases, profile
     specs = _backends(args)
     if len(specs) != 1:
@@ -280,49 +297,56 @@ def cmd_fuzz(args) -> int:
     cpu = not device.startswith("cuda")
     sizes = (dict(max_T=10 if cpu else 256, max_dim=96 if cpu else 1024) if level == "expert"
              else dict(max_T=12 if cpu else 256, max_dim=96 if cpu else 1024))
-    draw_cases = claimed_cases(spec, device, level, **sizes)   # the search spends itself on what it claims
-    found, claimed = {}, [0]
+    strategy = claimed_cases(spec, device, level, **sizes)   # the search spends itself on what it claims
+    max_examples = args.max_examples or (10**9 if args.budget else 300)
+    corpus = None if args.no_db else (args.corpus or os.path.join(".moe-lora-harness", "corpus", f"{name}-{level}"))
     executor = _executor(args)
-    base = profile("fuzz")
-
-    @settings(base, max_examples=args.max_examples, database=None if args.no_db else base.database)
-    @given(st.data())
-    def search(data):
-        case = data.draw(draw_cases, label="case")
-        claimed[0] += 1
-        o = run_case(spec, case, device, executor=executor, reruns=args.reruns)
-        if o.failed:
-            found["outcome"] = o
-            raise AssertionError(o.detail)
-
-    if args.seed is not None:
-        from hypothesis import seed as hseed
-        search = hseed(args.seed)(search)
+    campaign = Campaign(spec, device, level, executor, budget_s=args.budget, max_examples=max_examples,
+                        seed=args.seed, reruns=args.reruns, database=None if args.no_db else profile("fuzz").database,
+                        corpus_dir=corpus, sizes=sizes, progress=_progress_wanted(args))
+    interrupted = False
     try:
-        search()
-    except AssertionError:
-        print(f"smallest failing case found for {name} ({level} level):\n{found['outcome'].detail}")
-        return 1
-    except Flaky:
-        o = found.get("outcome")
-        print(f"{name}: NONDETERMINISTIC: a case failed during the search and passed when hypothesis replayed it")
-        if o is not None:
-            print(o.detail)
-        return 1
-    except Unsatisfiable:
-        print(f"{name}: NOTHING TESTED: none of the drawn {level}-level cases is claimed by its declarations on "
-              f"{device}")
-        return 1
+        result = campaign.run(strategy)
     except KeyboardInterrupt:
-        print("INTERRUPTED", file=sys.stderr)
-        return 130
+        interrupted = True
+        result = campaign.result
     finally:
         executor.close()
-    if not claimed[0]:
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for i, f in enumerate(result.found, 1):
+            (out / f"failure-{i:02d}.json").write_text(json.dumps(f.record(device), indent=1, sort_keys=True))
+        (out / "campaign.json").write_text(json.dumps({
+            "backend": name, "origin": spec.origin, "level": level, "device": device,
+            "examples": result.examples, "seconds": round(result.seconds, 1), "stopped": result.exhausted,
+            "interrupted": interrupted, "distinct_failures": [f.signature.text for f in result.found],
+            "fixed_since_last_run": [c.to_json() for c in result.fixed]}, indent=1, sort_keys=True))
+    if args.junit:
+        cases = [dict(classname=f"fuzz.{name}", name=f"#{i} {f.signature.text}", status="fail",
+                      message=f.signature.text, detail=f.outcome.detail, seconds=f.seconds)
+                 for i, f in enumerate(result.found, 1)]
+        if not cases:
+            cases = [dict(classname=f"fuzz.{name}", name=f"{level}-level campaign", seconds=result.seconds,
+                          status="pass" if result.claimed_any else "fail",
+                          message="" if result.claimed_any else "nothing tested")]
+        pathlib.Path(args.junit).write_text(to_junit("moe-lora-harness fuzz", cases))
+    for f in result.found:
+        print(f.outcome.detail + "\n")
+    for c in result.fixed:
+        print(f"FIXED since the last run (removed from the corpus): {c.to_json()}")
+    table = summary_table(result, device)
+    if table:
+        print(table)
+    print(f"\n{name}: {result.examples} {level}-level examples in {result.seconds:.0f}s on {device}, "
+          f"{len(result.found)} distinct failure(s); stopped: {'interrupted' if interrupted else result.exhausted}"
+          + (f"; reports in {args.out}" if args.out else ""))
+    if interrupted:
+        return 130
+    if not result.claimed_any and not result.found:
         print(f"{name}: NOTHING TESTED: no drawn {level}-level case is claimed by its declarations on {device}")
         return 1
-    print(f"{name}: no failure in {claimed[0]} claimed {level}-level examples on {device}")
-    return 0
+    return 1 if result.found else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run declined cases and report those that pass")
     c.add_argument("--json", metavar="PATH", help="write the matrix as JSON (also on a failure or Ctrl-C)")
     c.add_argument("--markdown", metavar="PATH", help="write the matrix as Markdown (also on a failure or Ctrl-C)")
+    c.add_argument("--junit", metavar="PATH", help="write JUnit XML, one test case per feature x backend")
     c.add_argument("-v", "--verbose", action="store_true")
     c.set_defaults(fn=cmd_check)
     r = sub.add_parser("replay", help="replay one case (JSON) against the backends")
@@ -370,12 +395,22 @@ def build_parser() -> argparse.ArgumentParser:
     l_.set_defaults(fn=cmd_list)
     f = sub.add_parser("fuzz", help="search for the smallest failing case of one backend")
     common(f)
-    f.add_argument("--max-examples", type=_positive(int), default=300, metavar="N")
+    f.add_argument("--budget", type=parse_budget, default=None, metavar="DURATION",
+                   help="time budget (90s, 10m, 1h); the campaign finds every distinct failure it can within it")
+    f.add_argument("--max-examples", type=_positive(int), default=None, metavar="N",
+                   help="at most N examples (default 300 without --budget, unbounded with it)")
+    f.add_argument("--out", metavar="DIR", help="write each distinct failure (minimal case, signature, REPRO) "
+                                                "as DIR/failure-NN.json and DIR/campaign.json")
+    f.add_argument("--corpus", metavar="DIR", help="failures found before, replayed first (default "
+                                                   ".moe-lora-harness/corpus/NAME-LEVEL; --no-db disables it)")
+    f.add_argument("--junit", metavar="PATH", help="write JUnit XML (one test case per distinct failure)")
+    f.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
+                                                              "terminal, or when $CI is set)")
     f.add_argument("--level", choices=("op", "expert"), default=None,
                    help="attack the op (fused_moe_lora) or an expert backend's forward (default: the level the "
                         "backend provides)")
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
-    f.add_argument("--no-db", action="store_true", help="do not use the example database")
+    f.add_argument("--no-db", action="store_true", help="use neither the example database nor the corpus")
     f.set_defaults(fn=cmd_fuzz)
     return p
 

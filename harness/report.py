@@ -83,3 +83,39 @@ def to_markdown(matrix: dict, features: list[str], header: str = "") -> str:
 
 def to_json(matrix: dict, meta: dict) -> str:
     return json.dumps({"meta": meta, "matrix": matrix}, indent=1, sort_keys=True)
+
+
+def to_junit(suite: str, cases: list[dict]) -> str:
+    """JUnit XML for CI systems: one <testcase> per dict {classname, name, status (pass, fail, skip), message,
+    detail, seconds}."""
+    from xml.sax.saxutils import escape, quoteattr
+    fails = sum(c["status"] == "fail" for c in cases)
+    skips = sum(c["status"] == "skip" for c in cases)
+    total = sum(float(c.get("seconds", 0.0)) for c in cases)
+    out = ['<?xml version="1.0" encoding="utf-8"?>',
+           f'<testsuites><testsuite name={quoteattr(suite)} tests="{len(cases)}" failures="{fails}" errors="0" '
+           f'skipped="{skips}" time="{total:.3f}">']
+    for c in cases:
+        head = (f'<testcase classname={quoteattr(c["classname"])} name={quoteattr(c["name"])} '
+                f'time="{float(c.get("seconds", 0.0)):.3f}"')
+        if c["status"] == "fail":
+            out.append(f'{head}><failure message={quoteattr(c.get("message", "")[:500])}>'
+                       f'{escape(c.get("detail", ""))}</failure></testcase>')
+        elif c["status"] == "skip":
+            out.append(f'{head}><skipped message={quoteattr(c.get("message", "")[:500])}/></testcase>')
+        else:
+            out.append(f"{head}/>")
+    out.append("</testsuite></testsuites>")
+    return "\n".join(out) + "\n"
+
+
+def matrix_junit_cases(matrix: dict, suite: str = "check") -> list[dict]:
+    """One JUnit case per (backend, feature) cell of a check matrix."""
+    cases = []
+    for backend, feats in matrix.items():
+        for feature, c in feats.items():
+            status = {"fail": "fail", "xpass": "fail", "unsupported": "skip"}.get(c["status"], "pass")
+            cases.append(dict(classname=f"{suite}.{backend}", name=feature, status=status,
+                              message=c["reason"] or ", ".join(f"{k}={v}" for k, v in c["kinds"].items()),
+                              detail="\n\n".join(c["failures"])))
+    return cases

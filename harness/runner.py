@@ -44,6 +44,7 @@ class Outcome:
     kind: str = ""
     runs: list = field(default_factory=list)    # each run's signature, when the case was run more than once
     seconds: float = 0.0
+    message: str = ""                           # a failure's one-line message (exception type and text, bound)
 
     @property
     def failed(self) -> bool:
@@ -75,6 +76,7 @@ class Expectation:
     emulation: object
     poison: torch.Tensor | None = None
     before: torch.Tensor | None = None
+    bound_dtype: torch.dtype | None = None     # the dtype whose epsilon the bound uses (the declared model's)
 
 
 def _ref_kwargs(inp) -> dict:
@@ -99,6 +101,14 @@ def op_expectations(case: Case, backend_precision: str):
 
 def expectations(spec: BackendSpec, case: Case) -> Expectation:
     """Everything the judge needs before the backend runs (computed once for all reruns)."""
+    exp = _expectations(spec, case)
+    if exp.truth is not None:
+        from moe_lora_harness.reference.precision import bound_dtype
+        exp.bound_dtype = bound_dtype(spec.precision_for(case), torch_dtype(case))
+    return exp
+
+
+def _expectations(spec: BackendSpec, case: Case) -> Expectation:
     if case.level == "op":
         cpu, truth, emu = op_expectations(case, spec.precision_for(case))
         digest = inputs_digest(cpu)   # before poisoning: the worker digests its inputs as built, too
@@ -145,12 +155,12 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution) -> tuple[str, 
                                  "worker's global state, e.g. torch's RNG or a harness function)"), None
     if case.level == "op":
         verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale,
-                                  exp.truth.written, dtype=torch_dtype(case), k_plus_r=case.K + case.max_rank,
-                                  before=exp.before)
+                                  exp.truth.written, dtype=exp.bound_dtype or torch_dtype(case),
+                                  k_plus_r=case.K + case.max_rank, before=exp.before)
     else:
         written = torch.ones(case.T, case.H, dtype=torch.bool)
         verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written,
-                                  dtype=torch_dtype(case), k_plus_r=case.H + case.I + case.max_rank,
+                                  dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=case.H + case.I + case.max_rank,
                                   names=("t", "h"))
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
@@ -167,11 +177,13 @@ def _signature(kind: str, ex: Execution) -> str:
 
 
 def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool = False, executor=None,
-             reruns: int = DEFAULT_RERUNS) -> Outcome:
+             reruns: int = DEFAULT_RERUNS, diagnose: bool = True) -> Outcome:
     """Judge one case: unsupported (with the declared reason), pass, fail, xfail/xpass per the ledger.
 
     With `probe`, a case the backend declines is run anyway; if it passes the outcome is
-    `works-unclaimed` (reported, not a failure). A malformed case raises MalformedCase.
+    `works-unclaimed` (reported, not a failure). A malformed case raises MalformedCase. `diagnose`: re-judge
+    a bound failure against alternative rounding models (harness/diagnose.py; a fuzz search turns it off
+    while shrinking).
     """
     problems = case.problems()
     if problems:
@@ -185,7 +197,8 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         detail = "\n".join([f"FAIL backend={spec.name} case={case.id} device={device} kind=declaration",
                             f"  {message}", "  " + "".join(traceback.format_exception(e)[-3:]).strip(),
                             f"CASE: {case.to_json()}", f"REPRO: {repro_command(spec, case, device)}"])
-        return Outcome(spec.name, case, device, "fail", "declaration", None, detail, kind="declaration")
+        return Outcome(spec.name, case, device, "fail", "declaration", None, detail, kind="declaration",
+                       message=message)
     if not ok and not probe:
         return Outcome(spec.name, case, device, "unsupported", reason)
     if case.dispatched:
@@ -228,8 +241,8 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if passed:
         return Outcome(spec.name, case, device, "pass", "", verdict, seconds=seconds)
     return Outcome(spec.name, case, device, "fail", kind, verdict,
-                   _explain(spec, case, device, kind, message, verdict, ex, exp), kind=kind, runs=runs,
-                   seconds=seconds)
+                   _explain(spec, case, device, kind, message, verdict, ex, exp, diagnose), kind=kind, runs=runs,
+                   seconds=seconds, message=message)
 
 
 def _op_coords(case: Case, cpu):
@@ -252,7 +265,17 @@ def _expert_coords(case: Case, inp):
     return coords
 
 
-def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Expectation) -> str:
+def _precision_diagnosis(spec, case, ex: Execution, exp: Expectation) -> str:
+    """Which rounding model (TF32 operands, bf16 operands, ...) the failing output follows, if any."""
+    from moe_lora_harness.harness.diagnose import diagnose
+    try:
+        d = diagnose(case, spec.precision_for(case), ex.output, exp.truth)
+    except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict
+        return f"(no diagnosis: {type(e).__name__}: {e})"
+    return d.text if d is not None else "the error is too large for any rounding model (a semantic bug)"
+
+
+def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Expectation, diagnose=True) -> str:
     lines = [f"FAIL backend={spec.name} case={case.id} device={device} kind={kind}", f"  {message}"]
     if ex.failure is not None and ex.failure.traceback:
         lines.append("  " + ex.failure.traceback.strip().replace("\n", "\n  "))
@@ -260,6 +283,8 @@ def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Exp
         coords = _op_coords(case, exp.inputs) if case.level == "op" else _expert_coords(case, exp.inputs)
         names = ("t", "j", "col") if case.level == "op" else ("t", "h")
         lines.append(format_worst(verdict, names, coords))
+    if diagnose and verdict is not None and kind in ("element", "aggregate") and ex.output is not None:
+        lines.append("  precision: " + _precision_diagnosis(spec, case, ex, exp))
     if ex.log.strip():
         lines.append("  backend output (last lines):\n    " + "\n    ".join(ex.log.strip().splitlines()[-15:]))
     lines.append(f"CASE: {case.to_json()}")

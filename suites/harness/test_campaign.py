@@ -1,0 +1,98 @@
+"""Fuzz campaigns (harness/campaign.py, `moe-lora-harness fuzz --budget`): one run reports every distinct
+failure of a backend with several independent bugs, each with a minimal case and its REPRO; a crash or a
+hang is one more distinct failure and the campaign goes on; a known failure is replayed first from the
+corpus; reports (JSON, JUnit) are written."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from moe_lora_harness.harness.campaign import Campaign, Signature, axes_of, failure_class
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.strategies import claimed_cases
+from moe_lora_harness.harness.worker import Supervisor
+from moe_lora_harness.reference.lora_op import fused_moe_lora as ref_op
+
+SIZES = dict(max_T=12, max_dim=48)
+
+
+def _three_bugs(**kw):
+    """Three independent defects: offset columns zeroed, no store without add_inputs, a raise for rank > 64."""
+    if int(kw["max_lora_rank"]) > 64:
+        raise ValueError("rank too large")
+    if not kw.get("add_inputs", True):
+        return
+    ref_op(**kw, precision="one_shot")
+    if kw.get("offset", 0):
+        kw["output"][:, :, :kw["offset"]] = 0
+
+
+THREE_BUGS = BackendSpec(name="three-bugs", description=_three_bugs.__doc__,
+                         capabilities=Capabilities(levels=frozenset({"op"})), op=_three_bugs, precision="one_shot")
+
+
+def _campaign(spec, executor, **kw):
+    c = Campaign(spec, "cpu", "op", executor, reruns=kw.pop("reruns", 0), **kw)
+    return c.run(claimed_cases(spec, "cpu", "op", **SIZES))
+
+
+def test_one_campaign_reports_each_independent_bug():
+    result = _campaign(THREE_BUGS, InProcess(), max_examples=120, seed=11)
+    classes = {f.signature.klass: f for f in result.found}
+    texts = [f.signature.text for f in result.found]
+    assert any(k.startswith("raised: ValueError: rank too large") for k in classes), texts
+    assert any(f.signature.needs == (("add_inputs", "False"),) for f in result.found), texts
+    assert any(("offset", "nonzero") in f.signature.needs for f in result.found), texts
+    assert len(result.found) == 3, texts          # each bug once, not once per variant
+    for f in result.found:
+        assert f.outcome.failed and "REPRO: " in f.outcome.detail
+
+
+def test_a_crash_and_a_hang_are_failures_and_the_campaign_goes_on():
+    spec = {s.name: s for s in load_ref("moe_lora_harness.suites.harness.multi_bug_backends:BACKENDS")}["crash-and-hang"]
+    with Supervisor(timeout=1) as sup:
+        result = _campaign(spec, sup, budget_s=60, seed=3, max_examples=10**6)
+    classes = sorted(f.signature.klass for f in result.found)
+    assert any(k.startswith("crash: exited with code 3") for k in classes), classes
+    assert "hang" in classes, classes
+    assert result.examples > len(result.found) + 5   # the search went on past both
+
+
+def test_failures_found_before_are_replayed_first(tmp_path):
+    first = _campaign(THREE_BUGS, InProcess(), max_examples=60, seed=11, corpus_dir=str(tmp_path))
+    assert first.found and list(tmp_path.glob("*.json"))
+    again = _campaign(THREE_BUGS, InProcess(), max_examples=len(first.found), seed=99, corpus_dir=str(tmp_path))
+    assert [f.regression for f in again.found[:len(first.found)]] == [True] * len(first.found)
+    assert {f.signature for f in again.found} >= {f.signature for f in first.found}
+
+
+def test_signature_matching():
+    sig = Signature("per-element bound", (("offset", "nonzero"),))
+    assert sig.matches("per-element bound", {"offset": "nonzero", "dtype": "float32"})
+    assert not sig.matches("per-element bound", {"offset": "0"})
+    assert not sig.matches("non-finite output", {"offset": "nonzero"})
+    assert axes_of(Case(offset=3, which="w2", num_slices=1))["offset"] == "nonzero"
+
+
+def test_fuzz_cli_writes_json_junit_and_exits_1(tmp_path, monkeypatch):
+    from moe_lora_harness.harness import cli
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+                   "--max-examples", "40", "--seed", "2", "--in-process", "--reruns", "0", "--out", "out",
+                   "--junit", "f.xml", "--no-db", "-q"])
+    assert rc == 1
+    summary = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    assert summary["distinct_failures"] and (tmp_path / "out" / "failure-01.json").exists()
+    record = json.loads((tmp_path / "out" / "failure-01.json").read_text())
+    assert record["repro"].startswith("moe-lora-harness replay") and Case.from_json(record["case"]).problems() == []
+    suite = ET.parse(tmp_path / "f.xml").getroot().find("testsuite")
+    assert int(suite.get("failures")) == len(summary["distinct_failures"]) >= 1
+
+
+def test_failure_class_names_the_exception():
+    from moe_lora_harness.harness.runner import run_case
+    o = run_case(THREE_BUGS, Case(max_rank=128, T=2), "cpu", executor=InProcess(), reruns=0)
+    assert failure_class(o) == "raised: ValueError: rank too large"
