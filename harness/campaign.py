@@ -225,11 +225,11 @@ class Campaign:
     def __init__(self, spec: BackendSpec, device: str, level: str, executor, *, budget_s: float | None = None,
                  max_examples: int = 300, seed: int | None = None, reruns: int = 2, database=None,
                  corpus_dir: str | None = None, sizes: dict | None = None, progress: bool = False,
-                 max_found: int = 50):
+                 max_found: int = 50, shrink: bool = True):
         self.spec, self.device, self.level, self.executor = spec, device, level, executor
         self.budget_s, self.max_examples, self.seed, self.reruns = budget_s, max_examples, seed, reruns
         self.database, self.corpus_dir, self.sizes = database, corpus_dir, sizes or {}
-        self.progress, self.max_found = progress, max_found
+        self.progress, self.max_found, self.shrink = progress, max_found, shrink
         self.result = CampaignResult()
         self._t0 = 0.0
         self._last_progress = 0.0
@@ -269,6 +269,11 @@ class Campaign:
         sys.stderr.flush()
 
     def _add(self, o: Outcome, **kw) -> Found:
+        if not self.shrink:       # detection only (selftest): the class, no shrink, no axis experiments
+            kw["shrunk"] = False
+            f = Found(Signature(failure_class(o)), o, time.monotonic() - self._t0, **kw)
+            self.result.found.append(f)
+            return f
         if self._left() > 0 and o.kind != "timeout":
             # the search runs each example once, undiagnosed (shrinking stays cheap); the minimal case is run
             # again here, diagnosed, and `reruns` more times, so a nondeterministic backend is reported as such
@@ -343,7 +348,7 @@ class Campaign:
 
             @settings(max_examples=left_examples, deadline=None, database=self.database, derandomize=False,
                       verbosity=Verbosity.quiet, print_blob=False, suppress_health_check=list(HealthCheck),
-                      phases=(Phase.reuse, Phase.generate, Phase.target, Phase.shrink))
+                      phases=(Phase.reuse, Phase.generate, Phase.target) + ((Phase.shrink,) if self.shrink else ()))
             @given(st.data())
             def search(data):
                 # past the budget, stop; while a found failure is being shrunk, allow a grace of a fifth of the

@@ -4,6 +4,7 @@
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
   moe-lora-harness fuzz --only NAME [--level op|expert] [--budget 10m] [--max-examples N] [--out DIR] [--junit F]
   moe-lora-harness list [--backend REF] [--only NAME]
+  moe-lora-harness selftest [--corpus op|tp|ep|schedule] [--detectors check,fuzz] [--quick] [--junit F]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
@@ -349,6 +350,55 @@ def cmd_fuzz(args) -> int:
     return 1 if result.found else 0
 
 
+def cmd_selftest(args) -> int:
+    """Every planted-bug corpus through check and a short fuzz; the kill matrix; fails if a mutant survives."""
+    device = _device(args)
+    from moe_lora_harness.harness.report import to_junit
+    from moe_lora_harness.harness.selftest import CORPORA, junit_cases, kill_matrix_text, run_selftest
+    known = [c.name for c in CORPORA]
+    for name in args.corpus:
+        if name not in known:
+            raise UsageError(f"--corpus {name!r}: no such corpus; corpora: {', '.join(known)}")
+    detectors = tuple(d for d in args.detectors.split(",") if d)
+    bad = [d for d in detectors if d not in ("check", "fuzz")]
+    if bad or not detectors:
+        raise UsageError(f"--detectors must be a comma-separated subset of check,fuzz; got {args.detectors!r}")
+    budget = args.fuzz_budget if args.fuzz_budget is not None else (5.0 if args.quick else 20.0)
+    examples = 40 if args.quick else 200
+    executor = _executor(args)
+    t0 = time.time()
+    try:
+        res = run_selftest(device, executor, corpora=args.corpus or None, detectors=detectors, fuzz_budget_s=budget,
+                           fuzz_max_examples=examples,
+                           progress=(lambda what: print(f"[selftest] {what}", file=sys.stderr)) if args.verbose else None)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", file=sys.stderr)
+        return 130
+    finally:
+        executor.close()
+    print(kill_matrix_text(res, detectors))
+    if args.junit:
+        pathlib.Path(args.junit).write_text(to_junit("moe-lora-harness selftest", junit_cases(res)))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({
+            "device": device, "detectors": detectors, "fuzz_budget_s": budget, "seconds": round(time.time() - t0, 1),
+            "mutants": {f"{c}/{b}": {d: vars(k) for d, k in cells.items()} for (c, b), cells in res.cells.items()},
+            "controls": {f"{c}/{b}": fails for (c, b), fails in res.controls.items()},
+            "skipped": res.skipped, "survivors": [f"{c}/{b}" for c, b in res.survivors]}, indent=1, sort_keys=True))
+    n = len(res.cells)
+    print(f"\n{n} mutants, {n - len(res.survivors)} killed, {len(res.survivors)} survived; "
+          f"{len(res.controls) - len(res.failing_controls)} of {len(res.controls)} controls pass; "
+          f"{time.time() - t0:.0f}s on {device}")
+    for c, b in res.survivors:
+        print(f"SURVIVED: {c}/{b}: no detector caught this planted bug")
+    for c, b in res.failing_controls:
+        print(f"CONTROL FAILED: {c}/{b}: {'; '.join(res.controls[(c, b)])}")
+    if not n and not res.controls:
+        print("NOTHING TESTED: no corpus ran here")
+        return 1
+    return 1 if (res.survivors or res.failing_controls) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-lora-harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -412,6 +462,19 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
     f.add_argument("--no-db", action="store_true", help="use neither the example database nor the corpus")
     f.set_defaults(fn=cmd_fuzz)
+    t = sub.add_parser("selftest", help="run the project's planted-bug corpora through check and fuzz: the kill "
+                                        "matrix; fails if a planted bug survives or a correct backend fails")
+    common(t)
+    t.add_argument("--corpus", action="append", default=[], metavar="NAME",
+                   help="only these corpora (op, tp, ep, schedule; repeatable)")
+    t.add_argument("--detectors", default="check,fuzz", metavar="LIST", help="comma-separated: check, fuzz")
+    t.add_argument("--fuzz-budget", type=parse_budget, default=None, metavar="DURATION",
+                   help="per mutant (default 20s; 5s with --quick)")
+    t.add_argument("--quick", action="store_true", help="the bounded form CI runs: short fuzz budgets")
+    t.add_argument("--json", metavar="PATH")
+    t.add_argument("--junit", metavar="PATH", help="JUnit XML: one test case per mutant x detector")
+    t.add_argument("-v", "--verbose", action="store_true")
+    t.set_defaults(fn=cmd_selftest)
     return p
 
 

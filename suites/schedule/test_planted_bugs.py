@@ -85,6 +85,7 @@ try:
     from moe_lora_harness.backends.experts import config_from_call, context_from_call
     from moe_lora_harness.harness.contract import BackendSpec, Capabilities
     from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.suites.schedule.planted_backends import planted_backend
     from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
     from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
     from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize
@@ -92,26 +93,6 @@ try:
     _MISSING = "" if interpreting() else "CPU Triton runs need the interpreter (TRITON_INTERPRET=1; the CPU lane)"
 except Exception as e:  # noqa: BLE001
     _MISSING = f"Triton experts not importable: {type(e).__name__}: {e}"
-
-
-def planted_backend(bug: str | None) -> BackendSpec:
-    """A harness backend running DualStreamTritonExperts with `bug` planted in its program (None = correct)."""
-    def run(call):
-        config = config_from_call(call)
-        experts = DualStreamTritonExperts(config)
-        experts.poison_workspace = POISON
-        if bug is not None:
-            experts.program_for = lambda plan: PLANTED[bug](dual_stream_program(plan))
-        ctx = context_from_call(call, config)
-        ctx.dual_stream = True
-        kernel = FusedMoEKernel(NoEPPrepareAndFinalize(), experts)
-        for _ in range(2):   # two calls of one layer: cross-call reuse is checked too
-            kernel.apply(call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids, lora_ctx=ctx,
-                         expert_map=call.expert_map, w13_bias=call.w13_bias, w2_bias=call.w2_bias,
-                         output=call.output)
-    return BackendSpec(name=f"planted:{bug}", description="planted", experts=run, precision=dual_stream_precision,
-                       capabilities=Capabilities(levels=frozenset({"expert"}),
-                                                 dtypes={"cpu": frozenset({"float16", "float32"})}))
 
 
 @pytest.mark.skipif(bool(_MISSING), reason=_MISSING or "available")

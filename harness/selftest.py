@@ -1,0 +1,175 @@
+"""`moe-lora-harness selftest`: every planted-bug corpus of the project through the harness's own detectors.
+
+A corpus is data: a backend reference holding mutants (each wrong in one known way) and controls (correct),
+the level they run at and the check features that concern them. Each mutant is attacked by each detector:
+`check` (the corpus' feature rows, one case each, until the first failure) and `fuzz` (a budgeted campaign);
+the kill matrix gives, per mutant and detector, whether and after how long it was caught. The run fails if
+a mutant survives every detector or a control fails anything.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from moe_lora_harness.harness.features import FEATURES, Feature
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One planted-bug corpus: `ref` loads its backends; names in `controls` are the correct ones."""
+
+    name: str
+    ref: str
+    controls: tuple
+    level: str
+    features: Callable[[Feature], bool]
+    select: Callable[[object], bool] = lambda spec: True     # which of the ref's backends belong to it
+    devices: tuple = ("cpu", "cuda")
+    fuzz_level: str | None = None                             # claimed_cases level (default: `level`)
+
+
+def _is_level(level):
+    return lambda spec: level in spec.capabilities.levels
+
+
+CORPORA = (
+    Corpus("op", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-control",), "op",
+           lambda f: f.level == "op", select=_is_level("op")),
+    Corpus("tp", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-experts-control",), "expert",
+           lambda f: "TP 2" in f.name, select=_is_level("expert")),
+    Corpus("ep", "moe_lora_harness.suites.experts.ep_mutants:MUTANTS", ("ep-control",), "expert",
+           lambda f: f.name.startswith("experts: EP") and "processes" not in f.name, fuzz_level="ep"),
+    Corpus("schedule", "moe_lora_harness.suites.schedule.planted_backends:BACKENDS", ("schedule-control",),
+           "expert", lambda f: f.name in ("experts: silu", "experts: tokens without adapter (-1)",
+                                          "experts: fp32", "experts: rank padding"), devices=("cpu",)),
+)
+
+
+@dataclass
+class Kill:
+    """One (backend, detector) cell: caught or not, after how many seconds and runs, and the first failure."""
+
+    caught: bool
+    seconds: float
+    runs: int
+    first: str = ""       # the first failure's one-line summary
+    error: str = ""       # the detector could not run (load error, nothing claimed)
+
+
+@dataclass
+class SelftestResult:
+    cells: dict = field(default_factory=dict)      # (corpus, backend) -> {detector: Kill}
+    controls: dict = field(default_factory=dict)   # (corpus, backend) -> list of failure summaries
+    skipped: dict = field(default_factory=dict)    # corpus -> why it did not run
+
+    @property
+    def survivors(self) -> list:
+        return [k for k, cells in self.cells.items() if cells and not any(c.caught for c in cells.values())]
+
+    @property
+    def failing_controls(self) -> list:
+        return [k for k, fails in self.controls.items() if fails]
+
+
+def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: bool) -> Kill:
+    from moe_lora_harness.harness.features import feature_cases
+    from moe_lora_harness.harness.runner import run_case
+    t0, runs, claimed = time.monotonic(), 0, 0
+    failures = []
+    for feat, _, case in feature_cases([f for f in FEATURES if corpus.features(f)], device, 1):
+        o = run_case(spec, case, device, executor=executor, reruns=0, diagnose=False)
+        runs += 1
+        claimed += o.status != "unsupported"
+        if o.failed:
+            failures.append(f"{feat.name}: {o.kind} {o.message[:120]}")
+            if stop_at_first:
+                return Kill(True, time.monotonic() - t0, runs, failures[0])
+    if not claimed:
+        return Kill(False, time.monotonic() - t0, runs, error="declined every check row")
+    return Kill(bool(failures), time.monotonic() - t0, runs, "; ".join(failures[:3]))
+
+
+def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int) -> Kill:
+    from moe_lora_harness.harness.campaign import Campaign
+    from moe_lora_harness.harness.strategies import claimed_cases
+    cpu = not str(device).startswith("cuda")
+    sizes = dict(max_T=10 if cpu else 128, max_dim=64 if cpu else 512)
+    t0 = time.monotonic()
+    c = Campaign(spec, device, corpus.level, executor, budget_s=budget_s, max_examples=max_examples, seed=0,
+                 reruns=0, max_found=1, shrink=False)     # time to detection: the first failing example
+    r = c.run(claimed_cases(spec, device, corpus.fuzz_level or corpus.level, **sizes))
+    if not r.claimed_any and not r.found:
+        return Kill(False, time.monotonic() - t0, r.examples, error="nothing claimed")
+    if r.found:
+        f = r.found[0]
+        return Kill(True, f.seconds, r.examples, f.signature.text)
+    return Kill(False, time.monotonic() - t0, r.examples)
+
+
+def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fuzz"), fuzz_budget_s: float = 20.0,
+                 fuzz_max_examples: int = 200, progress=None) -> SelftestResult:
+    """Every mutant of the chosen corpora under every detector; every control through check (all rows)."""
+    from moe_lora_harness.harness.registry import load_ref
+    res = SelftestResult()
+    dev = "cuda" if str(device).startswith("cuda") else str(device)
+    for corpus in CORPORA:
+        if corpora and corpus.name not in corpora:
+            continue
+        if dev not in corpus.devices:
+            res.skipped[corpus.name] = f"runs on {', '.join(corpus.devices)} only"
+            continue
+        try:
+            specs = [s for s in load_ref(corpus.ref) if corpus.select(s)]
+        except Exception as e:  # noqa: BLE001 - e.g. Triton missing: the corpus is reported as not run
+            res.skipped[corpus.name] = f"{type(e).__name__}: {e}"
+            continue
+        for spec in specs:
+            key = (corpus.name, spec.name)
+            if progress:
+                progress(f"{corpus.name}/{spec.name}")
+            if spec.name in corpus.controls:
+                k = _check_detector(spec, corpus, device, executor, stop_at_first=False)
+                res.controls[key] = ([k.first] if k.caught else []) + ([k.error] if k.error else [])
+                continue
+            cells = {}
+            if "check" in detectors:
+                cells["check"] = _check_detector(spec, corpus, device, executor, stop_at_first=True)
+            if "fuzz" in detectors:
+                cells["fuzz"] = _fuzz_detector(spec, corpus, device, executor, fuzz_budget_s, fuzz_max_examples)
+            res.cells[key] = cells
+    return res
+
+
+def kill_matrix_text(res: SelftestResult, detectors) -> str:
+    """The kill matrix (mutant x detector) and the controls' verdicts as text."""
+    w = max([len(f"{c}/{b}") for c, b in list(res.cells) + list(res.controls)] + [10])
+    lines = [f"{'mutant':<{w}}  " + "  ".join(f"{d:<22}" for d in detectors), "-" * (w + 24 * len(detectors))]
+    for (corpus, name), cells in res.cells.items():
+        row = []
+        for d in detectors:
+            k = cells.get(d)
+            row.append("-" if k is None else (f"killed {k.seconds:.1f}s ({k.runs} runs)" if k.caught else
+                                              f"survived{' (' + k.error + ')' if k.error else ''}"))
+        lines.append(f"{corpus + '/' + name:<{w}}  " + "  ".join(f"{r:<22}" for r in row))
+    for (corpus, name), fails in res.controls.items():
+        lines.append(f"{corpus + '/' + name:<{w}}  control: " + ("FAILED: " + "; ".join(fails) if fails else "passes"))
+    for corpus, why in res.skipped.items():
+        lines.append(f"corpus {corpus} not run: {why}")
+    return "\n".join(lines)
+
+
+def junit_cases(res: SelftestResult) -> list:
+    cases = []
+    for (corpus, name), cells in res.cells.items():
+        for d, k in cells.items():
+            cases.append(dict(classname=f"selftest.{corpus}.{name}", name=d, seconds=k.seconds,
+                              status="pass" if k.caught else "skip" if k.error else "fail",
+                              message=k.first or k.error or "the planted bug survived this detector"))
+        cases.append(dict(classname=f"selftest.{corpus}.{name}", name="any detector", seconds=0.0,
+                          status="pass" if any(k.caught for k in cells.values()) else "fail",
+                          message="" if any(k.caught for k in cells.values()) else "survived every detector"))
+    for (corpus, name), fails in res.controls.items():
+        cases.append(dict(classname=f"selftest.{corpus}.{name}", name="control passes", seconds=0.0,
+                          status="fail" if fails else "pass", message="; ".join(fails)))
+    return cases
