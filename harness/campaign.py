@@ -70,7 +70,7 @@ def axes_of(case: Case, spec: BackendSpec | None = None) -> dict:
 def failure_class(o: Outcome) -> str:
     """The failure's class: its kind, with the exception type and message head for a raise, the signal for a crash."""
     kind = o.kind or o.status
-    if kind == "raised" or kind == "declaration":
+    if kind in ("raised", "declaration", "environment"):
         head = re.sub(r"\d+", "#", (o.message or "").split("\n", 1)[0])[:80]
         return f"{kind}: {head}"
     if kind == "crash":
@@ -285,8 +285,8 @@ class Campaign:
                 o.kind, o.message = "nondeterministic", f"failed once ({first}), then {again.status} when run again"
                 o.detail = (f"NONDETERMINISTIC backend={self.spec.name}: the case failed (kind={first}), then "
                             f"{again.status}ed when run again; the first run:\n{o.detail}")
-        if o.kind == "nondeterministic":     # a property of the backend, not of some axes: one signature
-            f = Found(Signature("nondeterministic"), o, time.monotonic() - self._t0, **kw)
+        if o.kind in ("nondeterministic", "environment"):   # a property of the backend or of the run: no axes
+            f = Found(Signature(failure_class(o)), o, time.monotonic() - self._t0, **kw)
             self.result.found.append(f)
             return f
         needs = needed_axes(self.spec, o, self.device, self.executor) if self._left() > 0 else tuple(
@@ -418,7 +418,8 @@ def summary_table(result: CampaignResult, device: str) -> str:
         return ""
     lines = [f"{len(result.found)} distinct failure(s):", ""]
     for i, f in enumerate(result.found, 1):
-        tags = (" [regression]" if f.regression else "") + ("" if f.shrunk else " [partly shrunk]")
+        tags = ((" [regression]" if f.regression else "") + ("" if f.shrunk else " [partly shrunk]")
+                + (" [environment, not a kernel bug]" if f.outcome.kind == "environment" else ""))
         lines.append(f"#{i} at {f.seconds:.0f}s{tags}: {f.signature.text}")
         lines.append(f"   CASE: {f.outcome.case.to_json()}")
         lines.append(f"   REPRO: {repro_command_for(f.outcome, device)}")

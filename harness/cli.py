@@ -63,9 +63,16 @@ def _device(args) -> str:
 
 
 def _backends(args):
-    from moe_lora_harness.harness.registry import BackendLoadError, available_backends, select
+    import dataclasses
+    from moe_lora_harness.harness.registry import BackendLoadError, available_backends, load_attr, select
     try:
-        return select(available_backends(extra_refs=args.backend or []), args.only)
+        specs = select(available_backends(extra_refs=args.backend or []), args.only)
+        setup = getattr(args, "setup", None)
+        if setup:
+            if not callable(load_attr(setup)):
+                raise UsageError(f"--setup {setup!r} is not callable")
+            specs = {n: (s if s.setup is not None else dataclasses.replace(s, setup=setup)) for n, s in specs.items()}
+        return specs
     except BackendLoadError as e:
         raise UsageError(str(e)) from None
 
@@ -339,8 +346,10 @@ def cmd_fuzz(args) -> int:
     table = summary_table(result, device)
     if table:
         print(table)
+    env = sum(f.outcome.kind == "environment" for f in result.found)
     print(f"\n{name}: {result.examples} {level}-level examples in {result.seconds:.0f}s on {device}, "
-          f"{len(result.found)} distinct failure(s); stopped: {'interrupted' if interrupted else result.exhausted}"
+          f"{len(result.found) - env} distinct failure(s)" + (f" and {env} environment failure(s)" if env else "")
+          + f"; stopped: {'interrupted' if interrupted else result.exhausted}"
           + (f"; reports in {args.out}" if args.out else ""))
     if interrupted:
         return 130
@@ -419,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run a failing case N more times; a changed outcome is reported as nondeterministic")
         sp.add_argument("--in-process", action="store_true",
                         help="call backends in this process (for a debugger; a crash or hang then ends the run)")
+        sp.add_argument("--setup", metavar="REF", default=None,
+                        help="MODULE:ATTR of a function run once per worker before a backend's first call (e.g. a "
+                             "single-rank process group), for backends that declare no setup of their own")
 
     c = sub.add_parser("check", help="run the conformance features of every backend; print the matrix")
     common(c)

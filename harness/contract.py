@@ -22,6 +22,11 @@ OP_TUNING_PARAMS = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_
                     "expand_num_stages", "expand_split_k")
 OP_FLAGS = ("mul_routed_weight", "fully_sharded", "offset", "add_inputs")
 
+# Messages of a backend's own environment checks (a framework's distributed state missing): such a raise is
+# an environment failure of the run, not a defect of the kernel (every backend; a spec adds its own).
+ENVIRONMENT_ERRORS = (r"parallel group is not initiali[sz]ed", r"default process group has not been initiali[sz]ed",
+                      r"init_process_group", r"model parallel .* not initiali[sz]ed")
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -133,6 +138,12 @@ class BackendSpec:
     precision: str | Callable[[Case], str] = "one_shot"
     known_bugs: tuple = ()
     origin: str = ""
+    # the backend's environment: `setup` (a callable, or a "module:attr" reference to one) runs once per
+    # process that calls the backend, before its first call (e.g. a single-rank process group, a framework's
+    # parallel-state init); a raise whose message matches one of `environment_errors` (regexes; the common
+    # ones in ENVIRONMENT_ERRORS always apply) is an environment failure, not a kernel bug
+    setup: Callable | str | None = None
+    environment_errors: tuple = ()
 
     def precision_for(self, case: Case) -> str:
         return self.precision(case) if callable(self.precision) else self.precision

@@ -153,7 +153,8 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
     world = case.ep_size
     timeout_s = timeout_s if timeout_s is not None else 2 * collective_timeout() + PROCESS_START_S
     with tempfile.TemporaryDirectory(prefix="moe-lora-ep-") as tmp:
-        job = dict(origin=spec.origin, name=spec.name, case=case.to_json(), device=str(device))
+        job = dict(origin=spec.origin, name=spec.name, case=case.to_json(), device=str(device),
+                   setup=spec.setup if isinstance(spec.setup, str) else None)
         with open(os.path.join(tmp, "job.json"), "w") as f:
             json.dump(job, f)
         port = _free_port()
@@ -243,12 +244,20 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         specs = {s.name: s for s in load_ref(job["origin"])}
         if job["name"] not in specs:
             raise LookupError(f"{job['origin']} provides no backend named {job['name']!r}")
+        spec = specs[job["name"]]
+        if job.get("setup") and spec.setup is None:
+            import dataclasses
+            spec = dataclasses.replace(spec, setup=job["setup"])
+        from moe_lora_harness.harness.execute import run_setup
+        setup_failure = run_setup(spec)
+        if setup_failure is not None:
+            raise RuntimeError(setup_failure.message)
         built = build_expert_inputs(case)
         result["digest"] = inputs_digest(built)
         call = rank_call(built, case, rank, device, TorchDistributedCommunicator())
         watch = InputWatch()
         watch.add(f"rank{rank}", call)
-        specs[job["name"]].experts(call)
+        spec.experts(call)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         result["written"] = watch.written()

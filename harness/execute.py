@@ -155,6 +155,39 @@ def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch):
     return digest, output
 
 
+_SETUP_DONE: dict = {}   # setup identity -> None (done) or the Failure it raised, once per process
+
+
+def _setup_key(setup):
+    return setup if isinstance(setup, str) else id(setup)
+
+
+def run_setup(spec: BackendSpec) -> Failure | None:
+    """Run the backend's declared setup once in this process; its failure is an environment failure (kept, so
+    every later case of the backend reports it without running again)."""
+    setup = spec.setup
+    if setup is None:
+        return None
+    key = _setup_key(setup)
+    if key in _SETUP_DONE:
+        return _SETUP_DONE[key]
+    failure = None
+    try:
+        fn = setup
+        if isinstance(setup, str):
+            from moe_lora_harness.harness.registry import load_attr
+            fn = load_attr(setup)
+        fn()
+    except BaseException as e:  # noqa: BLE001 - a setup that fails is the environment's failure
+        if isinstance(e, HarnessInterrupt):
+            raise
+        failure = Failure("environment", f"the backend's setup ({setup if isinstance(setup, str) else getattr(setup, '__name__', setup)}) "
+                                         f"raised {type(e).__name__}: {e}"[:4000], type(e).__name__,
+                          "".join(traceback.format_exception(e)[-6:])[-6000:])
+    _SETUP_DONE[key] = failure
+    return failure
+
+
 def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_interrupt: bool = True) -> Execution:
     """Run `spec` on `case` once; any exception of the backend (SystemExit too) becomes a `Failure`.
 
@@ -164,6 +197,9 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
     watch = InputWatch()
     t0 = time.perf_counter()
     digest, out, failure = "", None, None
+    setup_failure = run_setup(spec)
+    if setup_failure is not None:
+        return Execution(failure=setup_failure, seconds=time.perf_counter() - t0)
     try:
         if case.level == "op":
             digest, out = _run_op(spec, case, device, poison, watch)

@@ -80,6 +80,23 @@ def _import(mod_name: str, ref: str):
         return importlib.import_module(mod_name)
 
 
+def load_attr(ref: str):
+    """The object "module:attr" (or "path/to/file.py:attr") names, e.g. a backend's setup callable."""
+    if ":" not in ref:
+        raise BackendLoadError(f"{ref!r}: expected 'module:attr' or 'path/to/file.py:attr'")
+    mod_name, attr = ref.rsplit(":", 1)
+    try:
+        mod = _import(mod_name, ref)
+    except BackendLoadError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - reported with its cause
+        raise BackendLoadError(f"{ref!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}") from e
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise BackendLoadError(f"{ref!r}: module {mod_name!r} has no attribute {attr!r}") from None
+
+
 def load_ref(ref: str) -> list[BackendSpec]:
     """Load "module:attr" (or "path/to/file.py:attr") into one or more BackendSpecs, origin = `ref`."""
     if ":" not in ref:

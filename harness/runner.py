@@ -53,7 +53,9 @@ class Outcome:
 
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
 FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "inputs-differ",
-                 "nondeterministic", "declaration", "accepted", "unclear-error")
+                 "nondeterministic", "declaration", "accepted", "unclear-error", "environment")
+# environment: the backend's setup failed, or it raised its own environment check (contract.ENVIRONMENT_ERRORS):
+# a failure of the run's environment, not of the kernel;
 # accepted: a configuration the contract rejects (contract.must_reject) ran instead of raising;
 # unclear-error: it raised, but the message does not name the setting
 
@@ -62,7 +64,8 @@ def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
     """One shell command that replays this case alone, from any directory of a fresh shell."""
     from moe_lora_harness.harness.registry import replay_prefix
     env, backend = replay_prefix(spec)
-    return (f"{env}moe-lora-harness replay{backend} --only {shlex.quote(spec.name)} --device {device} "
+    setup = f" --setup {shlex.quote(spec.setup)}" if isinstance(spec.setup, str) else ""
+    return (f"{env}moe-lora-harness replay{backend}{setup} --only {shlex.quote(spec.name)} --device {device} "
             f"--case {shlex.quote(case.to_json())}")
 
 
@@ -143,8 +146,20 @@ def _judge_rejection(case: Case, ex: Execution) -> tuple[str, str, None]:
     return "pass", "", None
 
 
-def _judge_execution(case: Case, exp: Expectation, ex: Execution) -> tuple[str, str, Verdict | None]:
+def _is_environment(spec: BackendSpec, message: str) -> bool:
+    import re
+    from moe_lora_harness.harness.contract import ENVIRONMENT_ERRORS
+    return any(re.search(p, message, re.I) for p in (*ENVIRONMENT_ERRORS, *spec.environment_errors))
+
+
+def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendSpec | None = None
+                     ) -> tuple[str, str, Verdict | None]:
     """(kind, message, verdict): kind 'pass' or a failure kind."""
+    if ex.failure is not None and ex.failure.kind == "raised" and spec is not None \
+            and _is_environment(spec, ex.failure.message):
+        f = ex.failure
+        return "environment", (f"the backend's own environment check failed ({f.exc_type}: {f.message}); "
+                               f"give it the environment it needs (BackendSpec.setup, or --setup MODULE:ATTR)"), None
     if must_reject(case) is not None:
         return _judge_rejection(case, ex)
     if ex.failure is not None:
@@ -208,16 +223,16 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
             return Outcome(spec.name, case, device, "unsupported", f"this machine: {problem}")
     executor = executor or InProcess()
     ex = executor.execute(spec, case, device, exp.poison)
-    kind, message, verdict = _judge_execution(case, exp, ex)
+    kind, message, verdict = _judge_execution(case, exp, ex, spec)
     seconds = ex.seconds
     runs = []
-    if kind not in ("pass", "timeout") and reruns > 0 and ok:
+    if kind not in ("pass", "timeout", "environment") and reruns > 0 and ok:
         # a failure is run again (a hang is not: it would cost the timeout again); a changed outcome means
         # the backend is nondeterministic, and that is the failure reported, with every run's outcome
         runs = [_signature(kind, ex)]
         for _ in range(reruns):
             ex_i = executor.execute(spec, case, device, exp.poison)
-            runs.append(_signature(_judge_execution(case, exp, ex_i)[0], ex_i))
+            runs.append(_signature(_judge_execution(case, exp, ex_i, spec)[0], ex_i))
             seconds += ex_i.seconds
         if len(set(runs)) > 1:
             kind = "nondeterministic"

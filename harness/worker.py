@@ -166,7 +166,8 @@ class Supervisor:
             self._log.clear()
         t0 = time.monotonic()
         try:
-            _write_msg(self._send_fd, ("run", spec.origin, spec.name, case.to_json(), device, poison))
+            setup = spec.setup if isinstance(spec.setup, str) else None   # e.g. from --setup
+            _write_msg(self._send_fd, ("run", spec.origin, spec.name, case.to_json(), device, poison, setup))
             ex = _read_msg(self._recv_fd, t0 + self.timeout)
         except TimeoutError:
             log = self.log_tail()
@@ -207,13 +208,16 @@ def _worker_main(fd_in: int, fd_out: int) -> None:
             msg = _read_msg(fd_in, None)
         except EOFError:
             return
-        _, origin, name, case_json, device, poison = msg
+        _, origin, name, case_json, device, poison, setup = msg
         try:
             if origin not in loaded:
                 loaded[origin] = {s.name: s for s in load_ref(origin)}
             spec = loaded[origin].get(name)
             if spec is None:
                 raise LookupError(f"{origin} no longer provides a backend named {name!r}")
+            if setup and spec.setup is None:
+                import dataclasses
+                spec = loaded[origin][name] = dataclasses.replace(spec, setup=setup)
         except BaseException as e:  # noqa: BLE001 - a reference that fails to load here is reported, not fatal
             _write_msg(fd_out, Execution(failure=Failure("load", f"{type(e).__name__}: {e}", type(e).__name__)))
             continue
