@@ -9,6 +9,7 @@ EP forward), each rank's rows compared within the error model (docs/error-model.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -25,7 +26,8 @@ from moe_lora_harness.harness.ep_ranks import TIMEOUT_ENV, driver_problem, rank_
 from moe_lora_harness.harness.execute import InProcess  # noqa: E402
 from moe_lora_harness.harness.registry import load_ref  # noqa: E402
 from moe_lora_harness.harness.runner import run_case  # noqa: E402
-from moe_lora_harness.harness.strategies import claimed_cases, suite_settings  # noqa: E402
+from moe_lora_harness.harness.strategies import (  # noqa: E402
+    MAX_EXAMPLES_ENV, claimed_cases, profile, suite_settings)
 from moe_lora_harness.harness.worker import Supervisor  # noqa: E402
 from moe_lora_harness.suites.experts.ep_mutants import CASES, MUTANTS  # noqa: E402
 
@@ -157,7 +159,10 @@ def test_ep_random(backend_name, device):
     cpu = not str(device).startswith("cuda")
     drawn = []
 
-    @suite_settings()
+    # each example runs every rank through the interpreter on the CPU: 8 unless the knob asks for more
+    n = profile().max_examples if os.environ.get(MAX_EXAMPLES_ENV) else min(profile().max_examples, 8)
+
+    @suite_settings(max_examples=n)
     @given(data=st.data())
     def search(data):
         case = data.draw(claimed_cases(spec, device, "ep", max_T=12 if cpu else 256, max_dim=96 if cpu else 512))
