@@ -54,7 +54,7 @@ def test_one_campaign_reports_each_independent_bug():
 def test_a_crash_and_a_hang_are_failures_and_the_campaign_goes_on():
     spec = {s.name: s for s in load_ref("moe_lora_harness.suites.harness.multi_bug_backends:BACKENDS")}["crash-and-hang"]
     with Supervisor(timeout=1) as sup:
-        result = _campaign(spec, sup, budget_s=60, seed=3, max_examples=10**6)
+        result = _campaign(spec, sup, budget_s=45, seed=3, max_examples=10**6)
     classes = sorted(f.signature.klass for f in result.found)
     assert any(k.startswith("crash: exited with code 3") for k in classes), classes
     assert "hang" in classes, classes
