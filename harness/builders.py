@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.case import OUTLIER_SCALE, Case
 from moe_lora_harness.harness.contract import OP_TUNING_PARAMS
 from moe_lora_harness.reference import align as ref_align
 
@@ -27,6 +27,25 @@ def torch_dtype(case: Case) -> torch.dtype:
 
 def _gen(case: Case, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed((case.seed * 1_000_003 + salt) % (2**63))
+
+
+def outlier_tokens(case: Case) -> torch.Tensor:
+    """The `case.outliers` token indices (int64, ascending) whose hidden states are scaled OUTLIER_SCALE more;
+    drawn from a generator of their own, so no other tensor of the case changes."""
+    if case.outliers <= 0 or case.T <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.randperm(case.T, generator=_gen(case, 5))[:case.outliers].sort().values
+
+
+def scale_inputs(case: Case, x: torch.Tensor, rows_per_token: int = 1) -> torch.Tensor:
+    """`x` (T * rows_per_token, K; token t's rows together) times `case.magnitude`, the outlier tokens' rows
+    times OUTLIER_SCALE more. The defaults return `x` itself (bit-identical inputs for every existing case)."""
+    if case.magnitude == 1 and case.outliers == 0:
+        return x
+    scale = torch.full((x.shape[0], 1), float(case.magnitude), dtype=x.dtype)
+    for t in outlier_tokens(case).tolist():
+        scale[t * rows_per_token:(t + 1) * rows_per_token] *= OUTLIER_SCALE
+    return x * scale
 
 
 def make_routing(case: Case, g: torch.Generator):
@@ -174,7 +193,7 @@ def build_op_inputs(case: Case, device="cpu") -> OpInputs:
                            E_local=case.local_experts, dtype=dt)
     g = _gen(case, 4)
     rows = T * k if case.mul_routed_weight else T
-    x = torch.randn(rows, case.K, generator=g).to(dt)
+    x = scale_inputs(case, torch.randn(rows, case.K, generator=g), k if case.mul_routed_weight else 1).to(dt)
     output = torch.randn(T, k, case.width, generator=g).to(dt)
     lora_ids = ref_align.active_lora_ids(mapping, case.max_loras)
     num_active = torch.tensor([case.max_loras + 1], dtype=torch.int32)
@@ -249,7 +268,7 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
     El = case.E if case.dispatched else case.local_experts   # dispatched EP: the global layer (ranks slice it)
     N1 = 2 * I if gated else I
     g = _gen(case, 11)
-    hidden = torch.randn(T, H, generator=g).to(dt)
+    hidden = scale_inputs(case, torch.randn(T, H, generator=g)).to(dt)
     w13 = (torch.randn(El, N1, H, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dt)
     w2 = (torch.randn(El, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)).to(dt)
     quantized = ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 
 LEVELS = ("op", "expert")
@@ -17,6 +18,13 @@ LAYOUTS = ("sorted", "naive")
 QUANTS = ("none", "int4_g128", "int8_channel")
 WHICH = ("w13", "w2")
 EP_COMMS = ("simulated", "processes")
+# input scale: `magnitude` scales every token's hidden state (op level: the LoRA input x); `outliers` tokens
+# are scaled a further OUTLIER_SCALE, as the massive-activation tokens of real models are
+OUTLIER_SCALE = 30.0
+MAX_MAGNITUDE = 64.0
+# float16 expert cases: magnitude x (OUTLIER_SCALE if outliers) at most this; a gated or relu2 activation
+# multiplies two pre-activations (~5 sigma = 5 x this), which beyond it leaves float16's 65504 range
+FP16_MAX_PEAK = 30.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,11 @@ class Case:
     # ep_comm: ranks as turn-taking threads ("simulated") or real processes ("processes": gloo / NCCL)
     ep_tokens: tuple = ()
     ep_comm: str = "simulated"
+    # input scale (both levels; defaults leave every tensor bit-identical): hidden states (op level: x) times
+    # `magnitude`, so pre-activations reach the activations' clamps (swigluoai's limit 7); `outliers` tokens,
+    # chosen from the seed, times a further OUTLIER_SCALE (30x)
+    magnitude: float = 1.0
+    outliers: int = 0
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -164,6 +177,18 @@ class Case:
              "fully_sharded needs add_inputs=True (vLLM asserts add_inputs or not fully_sharded)")
         if self.apply_router_weight_on_input:
             need(self.top_k == 1, "apply_router_weight_on_input needs top_k == 1")
+        m = self.magnitude
+        m_ok = isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and 0 < m <= MAX_MAGNITUDE
+        need(m_ok, f"magnitude (the hidden states' scale) must be a number in (0, {MAX_MAGNITUDE:g}], got {m!r}")
+        o = self.outliers
+        o_ok = isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= max(self.T, 0)
+        need(o_ok, f"outliers (tokens scaled {OUTLIER_SCALE:g}x) must be an int in [0, T={self.T}], got {o!r}")
+        if m_ok and o_ok and self.level == "expert" and self.dtype == "float16":
+            peak = m * (OUTLIER_SCALE if o else 1.0)
+            need(peak <= FP16_MAX_PEAK,
+                 f"float16: magnitude x outlier scale = {peak:g} exceeds {FP16_MAX_PEAK:g}; the activation's product "
+                 f"of two pre-activations would leave float16's range (65504): use float32 / bfloat16, fewer "
+                 f"outliers or a smaller magnitude")
         return p
 
     # -- identity and serialisation -----------------------------------------------------------

@@ -2,6 +2,11 @@
 
 Each feature is data: a name, a level and a function from (index, device profile) to a Case. The same
 list drives `moe-lora-harness check` and `suites/test_conformance.py`, so the matrix and pytest agree.
+
+Besides one row per setting, the reach rows (top_k 8, E 64 with few tokens, a block edge, the swigluoai clamp,
+outlier tokens) and the pairwise rows ("pairwise op #i", "pairwise expert #i": harness.covering's designs, in
+which every pair of values of the risky axes meets) go where kernels break. On the small (interpreter) profile
+the rows the pairwise ones subsume run one case (SUBSUMED_BY_PAIRWISE), to keep the CPU run's time.
 """
 from __future__ import annotations
 
@@ -23,10 +28,13 @@ class Sizes:
     top_k: int
     max_rank: int
     dtype: str
+    dtypes: tuple = ("float16", "float32")   # what this profile's device computes in, `dtype` first
+    small: bool = True                        # the interpreter-sized profile (Feature.small_cases applies)
 
 
 SMALL = Sizes(T=6, H=64, I=48, E=4, top_k=2, max_rank=8, dtype="float16")
-LARGE = Sizes(T=96, H=512, I=384, E=16, top_k=4, max_rank=32, dtype="bfloat16")
+LARGE = Sizes(T=96, H=512, I=384, E=16, top_k=4, max_rank=32, dtype="bfloat16",
+              dtypes=("bfloat16", "float32", "float16"), small=False)
 
 
 SIZES_ENV = "MOE_LORA_HARNESS_SIZES"   # small | large: override the per-device default
@@ -49,14 +57,36 @@ class Feature:
     level: str
     make: Callable[[Sizes], dict]     # Case fields on top of the base for these sizes
     note: str = ""
+    per_case: Callable[[Sizes, int], dict] | None = None   # case i's own fields, on top of make's
+    max_cases: int | None = None      # at most this many cases (a covering row is one point: seeds add no pair)
+    vary_h: bool = True               # cases after the first take another H (when make leaves H alone)
+    small_cases: int | None = None    # at most this many on the small profile (the interpreter's time)
 
     def cases(self, device: str, n: int) -> list[Case]:
-        """`n` cases (distinct seeds) for this feature on `device`."""
+        """`n` cases (distinct seeds; at most max_cases) for this feature on `device`. Case 0 is the feature
+        on the profile's base shapes; later ones vary H where the feature leaves it free (check's H is not
+        always 64) and whatever `per_case` varies."""
         s = sizes_for(device)
         base = dict(level=self.level, T=s.T, H=s.H, I=s.I, E=s.E, top_k=s.top_k, max_rank=s.max_rank,
                     dtype=s.dtype, max_loras=3, mapping="uniform")
-        fields = dict(base, **self.make(s))
-        return [Case(**dict(fields, seed=1000 * (i + 1) + _stable(self.name))) for i in range(n)]
+        made = self.make(s)
+        out = []
+        caps = [c for c in (self.max_cases, self.small_cases if s.small else None) if c is not None]
+        for i in range(min([n] + caps)):
+            fields = dict(base, **made)
+            if i and self.vary_h and "H" not in made:
+                fields["H"] = _other_h(s, self.name, i)
+            if self.per_case is not None:
+                fields.update(self.per_case(s, i))
+            out.append(Case(**dict(fields, seed=1000 * (i + 1) + _stable(self.name))))
+        return out
+
+
+def _other_h(s: Sizes, name: str, i: int) -> int:
+    """An H other than the profile's for case i >= 1 of a feature (fixed by the feature's name): 3/4, 5/4, 5/8
+    or 3/2 of it (small: 48, 80, 40, 96, none a multiple of 64; large: 384, 640, 320, 768)."""
+    alts = (s.H * 3 // 4, s.H * 5 // 4, s.H * 5 // 8, s.H * 3 // 2)
+    return alts[(_stable(name) + i - 1) % len(alts)]
 
 
 def _stable(name: str) -> int:
@@ -94,6 +124,12 @@ OP_FEATURES = (
     Feature("block size 64", "op", lambda s: dict(block_size_m=64)),
     Feature("expert_map (EP)", "op", lambda s: dict(ep_size=2, ep_rank=1, E=2 * s.E)),
     Feature("fully_sharded (one rank)", "op", lambda s: dict(fully_sharded=True)),
+) + (
+    # reach: wide routing, sparse experts, K / N off the 16-multiples (token counts past a block edge, awkward
+    # K / N and every other pair of the risky axes meet in the pairwise rows below); one case each when small
+    Feature("op: top_k 8, E 16", "op", lambda s: dict(top_k=8, E=16, T=max(3, s.T // 2)), small_cases=1),
+    Feature("op: many experts, few tokens (E=64, T=5)", "op", lambda s: dict(E=64, T=5), small_cases=1),
+    Feature("op: K, N multiples of 8, not of 16", "op", lambda s: dict(H=s.H - 24, I=s.I - 24), small_cases=1),
 )
 
 ACTIVATION_NAMES = SUPPORTED_ACTIVATIONS   # the reference's list: one feature row each
@@ -114,8 +150,17 @@ def _ep(s, ep=2, shares=None, **kw):
     return dict(dict(T=T, ep_size=ep, ep_tokens=_split(T, shares), E=ep * s.E), **kw)
 
 
+def _past_block(s: Sizes, i: int) -> int:
+    """One token past a block (16 rows; GPU: 128), then past two: 17, 33 (GPU 129, 257)."""
+    block = 16 if s.small else 128
+    return block * (1 + i % 2) + 1
+
+
 def _act(name):
-    return Feature(f"experts: {name}", "expert", lambda s: dict(activation=name))
+    """One row per activation: its cases take the profile's dtypes in turn (small: fp16, fp32), so every
+    activation is tried in fp32 too."""
+    return Feature(f"experts: {name}", "expert", lambda s: dict(activation=name),
+                   per_case=lambda s, i: dict(dtype=s.dtypes[i % len(s.dtypes)]))
 
 
 EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
@@ -151,8 +196,53 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
             note="a backend passes by raising an error that names fully-sharded LoRA, not by running"),
     Feature("experts: EP with E % ep != 0 (must be refused)", "expert", lambda s: dict(_ep(s, 2), E=2 * s.E + 1),
             note="a backend passes by raising an error that names the uneven expert split, not by running"),
+) + (
+    # reach: block edges, wide routing, sparse experts, pre-activations past the clamps, outlier tokens
+    # (one case each on the small profile: the pairwise expert rows also cross T = 17 and scale the inputs)
+    Feature("experts: tokens across a block boundary (T=17, then 33; GPU 129, 257)", "expert", lambda s: {},
+            per_case=lambda s, i: dict(T=_past_block(s, i)), small_cases=1),
+    Feature("experts: top_k 8, E 16", "expert", lambda s: dict(top_k=8, E=16, T=max(4, s.T * 2 // 3), H=s.H * 3 // 4,
+                                                         I=s.I * 2 // 3), small_cases=1),
+    Feature("experts: many experts, few tokens (E=64, T=5)", "expert", lambda s: dict(E=64, T=5), small_cases=1),
+    Feature("experts: swigluoai at its clamp (magnitude 8, biases)", "expert",
+            lambda s: dict(activation="swigluoai", magnitude=8.0, bias=True), small_cases=1,
+            note="pre-activations ~ N(0, 8^2): about half pass swigluoai's limit 7"),
+    Feature("experts: outlier tokens (2 tokens x30)", "expert", lambda s: dict(outliers=2), small_cases=1),
 )
 
+
+def _pairwise(level: str) -> tuple:
+    """One row per case of the level's pairwise covering design (harness.covering): every pair of values of
+    the risky axes meets in one of them. One case each (another seed meets no other pair)."""
+    from moe_lora_harness.harness.covering import design
+    d = design(level)
+    label = "op" if level == "op" else "expert"
+    return tuple(Feature(f"pairwise {label} #{i + 1}", level, (lambda s, i=i: d.fields(i, s)),
+                         note=d.describe(i), max_cases=1, vary_h=False) for i in range(len(d.rows)))
+
+
+PAIRWISE_OP_FEATURES = _pairwise("op")
+PAIRWISE_EXPERT_FEATURES = _pairwise("expert")
+
+# Rows whose one setting is a value of a pairwise axis: the pairwise rows meet it with every value of every
+# other axis, so on the small profile (the interpreter's time is the CI's) one case of each is kept, and a
+# second seed of theirs is not run; on a GPU they keep all their cases.
+SUBSUMED_BY_PAIRWISE = (
+    "fp16", "fp32", "sorted layout", "naive layout", "w2: mul_routed_weight", "w13 one slice (non-gated)",
+    "offset != 0", "add_inputs=False", "tokens without adapter (-1)", "all tokens -1", "disabled slot",
+    "rank padding (adapter rank < max)", "rank 1", "K, N not multiples of 8", "expert_map (EP)",
+    "experts: base only (no LoRA)", "experts: fp32", "experts: tokens without adapter (-1)",
+    "experts: disabled slot", "experts: biases", "experts: expert_map (EP)",
+)
+
+
+def _one_on_small(features):
+    import dataclasses
+    return tuple(dataclasses.replace(f, small_cases=1) if f.name in SUBSUMED_BY_PAIRWISE else f for f in features)
+
+
+OP_FEATURES = _one_on_small(OP_FEATURES) + PAIRWISE_OP_FEATURES
+EXPERT_FEATURES = _one_on_small(EXPERT_FEATURES) + PAIRWISE_EXPERT_FEATURES
 FEATURES = OP_FEATURES + EXPERT_FEATURES
 
 

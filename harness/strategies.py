@@ -8,6 +8,7 @@ MOE_LORA_HARNESS_PROFILE (pytest: --moe-lora-profile; default ci), MOE_LORA_HARN
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 from hypothesis import HealthCheck, settings
@@ -50,59 +51,141 @@ def suite_settings(**overrides) -> settings:
     return settings(profile(), **overrides)
 
 
+# Reach: the axes kernels break on, each drawn with some probability (never always: the interpreter is slow).
+# A draw first picks a REGIME: "base" (the small shapes of old), "boundary" (a token count either side of a
+# block / tile edge: 15/16/17 ... 127/128/129), "wide" (top_k 5..8, E >= top_k) or "many" (E 32..64 experts,
+# a handful of tokens: most experts get none or one). The expensive regimes keep the other axes small so the
+# average cost of an example stays about that of a base one. Shrinking goes to "base" (the first entry).
+# `regimes=` narrows a strategy (e.g. ("boundary",): block-edge token counts only, for a focused campaign).
+REGIMES = ("base",) * 5 + ("boundary",) * 2 + ("wide", "many")
+BLOCK_EDGES = (16, 32, 64, 128)          # block / tile sizes the kernels' token loops step by
+BOUNDARY_TOKENS = tuple(e + d for e in BLOCK_EDGES for d in (-1, 0, 1))   # 15, 16, 17, ..., 127, 128, 129
+ALIGNED_DIMS = (16, 32, 64)
+# dims either side of the 8 / 16 / 64 multiples kernels tile by (K, N, H, I)
+AWKWARD_DIMS = (7, 15, 17, 24, 40, 48, 63, 65, 72, 80, 88, 127, 129)
+MANY_EXPERTS = (32, 48, 64)
+# input scale: hidden states times a magnitude past the activations' clamps (swigluoai's 7), or outlier tokens
+MAGNITUDES = (4.0, 8.0, 12.0)
+_SCALES = ("plain",) * 8 + ("magnitude", "outliers")   # one example in five (each adds draws to shrink)
+
+
+def _dims(max_dim: int, aligned=ALIGNED_DIMS, min_dim: int = 1):
+    """Aligned sizes, sizes either side of the 8 / 16 / 64 multiples, or any size (all <= max_dim except the
+    aligned ones the caller insists on)."""
+    awkward = tuple(d for d in AWKWARD_DIMS if min_dim <= d <= max_dim) or (max_dim,)
+    return st.one_of(st.sampled_from(tuple(aligned)), st.sampled_from(awkward), st.integers(min_dim, max_dim))
+
+
+def _upto(edges, most: int) -> tuple:
+    return tuple(e for e in (edges or ()) if e <= most)
+
+
+def _edge_count(draw, edges) -> int:
+    """A token count one past, at or one short of a block edge (edges up to 32 twice as often: cost); drawn
+    as (edge, offset) so every count is about as likely as the others of its edge."""
+    edge = draw(st.sampled_from(_upto(edges, 32) * 2 + tuple(e for e in edges if e > 32)))
+    return edge + draw(st.sampled_from((1, 0, -1)))      # one past the edge first: the classic dropped token
+
+
+def _tokens(draw, regime: str, max_T: int, edges) -> int:
+    if regime == "boundary" and edges:
+        return _edge_count(draw, edges)
+    if regime in ("wide", "many"):
+        return draw(st.integers(1, max(1, min(max_T, 6))))
+    return draw(st.integers(0, max_T))
+
+
+def _experts_and_top_k(draw, regime: str, ep: int, max_top_k: int = 4):
+    """(global E divisible by ep, top_k <= E) for the regime."""
+    if regime == "wide":
+        top_k = draw(st.integers(5, 8))
+        local = draw(st.integers(-(-top_k // ep), max(-(-top_k // ep), 16 // ep)))
+        return local * ep, top_k
+    if regime == "many":
+        E = draw(st.sampled_from(MANY_EXPERTS))      # divisible by 2 and 4
+        return E, draw(st.integers(1, 4))
+    E = draw(st.integers(1, 8)) * ep
+    top_k = draw(st.integers(1, min(E, max_top_k if regime == "base" else 2)))
+    return E, top_k
+
+
+def _input_scale(draw, T: int, fp16_expert: bool) -> dict:
+    """magnitude / outliers: drawn as structure (a scale and a count), never element values."""
+    kind = draw(st.sampled_from(_SCALES))
+    out = {}
+    if kind == "magnitude" or (kind == "outliers" and not fp16_expert and draw(st.booleans())):
+        out["magnitude"] = draw(st.sampled_from(MAGNITUDES))
+    if kind == "outliers" and T >= 1:
+        out["outliers"] = draw(st.integers(1, min(3, T)))
+    return out
+
+
 @st.composite
 def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1, 2, 4, 8, 16, 32, 64),
-             large_ranks=(128, 256), allow_ep=True, layouts=LAYOUTS):
-    """Op-level cases over the whole input space of `fused_moe_lora` (small shapes)."""
-    E = draw(st.integers(1, 8))
-    top_k = draw(st.integers(1, min(E, 4)))
-    T = draw(st.integers(0, max_T))
-    which = draw(st.sampled_from(("w13", "w2")))
-    dims = st.one_of(st.sampled_from((16, 32, 64)), st.integers(1, max_dim))
-    H, I = draw(dims), draw(dims)
-    L = draw(st.integers(1, 4))
-    R = draw(st.one_of(st.sampled_from(ranks), st.sampled_from(large_ranks))) if large_ranks else draw(st.sampled_from(ranks))
-    slot_ranks = tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), min_size=0, max_size=L)))
+             large_ranks=(128, 256), allow_ep=True, layouts=LAYOUTS, block_edges=BLOCK_EDGES,
+             regimes=REGIMES):
+    """Op-level cases over the whole input space of `fused_moe_lora` (small shapes), with the reach regimes:
+    token counts across block boundaries, top_k up to 8, many experts with few tokens, awkward K / N, input
+    magnitude and outlier tokens."""
+    regime = draw(st.sampled_from(tuple(regimes)))
     layout = draw(st.sampled_from(tuple(layouts)))
     ep = 1
     if allow_ep and layout == "sorted" and draw(st.booleans()):
         ep = draw(st.sampled_from((2, 4)))
-        E = E * ep
-        top_k = min(top_k, E)
+    E, top_k = _experts_and_top_k(draw, regime, ep)
+    # naive: one program per (token, slot): the edges up to 32 only, top_k 1
+    naive_edge = layout == "naive" and regime == "boundary"
+    T = _tokens(draw, regime, max_T, _upto(block_edges, 32) if naive_edge else block_edges)
+    if naive_edge:
+        top_k = 1
+    which = draw(st.sampled_from(("w13", "w2")))
+    dims = _dims(max_dim) if regime == "base" else _dims(min(max_dim, 64), aligned=(16, 32))
+    H, I = draw(dims), draw(dims)
+    L = draw(st.integers(1, 4 if regime == "base" else 2))
+    large = tuple(large_ranks) if regime == "base" and large_ranks else ()   # (the others are costly enough)
+    R = draw(st.one_of(st.sampled_from(ranks), st.sampled_from(large))) if large else draw(st.sampled_from(ranks))
+    slot_ranks = tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), min_size=0, max_size=L)))
     mul = True if which == "w2" else draw(st.booleans())
     add_inputs = draw(st.booleans())
+    dtype = draw(st.sampled_from(dtypes))
     return Case(
-        level="op", T=T, H=H, I=I, E=E, top_k=top_k, dtype=draw(st.sampled_from(dtypes)), max_loras=L,
+        level="op", T=T, H=H, I=I, E=E, top_k=top_k, dtype=dtype, max_loras=L,
         max_rank=R, ranks=slot_ranks,
         mapping=draw(st.sampled_from(("uniform", "mixed", "skewed", "none", "disabled"))),
         routing=draw(st.sampled_from(("uniform", "skewed"))),
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)), which=which,
-        num_slices=1 if which == "w2" else draw(st.integers(1, 2)),
+        num_slices=1 if which == "w2" else draw(st.sampled_from((2, 1))),   # gate + up (vLLM's w13) first
         mul_routed_weight=mul, add_inputs=add_inputs, offset=draw(st.sampled_from((0, 0, 3, 17))),
         layout=layout, block_size_m=draw(st.sampled_from((16, 32, 64))),
         fully_sharded=(ep == 1 and add_inputs and draw(st.booleans())),
-        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)))
+        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), **_input_scale(draw, T, False))
 
 
 EXPERT_ACTIVATIONS = SUPPORTED_ACTIVATIONS
 
 
+def _act_dtype(draw, activations, dtypes):
+    """(activation, dtype) drawn as one pair: every activation in every dtype the caller allows is reachable."""
+    return draw(st.sampled_from(tuple(itertools.product(tuple(activations), tuple(dtypes)))))
+
+
 @st.composite
 def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, activations=EXPERT_ACTIVATIONS,
-                 quants=QUANTS):
-    """Expert-level cases: activation, biases, LoRA mix, shared factors, EP, simulated TP ranks (plain or
-    fully-sharded LoRA), router weight on input, quant."""
+                 quants=QUANTS, block_edges=BLOCK_EDGES, regimes=REGIMES):
+    """Expert-level cases: activation x dtype, biases, LoRA mix, shared factors, EP, simulated TP ranks (plain
+    or fully-sharded LoRA), router weight on input, quant; the reach regimes (token counts across block
+    boundaries, top_k up to 8, many experts with few tokens, awkward dims) and input magnitude / outliers."""
+    regime = draw(st.sampled_from(tuple(regimes)))
     quant = draw(st.sampled_from(tuple(quants)))
     if quant == "int4_g128":
         H, I = 128, 128
-    else:
-        dims = st.one_of(st.sampled_from((16, 32, 64, 128)), st.integers(2, max_dim))
+    else:   # 128 as before (the wide-tile paths; gated_fast_experts needs I % 128 == 0), cheap regimes only
+        dims = (_dims(max_dim, aligned=(16, 32, 64, 128), min_dim=2) if regime == "base"
+                else _dims(min(max_dim, 64), aligned=(16, 32), min_dim=2))
         H, I = draw(dims), draw(dims)
-    E = draw(st.integers(1, 8))
     ep = draw(st.sampled_from((1, 1, 2)))
-    E = E * ep
-    top_k = draw(st.integers(1, min(E, 4)))
+    E, top_k = _experts_and_top_k(draw, regime, ep)
     on_input = top_k == 1 and draw(st.booleans())
     L = draw(st.integers(1, 3))
     R = draw(st.sampled_from((1, 4, 8, 16, 32)))
@@ -110,47 +193,72 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
     fully_sharded = tp > 1 and R % tp == 0 and draw(st.booleans())
     I += I % tp                                  # TP shards I; fully-sharded LoRA also shards H and R
     H += H % tp if fully_sharded else 0
+    # simulated ranks each run the kernels: past 65 tokens only for one rank
+    T = _tokens(draw, regime, max_T, block_edges if tp == 1 and ep == 1 else _upto(block_edges, 64))
+    activation, dtype = _act_dtype(draw, activations, dtypes)
     return Case(
-        level="expert", T=draw(st.integers(0, max_T)), H=H, I=I, E=E, top_k=top_k,
-        dtype=draw(st.sampled_from(dtypes)), max_loras=L, max_rank=R,
+        level="expert", T=T, H=H, I=I, E=E, top_k=top_k,
+        dtype=dtype, max_loras=L, max_rank=R,
         ranks=tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), max_size=L))),
         mapping=draw(st.sampled_from(("uniform", "mixed", "skewed", "none", "disabled"))),
         routing=draw(st.sampled_from(("uniform", "skewed"))),
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
-        activation=draw(st.sampled_from(activations)), bias=draw(st.booleans()), lora=draw(st.booleans()),
+        activation=activation, bias=draw(st.booleans()), lora=draw(st.booleans()),
         apply_router_weight_on_input=on_input, quant=quant,
-        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), tp_size=tp, fully_sharded=fully_sharded)
+        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), tp_size=tp, fully_sharded=fully_sharded,
+        **_input_scale(draw, T, dtype == "float16"))
+
+
+def _split_tokens(draw, T: int, ep: int) -> tuple:
+    """T tokens over ep ranks at drawn cut points (a rank may get none)."""
+    cuts = sorted(draw(st.lists(st.integers(0, T), min_size=ep - 1, max_size=ep - 1)))
+    edges = [0] + cuts + [T]
+    return tuple(edges[r + 1] - edges[r] for r in range(ep))
 
 
 @st.composite
 def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
-             activations=EXPERT_ACTIVATIONS, quants=QUANTS, comms=("simulated",)):
+             activations=EXPERT_ACTIVATIONS, quants=QUANTS, comms=("simulated",), block_edges=BLOCK_EDGES,
+             regimes=REGIMES):
     """Dispatched expert-parallel cases: 2 or 4 ranks with uneven token counts (0 included; up to max_T/2
     each), E = ep x local experts, the LoRA mix and mapping pattern (by_rank: each adapter used by one
-    rank's tokens only)."""
+    rank's tokens only); the reach regimes (a total token count across a block boundary, up to 65 as every
+    rank runs, cut between the ranks; top_k up to 8; many experts with few tokens) and input magnitude /
+    outliers."""
+    regime = draw(st.sampled_from(tuple(regimes)))
     ep = draw(st.sampled_from((2, 4)))
-    max_tokens_per_rank = max(1, max_T // 2)
-    counts = tuple(draw(st.lists(st.integers(0, max_tokens_per_rank), min_size=ep, max_size=ep)))
+    if regime == "boundary" and _upto(block_edges, 64):   # every rank runs: totals up to 65
+        counts = _split_tokens(draw, _edge_count(draw, _upto(block_edges, 64)), ep)
+    else:
+        per_rank = max(1, max_T // 2) if regime == "base" else 2
+        counts = tuple(draw(st.lists(st.integers(0, per_rank), min_size=ep, max_size=ep)))
     quant = draw(st.sampled_from(tuple(quants)))
     if quant == "int4_g128":
         H, I = 128, 128
     else:
-        dims = st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim))
+        dims = (_dims(min(max_dim, 64), aligned=(16, 32), min_dim=2) if regime != "base"
+                else st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim)))
         H, I = draw(dims), draw(dims)
-    E = ep * draw(st.integers(1, 3))
-    top_k = draw(st.integers(1, min(E, 4)))
+    if regime == "base":
+        E = ep * draw(st.integers(1, 3))
+        top_k = draw(st.integers(1, min(E, 4)))
+    else:
+        E, top_k = _experts_and_top_k(draw, regime, ep)
     L = draw(st.integers(1, 3))
     R = draw(st.sampled_from((1, 4, 8, 16)))
+    activation, dtype = _act_dtype(draw, activations, dtypes)
+    T = sum(counts)
     return Case(
-        level="expert", T=sum(counts), H=H, I=I, E=E, top_k=top_k, dtype=draw(st.sampled_from(dtypes)),
+        level="expert", T=T, H=H, I=I, E=E, top_k=top_k, dtype=dtype,
         max_loras=L, max_rank=R,
         ranks=tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), max_size=L))),
         mapping=draw(st.sampled_from(("by_rank", "by_rank", "uniform", "mixed", "none", "disabled"))),
         routing=draw(st.sampled_from(("uniform", "skewed"))), shared_a=draw(st.booleans()),
         shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
-        activation=draw(st.sampled_from(activations)), bias=draw(st.booleans()), lora=draw(st.booleans()),
+        activation=activation, bias=draw(st.booleans()), lora=draw(st.booleans()),
         apply_router_weight_on_input=top_k == 1 and draw(st.booleans()), quant=quant,
-        ep_size=ep, ep_tokens=counts, ep_comm=draw(st.sampled_from(tuple(comms))))
+        ep_size=ep, ep_tokens=counts, ep_comm=draw(st.sampled_from(tuple(comms))),
+        **_input_scale(draw, T, dtype == "float16"))
 
 
 def claimed_cases(spec, device: str, level: str, **sizes):
