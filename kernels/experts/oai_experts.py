@@ -84,7 +84,8 @@ class OAIExperts(LoRAExpertsMixin, FusedMoEExperts):
                                 topk_weights=lora["w"], align=lora["align"])
         cache2 = swigluoai_and_mul(cache1)
         grouped_gemm(cache3, cache2, w2, perm, seg, x_row_div=1, x_permuted=True, bias=w2_bias,
-                     topk_weights=topk_weights, mul_routed_weight=not c.apply_router_weight_on_input)
+                     topk_weights=topk_weights, mul_routed_weight=not c.apply_router_weight_on_input,
+                     num_pairs=T * k)
         if lora is not None:
             self.apply_w2_lora(lora_ctx, y=cache3.view(P, 1, c.H), x=cache2, topk_weights=lora["w"],
                                align=lora["align"])

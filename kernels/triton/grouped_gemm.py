@@ -66,7 +66,8 @@ def _check_values(perm, seg, bound: int, what: str, unique: bool = False) -> Non
 
 
 def grouped_gemm(out, x, w, perm, seg_offsets, *, x_row_div, bias=None, topk_weights=None, mul_routed_weight=False,
-                 x_permuted=False, block_m=None, quant=None, config: GemmConfig | None = None) -> None:
+                 x_permuted=False, block_m=None, quant=None, config: GemmConfig | None = None,
+                 num_pairs: int | None = None) -> None:
     """In place, permuted layout: out[i] = rnd(w_p * (x[row] @ W[e_i]^T + bias[e_i])), p = perm[i], e_i its segment.
 
     out (P_local, N) dt; w (E, N, K) dt (or quant=QuantWeights, w=None); seg_offsets int32 (E+1,).
@@ -102,7 +103,12 @@ def grouped_gemm(out, x, w, perm, seg_offsets, *, x_row_div, bias=None, topk_wei
         raise ValueError(f"x must have K = {K} columns (the weights' K); got {tuple(x.shape)}")
     tw = routing_weights(topk_weights, mul_routed_weight, topk_weights.numel() if isinstance(
         topk_weights, torch.Tensor) else 0, dev)
-    bound = tw.numel() if tw is not None else (P if x_permuted else x.shape[0] * x_row_div)
+    # perm holds pair ids p = t*k + j below T*k: the routed weights' size, or x's rows times x_row_div; with x
+    # already permuted and no weight read, only the caller knows T*k (num_pairs): under EP P_local < T*k
+    if num_pairs is not None and (isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or num_pairs < P):
+        raise ValueError(f"num_pairs must be an int >= P_local = {P} (T*k); got {num_pairs!r}")
+    bound = tw.numel() if tw is not None else (
+        (num_pairs if num_pairs is not None else P) if x_permuted else x.shape[0] * x_row_div)
     if tw is not None and not x_permuted and x.shape[0] * x_row_div != tw.numel():
         raise ValueError(f"x must have T*k/x_row_div = {tw.numel() // x_row_div} rows (topk_weights holds "
                          f"T*k = {tw.numel()}); got {tuple(x.shape)}")
