@@ -185,7 +185,9 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: EP 2, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 2)),
     Feature("experts: EP 4, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 4)),
     Feature("experts: EP 2 over processes (gloo on CPU, NCCL on GPUs)", "expert",
-            lambda s: _ep(s, 2, ep_comm="processes", mapping="by_rank")),
+            lambda s: _ep(s, 2, ep_comm="processes", mapping="by_rank"), small_cases=1,
+            note="one case on the CPU profile: every case starts a process per rank (the simulated rows "
+                 "run the same layer); --more and the GPU profile run more"),
     Feature("experts: EP uneven batches (1 : 5 : 2 : 0)", "expert", lambda s: _ep(s, 4, (1, 5, 2, 0))),
     Feature("experts: EP rank with no tokens", "expert", lambda s: _ep(s, 2, (0, 1))),
     Feature("experts: EP non-gated (no w3)", "expert", lambda s: _ep(s, 2, activation="relu2_no_mul")),
