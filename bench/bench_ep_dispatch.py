@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
+from bench_experts import markdown_table  # noqa: E402  (one table writer for the bench scripts)
 from shapes import MODELS, T_ALL  # noqa: E402
 
 BACKENDS = ("gloo", "nccl", "simulated")
@@ -409,15 +410,6 @@ def summary_rows(rows: list[dict]) -> list[dict]:
 
 SUMMARY_COLUMNS = ["model", "H", "k", "T", "payload_B", "payload_lora_B", "bytes_overhead", "calls", "coll_in_B",
                    "base_ms", "lora_ms", "time_overhead", "paired_delta_ms", "reps", "check"]
-
-
-def markdown_table(rows: list, columns: list) -> str:
-    def cell(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return "" if v is None else str(v)
-    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
-    return head + "".join("| " + " | ".join(cell(r.get(c)) for c in columns) + " |\n" for r in rows)
 
 
 def parse_args(argv=None):

@@ -121,15 +121,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
-    import moe_lora_harness
-    root = os.path.dirname(os.path.dirname(os.path.abspath(moe_lora_harness.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
 def _tail(path: str, lines: int = 15) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -146,7 +137,7 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
     ExecutionFailure naming it (the earliest failure is the root cause; the other ranks are then stopped).
     `digest` is what the ranks' inputs must hash to; a rank that built other inputs is reported back.
     """
-    from moe_lora_harness.harness.worker import _describe_exit
+    from moe_lora_harness.harness.worker import _describe_exit, child_env
     if not spec.origin:
         raise ValueError(f"backend {spec.name!r} has no origin: EP over processes loads the backend in every "
                          f"rank by reference (load it with harness.registry)")
@@ -163,7 +154,7 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
             log = open(os.path.join(tmp, f"rank{r}.log"), "wb")
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "moe_lora_harness.harness.ep_ranks", str(r), str(world), str(port), tmp],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=_env()))
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env()))
             log.close()
         deadline = time.monotonic() + timeout_s
         dead = None

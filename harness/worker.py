@@ -28,6 +28,17 @@ _HEADER = struct.Struct(">Q")
 _LOG_LINES = 60
 
 
+def child_env(base: dict | None = None) -> dict:
+    """The environment of a process the harness starts (worker, EP rank): `base` (default os.environ) with
+    the package importable first on PYTHONPATH (also from a source tree not installed), output unbuffered."""
+    import moe_lora_harness
+    root = os.path.dirname(os.path.dirname(os.path.abspath(moe_lora_harness.__file__)))
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 class WorkerDied(Exception):
     """The worker ended (or went silent) while a case was in flight."""
 
@@ -93,11 +104,7 @@ class Supervisor:
         self.starts += 1
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        import moe_lora_harness
-        root = os.path.dirname(os.path.dirname(os.path.abspath(moe_lora_harness.__file__)))
-        env = dict(self.env)
-        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env = child_env(self.env)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_lora_harness.harness.worker", str(to_child_r), str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -51,6 +51,7 @@ from moe_lora_harness.kernels.schedule.recorder import Recorder  # noqa: E402
 from moe_lora_harness.kernels.triton.quant_gemm import pack_weights  # noqa: E402
 from moe_lora_harness.reference.experts import LoRAInputs  # noqa: E402
 from moe_lora_harness.reference.precision import precision as make_precision  # noqa: E402
+from moe_lora_harness.suites.experts.ep_mutants import CombineTwice, MappingFromStart, OwnMapping  # noqa: E402
 from moe_lora_harness.reference.sharding import (  # noqa: E402
     ep_expert_map, ep_slice_base, ep_slice_lora, sharded_experts_forward)
 
@@ -197,43 +198,12 @@ def test_ep_experts_variants_match_reference(experts_cls, counts, activation, dt
 # ----------------------------------------------------------------------------- planted bugs
 
 
-class _OwnMappingBug(NaiveEPPrepareAndFinalize):
-    """(a) the gathered batch gets this rank's own tokens' mapping (cycled), not the dispatched one."""
-
-    def prepare(self, hidden_states, topk_weights, topk_ids, config, *, lora_ctx=None):
-        out = super().prepare(hidden_states, topk_weights, topk_ids, config, lora_ctx=lora_ctx)
-        own, Tg = lora_ctx.token_lora_mapping, int(out[1].shape[0])
-        lora_ctx.local_token_lora_mapping = (own[torch.arange(Tg) % own.shape[0]] if own.shape[0]
-                                             else torch.full((Tg,), -1, dtype=torch.int32)).contiguous()
-        return out
-
-
-class _SliceFromStartBug(NaiveEPPrepareAndFinalize):
-    """(b) each source rank's chunk of the mapping sliced [:num_local_tokens] from the start of the gathered
-    mapping instead of at its offset (right for rank 0's tokens only)."""
-
-    def prepare(self, hidden_states, topk_weights, topk_ids, config, *, lora_ctx=None):
-        out = super().prepare(hidden_states, topk_weights, topk_ids, config, lora_ctx=lora_ctx)
-        g = lora_ctx.local_token_lora_mapping
-        lora_ctx.local_token_lora_mapping = torch.cat([g[:n] for n in self.tokens_per_rank]).contiguous()
-        return out
-
-
-class _SumTwiceBug(NaiveEPPrepareAndFinalize):
-    """(c) the combine all-reduces and then reduce-scatters the already-summed output (sums twice)."""
-
-    def finalize(self, output, config):
-        sizes = list(self.tokens_per_rank)
-        mine = super().finalize(output, config)
-        full = self.comm.all_gather([mine])[0]   # = all-reduce of the partials
-        return self.comm.reduce_scatter(full, sizes)
-
-
-@pytest.mark.parametrize("bug", [_OwnMappingBug, _SliceFromStartBug, _SumTwiceBug])
+# the planted prepare/finalize bugs of suites/experts/ep_mutants.py (the harness-level EP suite runs the rest)
+@pytest.mark.parametrize("bug", [OwnMapping, MappingFromStart, CombineTwice])
 def test_planted_bug_fails(bug):
     vs = _ep_run([3, 4], "silu", "float32", 4, pf_cls=bug)
     assert not all(v.ok for v in vs), f"{bug.__name__} passed the comparison"
-    if bug is _SliceFromStartBug:
+    if bug is MappingFromStart:
         assert vs[0].ok and not vs[1].ok   # rank 0's tokens are right, rank 1's are not
 
 
