@@ -1,15 +1,17 @@
-"""Fuzz throughput (a benchmark, not a test): examples per second of a campaign, compile time apart from run
-time, and the gain of drawing shapes from compile classes.
+"""Fuzz throughput and time to detection (a benchmark, not a test): free shapes against compile classes.
 
-Every example of a campaign (harness/campaign.py, in-process, no reruns, no shrink) is timed and tagged with
-its compile key: the shape values a Triton launch specializes on (dtype, level, which/slices, K, N, rank,
-block, layout, top_k, activation). The first example of a key pays the compile (on a GPU; the CPU
-interpreter compiles nothing, so both columns agree there); later ones reuse the kernel cache. `--palette
-free` draws dimensions freely, `--palette classes` from the strategies' compile classes (a few values per
-alignment class), and `--palette both` runs one after the other and reports the gain in examples per
-minute. Planted-bug time to detection is `moe-lora-harness selftest --json`'s (recorded beside this).
+Two measurements, each palette ("free": every size drawn; "classes": harness.compile_classes) in its own
+process with an empty Triton cache (TRITON_CACHE_DIR), so neither inherits the other's compiled kernels:
 
-  python bench/bench_fuzz.py --only triton --level op --device cuda --budget 120 --palette both --out DIR
+  reach       the fraction of drawn cases in which each planted bug's shape class shows (no kernel runs).
+  throughput  a campaign against a correct backend (in-process, no reruns, no shrink) for --budget seconds:
+              examples per minute, Triton compiles counted by Triton's own JIT hooks (count and seconds
+              inside the compiler; none under the CPU interpreter), median call with and without a compile.
+  detection   (--mutants) each planted shape-class bug of harness.reach_mutants (our Triton op, wrong on one
+              class of shapes) under a campaign that stops at its first failure: seconds and examples to
+              detection, over --seeds seeds. This is the bug-finding power the palette must keep.
+
+  python bench/bench_fuzz.py --only triton --device cuda --budget 240 --mutants --seeds 3 --out DIR
 """
 from __future__ import annotations
 
@@ -19,89 +21,268 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PALETTES = ("free", "classes")
 
 
-def compile_key(case) -> tuple:
-    """The values a Triton launch of this case specializes on (shape classes only, never element data)."""
-    if case.level == "op":
-        return ("op", case.dtype, case.which, case.num_slices, case.K, case.N, case.max_rank, case.block_size_m,
-                case.layout, case.top_k, case.mul_routed_weight)
-    return ("expert", case.dtype, case.activation, case.H, case.I, case.max_rank, case.top_k, case.quant,
-            case.bias, case.lora, case.local_experts)
+def sizes_for(device: str, level: str) -> dict:
+    """The size profile `moe-lora-harness fuzz` draws at (harness/cli.py cmd_fuzz)."""
+    cpu = not str(device).startswith("cuda")
+    return dict(max_T=(10 if level == "expert" else 12) if cpu else 256, max_dim=96 if cpu else 1024)
+
+
+class CompileCounter:
+    """Counts Triton JIT compiles and the seconds inside them, through triton.knobs' runtime hooks."""
+
+    def __init__(self, log: bool = False):
+        self.count, self.seconds, self._t = 0, 0.0, None
+        self.installed, self.log, self.example = False, [] if log else None, 0
+        try:
+            from triton import knobs
+            rt = knobs.runtime
+        except (ImportError, AttributeError):
+            return
+
+        def before(**kw):
+            self._t = time.perf_counter()
+            return False                 # a true value would skip the compile
+
+        def after(**kw):
+            self.count += 1
+            if self.log is not None:   # what was specialized: the kernel, its constexprs, the argument key
+                c = kw.get("compile", {})
+                self.log.append({"example": self.example, "fn": getattr(kw.get("fn"), "name", "?"),
+                                 "constants": {str(k): str(v) for k, v in dict(c.get("constants", {})).items()},
+                                 "key": str(kw.get("key"))[:1500]})
+            if self._t is not None:
+                self.seconds += time.perf_counter() - self._t
+                self._t = None
+
+        rt.jit_cache_hook, rt.jit_post_compile_hook = before, after
+        self.installed = True
 
 
 class TimedExecutor:
-    """In-process executor that records (compile key, seconds, first time this key was seen) per call."""
+    """In-process executor recording, per call, its seconds and whether it compiled a kernel."""
 
     supervised = False
 
-    def __init__(self):
+    def __init__(self, counter: CompileCounter):
         from moe_lora_harness.harness.execute import InProcess
-        self.inner = InProcess()
-        self.rows = []
-        self.seen = set()
+        self.inner, self.counter, self.rows = InProcess(), counter, []
 
     def execute(self, spec, case, device, poison=None):
-        key = compile_key(case)
-        t0 = time.perf_counter()
+        n, t0 = self.counter.count, time.perf_counter()
+        self.counter.example = len(self.rows)
         ex = self.inner.execute(spec, case, device, poison)
-        self.rows.append({"first": key not in self.seen, "seconds": time.perf_counter() - t0})
-        self.seen.add(key)
+        self.rows.append({"compiled": self.counter.count > n, "seconds": time.perf_counter() - t0, "T": case.T,
+                          "case": case.to_json()})
         return ex
 
     def close(self):
         pass
 
 
-def run(spec, device, level, budget_s, palette, seed):
-    from moe_lora_harness.harness.campaign import Campaign
+def _strategy(spec, device, level, palette):
     from moe_lora_harness.harness.strategies import claimed_cases
-    cpu = not str(device).startswith("cuda")
-    sizes = dict(max_T=12 if cpu else 256, max_dim=96 if cpu else 1024)
-    kw = {"compile_classes": palette == "classes"}
-    try:
-        strategy = claimed_cases(spec, device, level, **sizes, **kw)
-    except TypeError:
-        if palette == "classes":
-            raise SystemExit("harness.strategies has no compile_classes option: --palette classes cannot run")
-        strategy = claimed_cases(spec, device, level, **sizes)
-    ex = TimedExecutor()
+    return claimed_cases(spec, device, level, compile_classes=palette == "classes", **sizes_for(device, level))
+
+
+def throughput(spec, device, level, palette, budget_s, seed, log=False):
+    from moe_lora_harness.harness.campaign import Campaign
+    counter = CompileCounter(log)
+    ex = TimedExecutor(counter)
+    strategy = _strategy(spec, device, level, palette)
     t0 = time.perf_counter()
     r = Campaign(spec, device, level, ex, budget_s=budget_s, max_examples=10**9, seed=seed, reruns=0,
                  shrink=False, max_found=10**6).run(strategy)
     wall = time.perf_counter() - t0
-    first = [x["seconds"] for x in ex.rows if x["first"]]
-    again = [x["seconds"] for x in ex.rows if not x["first"]]
-    return {"palette": palette, "examples": r.examples, "wall_s": round(wall, 2),
+    new = [x["seconds"] for x in ex.rows if x["compiled"]]
+    old = [x["seconds"] for x in ex.rows if not x["compiled"]]
+    med = lambda xs: round(statistics.median(xs), 4) if xs else None   # noqa: E731
+    return {"job": "throughput", "palette": palette, "examples": r.examples, "wall_s": round(wall, 2),
             "examples_per_min": round(60 * r.examples / wall, 1) if wall else 0.0,
-            "compile_keys": len(ex.seen), "new_key_calls": len(first), "cached_key_calls": len(again),
-            "median_new_key_s": round(statistics.median(first), 4) if first else None,
-            "median_cached_key_s": round(statistics.median(again), 4) if again else None,
-            "time_in_new_key_calls_s": round(sum(first), 2), "time_in_cached_key_calls_s": round(sum(again), 2),
-            "distinct_failures": len(r.found)}
+            "compiles": counter.count if counter.installed else None, "compile_s": round(counter.seconds, 2),
+            "calls_that_compiled": len(new), "calls_cached": len(old),
+            "median_call_that_compiled_s": med(new), "median_cached_call_s": med(old),
+            "time_in_calls_that_compiled_s": round(sum(new), 2), "time_in_cached_calls_s": round(sum(old), 2),
+            "median_T": med([x["T"] for x in ex.rows]), "distinct_failures": len(r.found),
+            "failures": [f.signature.text for f in r.found][:5],
+            "compiles_by_example": [i for i, x in enumerate(ex.rows) if x["compiled"]],
+            **({"compile_log": counter.log, "cases": [x["case"] for x in ex.rows]} if log else {})}
+
+
+def detection(mutant, device, palette, budget_s, seed):
+    from moe_lora_harness.harness.campaign import Campaign
+    from moe_lora_harness.harness.reach_mutants import REACH_MUTANTS
+    spec = next(s for s in REACH_MUTANTS if s.name == mutant)
+    counter = CompileCounter()
+    ex = TimedExecutor(counter)
+    t0 = time.perf_counter()
+    r = Campaign(spec, device, "op", ex, budget_s=budget_s, max_examples=10**9, seed=seed, reruns=0, shrink=False,
+                 max_found=1).run(_strategy(spec, device, "op", palette))
+    found = r.found[0] if r.found else None
+    return {"job": "detection", "mutant": mutant, "palette": palette, "seed": seed, "caught": found is not None,
+            "seconds": round(found.seconds if found else time.perf_counter() - t0, 2),
+            "examples": len(ex.rows), "compiles": counter.count if counter.installed else None,
+            "first": found.signature.text if found else ""}
+
+
+def reach_rates(device, palette, n: int, seed: int) -> dict:
+    """Of n drawn op cases of the `triton` backend's claim, the fraction in which each planted bug's shape class
+    shows (no kernel runs): the per-example chance a palette gives each bug, beside its examples per minute."""
+    from hypothesis import HealthCheck, given, settings
+    from moe_lora_harness.harness.reach_mutants import BASE, DEFECTS, REACH_MUTANTS
+    spec = next(s for s in REACH_MUTANTS if s.name == "reach-control")
+    cases = []
+
+    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_strategy(spec, device, "op", palette))
+    def draw(c):
+        cases.append(c)
+    from hypothesis import seed as hseed
+    hseed(seed)(draw)()
+    return {"job": "reach", "palette": palette, "base": BASE, "cases": len(cases),
+            "rates": {m: round(sum(map(pred, cases)) / len(cases), 3) for m, (_, pred) in DEFECTS.items()}}
+
+
+def _child(a) -> None:
+    from moe_lora_harness.harness.device import prepare_device
+    from moe_lora_harness.harness.registry import available_backends, select
+    device = prepare_device(a.device)
+    if a.job == "reach":
+        row = reach_rates(device, a.palette, 1000, a.seed)
+    elif a.job == "throughput":
+        spec = select(available_backends(extra_refs=a.backend), [a.only])[a.only]
+        row = throughput(spec, device, a.level, a.palette, a.budget, a.seed, a.log_compiles)
+    else:
+        row = detection(a.mutant, device, a.palette, a.detect_budget, a.seed)
+    print("RESULT " + json.dumps(row))
+
+
+def _spawn(a, job: str, palette: str, seed: int, mutant: str = "") -> dict:
+    """One job in a fresh process with an empty Triton cache."""
+    with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        cmd = [sys.executable, __file__, "--child", "--job", job, "--palette", palette, "--seed", str(seed),
+               "--only", a.only, "--level", a.level, "--budget", str(a.budget), "--detect-budget",
+               str(a.detect_budget), "--out", a.out] + (["--device", a.device] if a.device else [])
+        cmd += ["--log-compiles"] if a.log_compiles else []
+        cmd += ["--mutant", mutant] if mutant else []
+        for ref in a.backend:
+            cmd += ["--backend", ref]
+        limit = (a.budget if job == "throughput" else a.detect_budget) + 180
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return {"job": job, "palette": palette, "seed": seed, "mutant": mutant, "error": f"timeout {limit}s"}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"job": job, "palette": palette, "seed": seed, "mutant": mutant,
+            "error": f"exit {p.returncode}: {p.stderr[-600:]}"}
+
+
+def _summary(rows: list, doc: dict) -> list[str]:
+    lines = [f"Fuzz throughput: {doc['backend']} ({doc['level']} level) on {doc['device']}, "
+             f"{doc['budget_s']:g} s per palette, each palette in a fresh process with an empty Triton cache", "",
+             "| palette | examples | examples/min | Triton compiles | s in compiler | median call, compiling (s) "
+             "| median call, cached (s) | median T |", "|---|---|---|---|---|---|---|---|"]
+    for r in (x for x in rows if x.get("job") == "throughput" and "error" not in x):
+        lines.append(f"| {r['palette']} | {r['examples']} | {r['examples_per_min']} | {r['compiles']} | "
+                     f"{r['compile_s']} | {r['median_call_that_compiled_s']} | {r['median_cached_call_s']} | "
+                     f"{r['median_T']} |")
+    if "gain_examples_per_min" in doc:
+        lines.append(f"\ngain (classes / free): {doc['gain_examples_per_min']}x examples per minute")
+    reach = {x["palette"]: x for x in rows if x.get("job") == "reach" and "error" not in x}
+    if reach:
+        lines += ["", "Reach: the fraction of 1000 drawn op cases in which each planted bug's shape class shows (an "
+                      "upper bound on one example catching it)", "", "| shape class | " + " | ".join(reach) + " |",
+                  "|---|" + "---|" * len(reach)]
+        for m in next(iter(reach.values()))["rates"]:
+            lines.append(f"| {m} | " + " | ".join(str(r["rates"][m]) for r in reach.values()) + " |")
+    det = [x for x in rows if x.get("job") == "detection"]
+    if det:
+        lines += ["", f"Time to detection of the planted shape-class bugs (harness/reach_mutants.py), "
+                      f"{doc['detect_budget_s']:g} s budget each, seeds {doc['seeds']}: median seconds "
+                      f"(median examples), caught / runs", "", "| mutant | free | classes |", "|---|---|---|"]
+        for m in sorted({x["mutant"] for x in det}):
+            cells = []
+            for pal in PALETTES:
+                xs = [x for x in det if x["mutant"] == m and x["palette"] == pal and "error" not in x]
+                got = [x for x in xs if x["caught"]]
+                if not got:
+                    cells.append(f"not caught (0 / {len(xs)})")
+                    continue
+                cells.append(f"{statistics.median(x['seconds'] for x in got):.1f} s "
+                             f"({statistics.median(x['examples'] for x in got):g}), {len(got)} / {len(xs)}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    errors = [x for x in rows if "error" in x]
+    if errors:
+        lines += ["", f"{len(errors)} job(s) failed to run:"] + [f"- {e}" for e in errors]
+    return lines
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", action="append", default=[])
-    p.add_argument("--only", required=True)
+    p.add_argument("--only", default="triton", help="the correct backend of the throughput run")
     p.add_argument("--level", choices=("op", "expert"), default="op")
     p.add_argument("--device", default=None)
-    p.add_argument("--budget", type=float, default=60.0, help="seconds per palette")
-    p.add_argument("--palette", choices=("free", "classes", "both"), default="both")
+    p.add_argument("--budget", type=float, default=60.0, help="seconds of throughput campaign per palette")
+    p.add_argument("--palette", choices=PALETTES + ("both",), default="both")
+    p.add_argument("--mutants", action="store_true", help="also time the detection of each reach mutant")
+    p.add_argument("--detect-budget", type=float, default=60.0, help="seconds per detection campaign")
+    p.add_argument("--seeds", type=int, default=3, help="detection campaigns per (mutant, palette)")
+    p.add_argument("--jobs", type=int, default=1, help="detection campaigns run at once (throughput: alone)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-compiles", action="store_true", help="keep every compile's kernel, constexprs and key, "
+                                                                  "and every case, in the JSON (to see what recompiles)")
+    p.add_argument("--no-reach", action="store_true", help="skip the reach rates")
     p.add_argument("--out", required=True)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--job", default="throughput", help=argparse.SUPPRESS)
+    p.add_argument("--mutant", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.child:
+        return _child(a)
     from moe_lora_harness.harness.device import prepare_device
-    from moe_lora_harness.harness.registry import available_backends, select
     device = prepare_device(a.device)
-    spec = select(available_backends(extra_refs=a.backend), [a.only])[a.only]
-    palettes = ("free", "classes") if a.palette == "both" else (a.palette,)
-    runs = [run(spec, device, a.level, a.budget, pal, a.seed) for pal in palettes]
+    palettes = PALETTES if a.palette == "both" else (a.palette,)
+    t0 = time.time()
+    rows: list = []
+
+    def write():   # after every phase, so a run cut short still leaves what it measured
+        doc = _document(a, device, rows, time.time() - t0)
+        out = pathlib.Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_fuzz.json").write_text(json.dumps(doc, indent=1))
+        lines = _summary(rows, doc)
+        (out / "bench_fuzz.md").write_text("\n".join(lines) + "\n")
+        return lines
+
+    if a.level == "op" and not a.no_reach:
+        rows += [_spawn(a, "reach", pal, a.seed) for pal in palettes]
+    for pal in palettes:
+        rows.append(_spawn(a, "throughput", pal, a.seed))
+        write()
+    if a.mutants:
+        from moe_lora_harness.harness.reach_mutants import DEFECTS
+        jobs = [(pal, seed, f"reach-{m}") for m in DEFECTS for seed in range(a.seeds) for pal in palettes]
+        with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+            rows += list(pool.map(lambda j: _spawn(a, "detection", j[0], j[1], j[2]), jobs))
+    print("\n".join(write()))
+
+
+def _document(a, device, rows, seconds) -> dict:
     import torch
     machine = {"device": device, "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
@@ -110,22 +291,13 @@ def main(argv=None):
         machine["triton"] = triton.__version__
     except ImportError:
         pass
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = {"backend": a.only, "level": a.level, "budget_s": a.budget, "machine": machine, "runs": runs}
-    if len(runs) == 2 and runs[0]["examples_per_min"]:
-        doc["gain_examples_per_min"] = round(runs[1]["examples_per_min"] / runs[0]["examples_per_min"], 2)
-    (out / "bench_fuzz.json").write_text(json.dumps(doc, indent=1))
-    lines = [f"Fuzz throughput: {a.only} ({a.level} level) on {device}, {a.budget:g} s per palette", "",
-             "| palette | examples | examples/min | compile keys | median new-key call (s) | median cached call (s) "
-             "| time in new-key calls (s) |", "|---|---|---|---|---|---|---|"]
-    for r in runs:
-        lines.append(f"| {r['palette']} | {r['examples']} | {r['examples_per_min']} | {r['compile_keys']} | "
-                     f"{r['median_new_key_s']} | {r['median_cached_key_s']} | {r['time_in_new_key_calls_s']} |")
-    if "gain_examples_per_min" in doc:
-        lines.append(f"\ngain (classes / free): {doc['gain_examples_per_min']}x examples per minute")
-    (out / "bench_fuzz.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    doc = {"backend": a.only, "level": a.level, "device": device, "budget_s": a.budget,
+           "detect_budget_s": a.detect_budget, "seeds": a.seeds, "jobs": a.jobs, "machine": machine,
+           "seconds": round(seconds, 1), "rows": rows}
+    tp = {r["palette"]: r for r in rows if r.get("job") == "throughput" and "error" not in r}
+    if len(tp) == 2 and tp["free"]["examples_per_min"]:
+        doc["gain_examples_per_min"] = round(tp["classes"]["examples_per_min"] / tp["free"]["examples_per_min"], 2)
+    return doc
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
   moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
   moe-lora-harness fuzz --only NAME [--level op|expert] [--budget 10m] [--max-examples N] [--out DIR] [--junit F]
+                        [--palette auto|free|classes]
   moe-lora-harness list [--backend REF] [--only NAME]
-  moe-lora-harness selftest [--corpus op|tp|ep|schedule] [--detectors check,fuzz] [--quick] [--junit F]
+  moe-lora-harness selftest [--corpus op|tp|ep|reach|schedule] [--detectors check,fuzz] [--quick] [--junit F]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
@@ -296,7 +297,7 @@ def cmd_fuzz(args) -> int:
     device = _device(args)
     from moe_lora_harness.harness.campaign import Campaign, summary_table
     from moe_lora_harness.harness.report import to_junit
-    from moe_lora_harness.harness.strategies import claimed_cases, profile
+    from moe_lora_harness.harness.strategies import claimed_cases, profile, wants_compile_classes
     specs = _backends(args)
     if len(specs) != 1:
         raise UsageError(f"fuzz one backend at a time (--only NAME); have {sorted(specs)}")
@@ -305,7 +306,8 @@ def cmd_fuzz(args) -> int:
     cpu = not device.startswith("cuda")
     sizes = (dict(max_T=10 if cpu else 256, max_dim=96 if cpu else 1024) if level == "expert"
              else dict(max_T=12 if cpu else 256, max_dim=96 if cpu else 1024))
-    strategy = claimed_cases(spec, device, level, **sizes)   # the search spends itself on what it claims
+    # the search spends itself on what it claims (shapes from compile classes on a GPU unless --palette free)
+    strategy = claimed_cases(spec, device, level, compile_classes=wants_compile_classes(args.palette, device), **sizes)
     max_examples = args.max_examples or (10**9 if args.budget else 300)
     corpus = None if args.no_db else (args.corpus or os.path.join(".moe-lora-harness", "corpus", f"{name}-{level}"))
     executor = _executor(args)
@@ -378,7 +380,7 @@ def cmd_selftest(args) -> int:
     t0 = time.time()
     try:
         res = run_selftest(device, executor, corpora=args.corpus or None, detectors=detectors, fuzz_budget_s=budget,
-                           fuzz_max_examples=examples,
+                           fuzz_max_examples=examples, palette=args.palette,
                            progress=(lambda what: print(f"[selftest] {what}", file=sys.stderr)) if args.verbose else None)
     except KeyboardInterrupt:
         print("INTERRUPTED", file=sys.stderr)
@@ -411,6 +413,12 @@ def cmd_selftest(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-lora-harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    def palette_option(sp):
+        from moe_lora_harness.harness.strategies import PALETTE_CHOICES
+        sp.add_argument("--palette", choices=PALETTE_CHOICES, default="auto",
+                        help="shapes: free (any size), classes (a pairwise palette of compile classes, so the Triton "
+                             "cache is reused), auto (classes on a GPU, free on CPU; the default)")
 
     def common(sp, run=True):
         sp.add_argument("--backend", action="append", default=[], metavar="REF",
@@ -473,12 +481,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "backend provides)")
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
     f.add_argument("--no-db", action="store_true", help="use neither the example database nor the corpus")
+    palette_option(f)
     f.set_defaults(fn=cmd_fuzz)
     t = sub.add_parser("selftest", help="run the project's planted-bug corpora through check and fuzz: the kill "
                                         "matrix; fails if a planted bug survives or a correct backend fails")
     common(t)
     t.add_argument("--corpus", action="append", default=[], metavar="NAME",
-                   help="only these corpora (op, tp, ep, schedule; repeatable)")
+                   help="only these corpora (op, tp, ep, reach, schedule; repeatable)")
     t.add_argument("--detectors", default="check,fuzz", metavar="LIST", help="comma-separated: check, fuzz")
     t.add_argument("--fuzz-budget", type=parse_budget, default=None, metavar="DURATION",
                    help="per mutant (default 20s; 5s with --quick)")
@@ -486,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--junit", metavar="PATH", help="JUnit XML: one test case per mutant x detector")
     t.add_argument("-v", "--verbose", action="store_true")
+    palette_option(t)
     t.set_defaults(fn=cmd_selftest)
     return p
 

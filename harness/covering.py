@@ -228,10 +228,15 @@ def _excluded(fields_of, axes, s) -> dict:
     return out
 
 
-def all_pairs(axes, excluded: dict, row_ok, seeds: int = 8) -> list[dict]:
+def all_pairs(axes, excluded: dict, row_ok, seeds: int = 8, unmet: list | None = None,
+              balance: bool = False) -> list[dict]:
     """A deterministic greedy pairwise design over `axes`: rows (axis -> value) such that every pair not in
     `excluded` is in some row; `row_ok(row)` vetoes a full row (higher-order conflicts). Each row is the best
-    of `seeds` candidates, each grown from one of the first `seeds` uncovered pairs (hardest first)."""
+    of `seeds` candidates, each grown from one of the first `seeds` uncovered pairs (hardest first). A pair no
+    valid row can hold raises, unless `unmet` is given: then it is appended there and the design goes on.
+    `balance`: where values tie, take the one whose pairs with the row's values so far the rows hold least
+    (else the axis's earliest), so each pair turns up about equally often (harness.compile_classes samples
+    the rows)."""
     order = [ax.name for ax in axes]
     values = {ax.name: ax.values for ax in axes}
     uncovered = [p for p in _pairs(axes) if p not in excluded]
@@ -248,6 +253,10 @@ def all_pairs(axes, excluded: dict, row_ok, seeds: int = 8) -> list[dict]:
         return all(key((name, v), (m, w)) not in bad for m, w in row.items())
 
     fill_order = sorted(order, key=lambda n: -len(values[n]))
+    used: dict = {}    # pair -> rows holding it (balance)
+
+    def worn(row, name, v):
+        return sum(used.get(key((name, v), (m, w)), 0) for m, w in row.items())
     while uncovered:
         todo = set(uncovered)
         best = None
@@ -260,6 +269,7 @@ def all_pairs(axes, excluded: dict, row_ok, seeds: int = 8) -> list[dict]:
                 # most new pairs with the values fixed so far; ties: the value in the most uncovered pairs
                 row[name] = max(options, key=lambda v: (gain(row, name, v, todo),
                                                         sum(1 for p in uncovered if (name, v) in p),
+                                                        -worn(row, name, v) if balance else 0,
                                                         -values[name].index(v)))
             if not row_ok(row):
                 continue
@@ -268,9 +278,14 @@ def all_pairs(axes, excluded: dict, row_ok, seeds: int = 8) -> list[dict]:
             if best is None or covered > best[0]:
                 best = (covered, row)
         if best is None:   # every candidate vetoed: give up on the first pair, reported as uncovered
-            raise ValueError(f"no valid row covers {uncovered[0]}; add it to MODEL_RULES with its reason")
+            if unmet is None:
+                raise ValueError(f"no valid row covers {uncovered[0]}; add it to MODEL_RULES with its reason")
+            unmet.append(uncovered.pop(0))
+            continue
         row = {n: best[1][n] for n in order}
         rows.append(row)
+        for p in itertools.combinations(row.items(), 2):
+            used[p] = used.get(p, 0) + 1
         done = set(itertools.combinations(row.items(), 2))
         uncovered = [p for p in uncovered if p not in done]
     return rows

@@ -40,6 +40,8 @@ CORPORA = (
            lambda f: "TP 2" in f.name, select=_is_level("expert")),
     Corpus("ep", "moe_lora_harness.suites.experts.ep_mutants:MUTANTS", ("ep-control",), "expert",
            lambda f: f.name.startswith("experts: EP") and "processes" not in f.name, fuzz_level="ep"),
+    Corpus("reach", "moe_lora_harness.harness.reach_mutants:REACH_MUTANTS", ("reach-control",), "op",
+           lambda f: f.level == "op"),
     Corpus("schedule", "moe_lora_harness.suites.schedule.planted_backends:BACKENDS", ("schedule-control",),
            "expert", lambda f: f.name in ("experts: silu", "experts: tokens without adapter (-1)",
                                           "experts: fp32", "experts: rank padding"), devices=("cpu",)),
@@ -90,15 +92,17 @@ def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: 
     return Kill(bool(failures), time.monotonic() - t0, runs, "; ".join(failures[:3]))
 
 
-def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int) -> Kill:
+def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int,
+                   palette: str = "auto") -> Kill:
     from moe_lora_harness.harness.campaign import Campaign
-    from moe_lora_harness.harness.strategies import claimed_cases
+    from moe_lora_harness.harness.strategies import claimed_cases, wants_compile_classes
     cpu = not str(device).startswith("cuda")
     sizes = dict(max_T=10 if cpu else 128, max_dim=64 if cpu else 512)
     t0 = time.monotonic()
     c = Campaign(spec, device, corpus.level, executor, budget_s=budget_s, max_examples=max_examples, seed=0,
                  reruns=0, max_found=1, shrink=False)     # time to detection: the first failing example
-    r = c.run(claimed_cases(spec, device, corpus.fuzz_level or corpus.level, **sizes))
+    r = c.run(claimed_cases(spec, device, corpus.fuzz_level or corpus.level,
+                            compile_classes=wants_compile_classes(palette, device), **sizes))
     if not r.claimed_any and not r.found:
         return Kill(False, time.monotonic() - t0, r.examples, error="nothing claimed")
     if r.found:
@@ -108,7 +112,7 @@ def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float,
 
 
 def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fuzz"), fuzz_budget_s: float = 20.0,
-                 fuzz_max_examples: int = 200, progress=None) -> SelftestResult:
+                 fuzz_max_examples: int = 200, progress=None, palette: str = "auto") -> SelftestResult:
     """Every mutant of the chosen corpora under every detector; every control through check (all rows)."""
     from moe_lora_harness.harness.registry import load_ref
     res = SelftestResult()
@@ -136,7 +140,8 @@ def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fu
             if "check" in detectors:
                 cells["check"] = _check_detector(spec, corpus, device, executor, stop_at_first=True)
             if "fuzz" in detectors:
-                cells["fuzz"] = _fuzz_detector(spec, corpus, device, executor, fuzz_budget_s, fuzz_max_examples)
+                cells["fuzz"] = _fuzz_detector(spec, corpus, device, executor, fuzz_budget_s, fuzz_max_examples,
+                                               palette)
             res.cells[key] = cells
     return res
 

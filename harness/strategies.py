@@ -120,34 +120,78 @@ def _input_scale(draw, T: int, fp16_expert: bool) -> dict:
     return out
 
 
+def _op_ep(draw, allow_ep: bool, layout: str) -> int:
+    if allow_ep and layout == "sorted" and draw(st.booleans()):
+        return draw(st.sampled_from((2, 4)))
+    return 1
+
+
+def _experts_for(draw, regime: str, top_k: int, ep: int) -> int:
+    """E (divisible by ep, >= top_k) for a compile class's top_k: many experts in the "many" regime."""
+    if regime == "many":
+        return draw(st.sampled_from(tuple(e for e in MANY_EXPERTS if e >= top_k and e % ep == 0)))
+    least = max(1, -(-top_k // ep))
+    return draw(st.integers(least, max(least, 8))) * ep
+
+
+class _Shape:
+    """The shape source of one draw: free (every value drawn) or a compile class of a palette (its fixed values
+    taken, the token count drawn from its window). `pick(name, strategy)` is the class's value or a draw, so a
+    free draw makes exactly the draws it always made, in the same order."""
+
+    def __init__(self, draw, palette, most_tokens=None):
+        self.draw, self.fixed, self.tokens = draw, {}, None
+        if palette is not None:
+            classes = palette.classes if most_tokens is None else tuple(
+                c for c in palette.classes if min(c.tokens) <= most_tokens)
+            c = draw(st.sampled_from(classes))
+            self.fixed = dict(c.fields)
+            self.tokens = tuple(t for t in c.tokens if most_tokens is None or t <= most_tokens)
+
+    @property
+    def classed(self) -> bool:
+        return self.tokens is not None
+
+    def pick(self, name, strategy):
+        return self.fixed[name] if name in self.fixed else self.draw(strategy)
+
+    def token_count(self):
+        return self.draw(st.sampled_from(self.tokens))
+
+
 @st.composite
 def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1, 2, 4, 8, 16, 32, 64),
              large_ranks=(128, 256), allow_ep=True, layouts=LAYOUTS, block_edges=BLOCK_EDGES,
-             regimes=REGIMES):
+             regimes=REGIMES, palette=None):
     """Op-level cases over the whole input space of `fused_moe_lora` (small shapes), with the reach regimes:
     token counts across block boundaries, top_k up to 8, many experts with few tokens, awkward K / N, input
-    magnitude and outlier tokens."""
+    magnitude and outlier tokens. With a `palette` (harness.compile_classes) the shapes come from its compile
+    classes and everything else is drawn as without one."""
     regime = draw(st.sampled_from(tuple(regimes)))
-    layout = draw(st.sampled_from(tuple(layouts)))
-    ep = 1
-    if allow_ep and layout == "sorted" and draw(st.booleans()):
-        ep = draw(st.sampled_from((2, 4)))
-    E, top_k = _experts_and_top_k(draw, regime, ep)
-    # naive: one program per (token, slot): the edges up to 32 only, top_k 1
-    naive_edge = layout == "naive" and regime == "boundary"
-    T = _tokens(draw, regime, max_T, _upto(block_edges, 32) if naive_edge else block_edges)
-    if naive_edge:
-        top_k = 1
-    which = draw(st.sampled_from(("w13", "w2")))
+    shape = _Shape(draw, palette)
+    layout = shape.pick("layout", st.sampled_from(tuple(layouts)))
+    ep = _op_ep(draw, allow_ep, layout)
+    if shape.classed:
+        top_k, T = shape.fixed["top_k"], shape.token_count()
+        E = _experts_for(draw, regime, top_k, ep)
+    else:
+        E, top_k = _experts_and_top_k(draw, regime, ep)
+        # naive: one program per (token, slot): the edges up to 32 only, top_k 1
+        naive_edge = layout == "naive" and regime == "boundary"
+        T = _tokens(draw, regime, max_T, _upto(block_edges, 32) if naive_edge else block_edges)
+        if naive_edge:
+            top_k = 1
+    which = shape.pick("which", st.sampled_from(("w13", "w2")))
     dims = _dims(max_dim) if regime == "base" else _dims(min(max_dim, 64), aligned=(16, 32))
-    H, I = draw(dims), draw(dims)
-    L = draw(st.integers(1, 4 if regime == "base" else 2))
+    H, I = shape.pick("H", dims), shape.pick("I", dims)
+    L = shape.pick("max_loras", st.integers(1, 4 if regime == "base" else 2))
     large = tuple(large_ranks) if regime == "base" and large_ranks else ()   # (the others are costly enough)
-    R = draw(st.one_of(st.sampled_from(ranks), st.sampled_from(large))) if large else draw(st.sampled_from(ranks))
+    R = shape.pick("max_rank", st.one_of(st.sampled_from(ranks), st.sampled_from(large)) if large
+                   else st.sampled_from(ranks))
     slot_ranks = tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), min_size=0, max_size=L)))
-    mul = True if which == "w2" else draw(st.booleans())
-    add_inputs = draw(st.booleans())
-    dtype = draw(st.sampled_from(dtypes))
+    mul = True if which == "w2" else shape.pick("mul_routed_weight", st.booleans())
+    add_inputs = shape.pick("add_inputs", st.booleans())
+    dtype = shape.pick("dtype", st.sampled_from(dtypes))
     return Case(
         level="op", T=T, H=H, I=I, E=E, top_k=top_k, dtype=dtype, max_loras=L,
         max_rank=R, ranks=slot_ranks,
@@ -155,9 +199,9 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
         routing=draw(st.sampled_from(("uniform", "skewed"))),
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)), which=which,
-        num_slices=1 if which == "w2" else draw(st.sampled_from((2, 1))),   # gate + up (vLLM's w13) first
-        mul_routed_weight=mul, add_inputs=add_inputs, offset=draw(st.sampled_from((0, 0, 3, 17))),
-        layout=layout, block_size_m=draw(st.sampled_from((16, 32, 64))),
+        num_slices=1 if which == "w2" else shape.pick("num_slices", st.sampled_from((2, 1))),   # gate + up first
+        mul_routed_weight=mul, add_inputs=add_inputs, offset=shape.pick("offset", st.sampled_from((0, 0, 3, 17))),
+        layout=layout, block_size_m=shape.pick("block_size_m", st.sampled_from((16, 32, 64))),
         fully_sharded=(ep == 1 and add_inputs and draw(st.booleans())),
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), **_input_scale(draw, T, False))
 
@@ -165,37 +209,52 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
 EXPERT_ACTIVATIONS = SUPPORTED_ACTIVATIONS
 
 
-def _act_dtype(draw, activations, dtypes):
-    """(activation, dtype) drawn as one pair: every activation in every dtype the caller allows is reachable."""
+def _act_dtype(draw, activations, dtypes, shape=None):
+    """(activation, dtype) drawn as one pair: every activation in every dtype the caller allows is reachable
+    (a compile class fixes both)."""
+    if shape is not None and shape.classed:
+        return shape.fixed["activation"], shape.fixed["dtype"]
     return draw(st.sampled_from(tuple(itertools.product(tuple(activations), tuple(dtypes)))))
 
 
 @st.composite
 def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, activations=EXPERT_ACTIVATIONS,
-                 quants=QUANTS, block_edges=BLOCK_EDGES, regimes=REGIMES):
+                 quants=QUANTS, block_edges=BLOCK_EDGES, regimes=REGIMES, palette=None):
     """Expert-level cases: activation x dtype, biases, LoRA mix, shared factors, EP, simulated TP ranks (plain
     or fully-sharded LoRA), router weight on input, quant; the reach regimes (token counts across block
-    boundaries, top_k up to 8, many experts with few tokens, awkward dims) and input magnitude / outliers."""
+    boundaries, top_k up to 8, many experts with few tokens, awkward dims) and input magnitude / outliers.
+    With a `palette` (harness.compile_classes) the shapes come from its compile classes; EP and TP are drawn
+    only where they keep the class (up to 65 tokens; I, and H when fully sharded, divisible by the TP size)."""
     regime = draw(st.sampled_from(tuple(regimes)))
-    quant = draw(st.sampled_from(tuple(quants)))
-    if quant == "int4_g128":
+    shape = _Shape(draw, palette)
+    quant = shape.pick("quant", st.sampled_from(tuple(quants)))
+    if shape.classed:
+        H, I = shape.fixed["H"], shape.fixed["I"]
+    elif quant == "int4_g128":
         H, I = 128, 128
     else:   # 128 as before (the wide-tile paths; gated_fast_experts needs I % 128 == 0), cheap regimes only
         dims = (_dims(max_dim, aligned=(16, 32, 64, 128), min_dim=2) if regime == "base"
                 else _dims(min(max_dim, 64), aligned=(16, 32), min_dim=2))
         H, I = draw(dims), draw(dims)
-    ep = draw(st.sampled_from((1, 1, 2)))
-    E, top_k = _experts_and_top_k(draw, regime, ep)
+    T = shape.token_count() if shape.classed else None
+    small = T is None or T <= EP_MOST_TOKENS
+    ep = draw(st.sampled_from((1, 1, 2))) if small else 1
+    if shape.classed:
+        top_k = shape.fixed["top_k"]
+        E = _experts_for(draw, regime, top_k, ep)
+    else:
+        E, top_k = _experts_and_top_k(draw, regime, ep)
     on_input = top_k == 1 and draw(st.booleans())
-    L = draw(st.integers(1, 3))
-    R = draw(st.sampled_from((1, 4, 8, 16, 32)))
-    tp = draw(st.sampled_from((1, 1, 1, 2))) if (quant == "none" and ep == 1) else 1
-    fully_sharded = tp > 1 and R % tp == 0 and draw(st.booleans())
+    L = shape.pick("max_loras", st.integers(1, 3))
+    R = shape.pick("max_rank", st.sampled_from((1, 4, 8, 16, 32)))
+    tp_ok = quant == "none" and ep == 1 and small and (not shape.classed or I % 2 == 0)
+    tp = draw(st.sampled_from((1, 1, 1, 2))) if tp_ok else 1
+    fully_sharded = tp > 1 and R % tp == 0 and (not shape.classed or H % tp == 0) and draw(st.booleans())
     I += I % tp                                  # TP shards I; fully-sharded LoRA also shards H and R
     H += H % tp if fully_sharded else 0
-    # simulated ranks each run the kernels: past 65 tokens only for one rank
-    T = _tokens(draw, regime, max_T, block_edges if tp == 1 and ep == 1 else _upto(block_edges, 64))
-    activation, dtype = _act_dtype(draw, activations, dtypes)
+    if T is None:   # simulated ranks each run the kernels: past 65 tokens only for one rank
+        T = _tokens(draw, regime, max_T, block_edges if tp == 1 and ep == 1 else _upto(block_edges, 64))
+    activation, dtype = _act_dtype(draw, activations, dtypes, shape)
     return Case(
         level="expert", T=T, H=H, I=I, E=E, top_k=top_k,
         dtype=dtype, max_loras=L, max_rank=R,
@@ -203,7 +262,7 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
         mapping=draw(st.sampled_from(("uniform", "mixed", "skewed", "none", "disabled"))),
         routing=draw(st.sampled_from(("uniform", "skewed"))),
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
-        activation=activation, bias=draw(st.booleans()), lora=draw(st.booleans()),
+        activation=activation, bias=shape.pick("bias", st.booleans()), lora=shape.pick("lora", st.booleans()),
         apply_router_weight_on_input=on_input, quant=quant,
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), tp_size=tp, fully_sharded=fully_sharded,
         **_input_scale(draw, T, dtype == "float16"))
@@ -216,37 +275,49 @@ def _split_tokens(draw, T: int, ep: int) -> tuple:
     return tuple(edges[r + 1] - edges[r] for r in range(ep))
 
 
+EP_MOST_TOKENS = 65     # every EP (and simulated TP) rank runs its kernels: totals stay at or below 65
+
+
 @st.composite
 def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
              activations=EXPERT_ACTIVATIONS, quants=QUANTS, comms=("simulated",), block_edges=BLOCK_EDGES,
-             regimes=REGIMES):
+             regimes=REGIMES, palette=None):
     """Dispatched expert-parallel cases: 2 or 4 ranks with uneven token counts (0 included; up to max_T/2
     each), E = ep x local experts, the LoRA mix and mapping pattern (by_rank: each adapter used by one
     rank's tokens only); the reach regimes (a total token count across a block boundary, up to 65 as every
     rank runs, cut between the ranks; top_k up to 8; many experts with few tokens) and input magnitude /
-    outliers."""
+    outliers. With a `palette` (an expert-level one of harness.compile_classes) the shapes come from its
+    classes (windows up to 65 tokens), the total cut between the ranks at drawn points."""
     regime = draw(st.sampled_from(tuple(regimes)))
     ep = draw(st.sampled_from((2, 4)))
-    if regime == "boundary" and _upto(block_edges, 64):   # every rank runs: totals up to 65
+    shape = _Shape(draw, palette, most_tokens=EP_MOST_TOKENS)
+    if shape.classed:
+        counts = _split_tokens(draw, shape.token_count(), ep)
+    elif regime == "boundary" and _upto(block_edges, 64):   # every rank runs: totals up to 65
         counts = _split_tokens(draw, _edge_count(draw, _upto(block_edges, 64)), ep)
     else:
         per_rank = max(1, max_T // 2) if regime == "base" else 2
         counts = tuple(draw(st.lists(st.integers(0, per_rank), min_size=ep, max_size=ep)))
-    quant = draw(st.sampled_from(tuple(quants)))
-    if quant == "int4_g128":
+    quant = shape.pick("quant", st.sampled_from(tuple(quants)))
+    if shape.classed:
+        H, I = shape.fixed["H"], shape.fixed["I"]
+    elif quant == "int4_g128":
         H, I = 128, 128
     else:
         dims = (_dims(min(max_dim, 64), aligned=(16, 32), min_dim=2) if regime != "base"
                 else st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim)))
         H, I = draw(dims), draw(dims)
-    if regime == "base":
+    if shape.classed:
+        top_k = shape.fixed["top_k"]
+        E = _experts_for(draw, regime, top_k, ep)
+    elif regime == "base":
         E = ep * draw(st.integers(1, 3))
         top_k = draw(st.integers(1, min(E, 4)))
     else:
         E, top_k = _experts_and_top_k(draw, regime, ep)
-    L = draw(st.integers(1, 3))
-    R = draw(st.sampled_from((1, 4, 8, 16)))
-    activation, dtype = _act_dtype(draw, activations, dtypes)
+    L = shape.pick("max_loras", st.integers(1, 3))
+    R = shape.pick("max_rank", st.sampled_from((1, 4, 8, 16)))
+    activation, dtype = _act_dtype(draw, activations, dtypes, shape)
     T = sum(counts)
     return Case(
         level="expert", T=T, H=H, I=I, E=E, top_k=top_k, dtype=dtype,
@@ -255,28 +326,60 @@ def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
         mapping=draw(st.sampled_from(("by_rank", "by_rank", "uniform", "mixed", "none", "disabled"))),
         routing=draw(st.sampled_from(("uniform", "skewed"))), shared_a=draw(st.booleans()),
         shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
-        activation=activation, bias=draw(st.booleans()), lora=draw(st.booleans()),
+        activation=activation, bias=shape.pick("bias", st.booleans()), lora=shape.pick("lora", st.booleans()),
         apply_router_weight_on_input=top_k == 1 and draw(st.booleans()), quant=quant,
         ep_size=ep, ep_tokens=counts, ep_comm=draw(st.sampled_from(tuple(comms))),
         **_input_scale(draw, T, dtype == "float16"))
 
 
-def claimed_cases(spec, device: str, level: str, **sizes):
+# How a campaign draws shapes: "free" (every size), "classes" (the compile-class palette), "auto" (classes on a
+# GPU, where a new shape costs a Triton compile; free elsewhere, as the interpreter compiles nothing).
+PALETTE_CHOICES = ("auto", "free", "classes")
+
+
+def wants_compile_classes(palette: str, device: str) -> bool:
+    if palette not in PALETTE_CHOICES:
+        raise ValueError(f"palette must be one of {PALETTE_CHOICES}; got {palette!r}")
+    return palette == "classes" or (palette == "auto" and str(device).startswith("cuda"))
+
+
+_PALETTES: dict = {}
+
+
+def palette_of(spec, device: str, level: str, max_T: int, max_dim: int):
+    """The compile-class palette (harness.compile_classes) of `spec` on `device`, built once per size profile."""
+    from moe_lora_harness.harness.compile_classes import palette_for
+    key = (id(spec), str(device), level, max_T, max_dim)
+    if key not in _PALETTES or _PALETTES[key][0] is not spec:
+        _PALETTES[key] = (spec, palette_for(spec, device, level, max_T, max_dim))
+    return _PALETTES[key][1]
+
+
+def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, **sizes):
     """Cases of `level` (op, expert, or "ep": dispatched expert-parallel only) that `spec` claims on `device`:
     drawn over its declared dtypes, layouts, activations and quant schemes, then filtered by its whole
-    declaration (rules included, so nothing it declines runs)."""
+    declaration (rules included, so nothing it declines runs). `compile_classes`: shapes from the backend's
+    compile-class palette (harness.compile_classes: the kernel cache is reused on a GPU), the rest as ever."""
     from moe_lora_harness.harness.contract import support_for
     cap = spec.capabilities
     dev = "cuda" if str(device).startswith("cuda") else str(device)
     dtypes = tuple(d for d in ("float16", "bfloat16", "float32") if d in cap.dtypes.get(dev, ()))
     if not dtypes:
         return st.nothing()
+    palette = None
+    if compile_classes:
+        default_T = 12 if level == "op" else 10
+        palette = palette_of(spec, device, "op" if level == "op" else "expert", sizes.get("max_T", default_T),
+                             sizes.get("max_dim", 96))
+        if not palette.classes:
+            return st.nothing()
     if level == "op":
-        base = op_cases(dtypes=dtypes, layouts=tuple(sorted(cap.layouts)) or LAYOUTS, **sizes)
+        base = op_cases(dtypes=dtypes, layouts=tuple(sorted(cap.layouts)) or LAYOUTS, palette=palette, **sizes)
     else:
         acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
         quants = tuple(q for q in QUANTS if q in cap.quant)
-        kw = dict(dtypes=dtypes, activations=acts or SUPPORTED_ACTIVATIONS, quants=quants or ("none",))
+        kw = dict(dtypes=dtypes, activations=acts or SUPPORTED_ACTIVATIONS, quants=quants or ("none",),
+                  palette=palette)
         if level == "ep":       # dispatched expert parallelism (expert-level cases with ep_tokens)
             base = ep_cases(**kw, **sizes)
         else:

@@ -1,0 +1,220 @@
+"""Compile classes: a few dozen kernel shapes for fuzzing on a GPU, so the Triton kernel cache is reused.
+
+A Triton launch compiles once per specialization: its constexprs (block sizes, rank, slice count and flags
+read off the shapes) and, for each integer argument, whether it is 1 or a multiple of 16 (for each pointer,
+its 16-byte alignment). Measured on the H200 (bench/bench_fuzz.py --log-compiles), what recompiled our op
+inside a class of shapes was mostly such integer arguments: max_loras (1 or not), the output column offset
+(and the row stride it changes), the pair count; so max_loras and the offset are class axes too. Shapes drawn freely make almost every example a new compile (about a second each on
+the H200: most of an example's time). A palette fixes what kernels specialize on (dtype, w13 / w2 and slices,
+H, I, rank, top_k, layout, block_size_m, add_inputs, mul_routed_weight, max_loras, offset at op level;
+dtype, activation, H, I, rank, top_k, quant, bias, lora, max_loras at expert level; and a token window) to a set of CLASSES. The strategies
+(harness.strategies, `compile_classes=True`) draw one class, then everything else freely: the token count
+inside the window, the experts, the adapters' per-slot ranks, mapping, routing, shared factors, EP, TP,
+input scale, seed. Inside a class the kernels are compiled already.
+
+Bug-finding power is kept by construction. Each axis's values are the classes kernels break on (multiples
+of 64, of 16 not 64, of 8 not 16, odd, below 16; rank 1 / mid / 64 / past 64; top_k 1 / 2-4 / 5-8; the
+token windows either side of each block edge), and the palette is a pairwise covering design of them
+(harness.covering.all_pairs): every pair of values meets in some class. Concrete sizes rotate through a
+value's members from one class to the next (odd: 17, 63, 65, 129, 509, 1023), so a campaign meets several.
+A palette is built for one backend on one device from its declaration: only classes it claims; the pairs it
+cannot claim are listed (`Palette.unmet`), not silently dropped.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from moe_lora_harness.harness.case import LAYOUTS, QUANTS, Case
+from moe_lora_harness.harness.covering import Axis, _pairs, all_pairs
+
+# (label, members): a value of an axis and the concrete sizes it stands for, smallest first
+DIMS = (("aligned64", (64, 128, 256, 512, 1024)), ("mult16", (48, 80, 272, 784)), ("mult8", (24, 40, 72, 520)),
+        ("odd", (17, 63, 65, 129, 509, 1023)), ("tiny", (2, 7, 15)))
+OP_RANKS = (("1", (1,)), ("mid", (8, 16, 32)), ("64", (64,)), ("past64", (128, 256)))
+EXPERT_RANKS = (("1", (1,)), ("mid", (4, 8, 16)), ("32", (32,)))
+TOP_KS = (("1", (1,)), ("2-4", (2, 4, 3)), ("5-8", (8, 5, 6)))
+SHAPES = ("w13x2", "w13x1", "w2")       # op: which projection and how many output slices
+LORAS = (("1", (1,)), ("several", (2, 3, 4)))      # max_loras: Triton specializes an int argument equal to 1
+OFFSETS = (("0", (0,)), ("nonzero", (3, 17)))      # the output column offset (its alignment is specialized)
+BLOCK_MS = (16, 32, 64)
+EDGES = (16, 32, 64, 128)               # block / tile sizes the token loops step by (strategies.BLOCK_EDGES)
+FEW = 12                                # the "few" window: 0..12 tokens (decode-sized batches)
+BULK = (130, 256)                       # the "bulk" window (only where max_T reaches it: the GPU profile)
+INTERPRETER_NAIVE_TOKENS = 33           # naive layout under the interpreter: one program per (token, slot)
+SEEDS = 8                               # all_pairs candidates per row
+
+
+@dataclass(frozen=True)
+class CompileClass:
+    labels: tuple        # ((axis, value label), ...): the class in the design's terms
+    fields: dict         # the Case fields the class fixes
+    tokens: tuple        # the token counts its window allows
+
+    def describe(self) -> str:
+        return " ".join(f"{a}={v}" for a, v in self.labels)
+
+
+@dataclass(frozen=True)
+class Palette:
+    level: str
+    axes: tuple
+    classes: tuple       # CompileClass, the plainest first (shrinking goes to it)
+    unmet: tuple         # pairs no claimed class holds (the backend declines one of their values, or both)
+
+    def __len__(self) -> int:
+        return len(self.classes)
+
+    def __repr__(self) -> str:     # short: hypothesis prints its strategies' arguments on a failure
+        return f"Palette({self.level}: {len(self.classes)} classes, {len(self.unmet)} pairs unmet)"
+
+
+def _windows(max_T: int) -> tuple:
+    """(label, token counts) of the token axis: a few tokens, either side of each block edge, bulk."""
+    out = [("few", tuple(range(0, min(max_T, FEW) + 1)))]
+    out += [(f"edge{e}", (e - 1, e, e + 1)) for e in EDGES]
+    if max_T >= BULK[0]:
+        out.append(("bulk", tuple(range(BULK[0], min(max_T, BULK[1]) + 1))))
+    return tuple(out)
+
+
+def _dims(max_dim: int, min_dim: int) -> tuple:
+    """The DIMS values with members in [min_dim, max_dim] (multiples of 64 up to 128 always: the wide-tile
+    paths need them, as the free draws do)."""
+    out = []
+    for label, members in DIMS:
+        most = max(max_dim, 128) if label == "aligned64" else max_dim
+        keep = tuple(m for m in members if min_dim <= m <= most)
+        if keep:
+            out.append((label, keep))
+    return tuple(out)
+
+
+def _axis(name, entries, note=""):
+    """An Axis whose values are labels, and {label: members}."""
+    entries = tuple(e if isinstance(e, tuple) else (e, (e,)) for e in entries)
+    return Axis(name, tuple(label for label, _ in entries), note), dict(entries)
+
+
+def op_axes(dtypes, layouts, max_T: int, max_dim: int):
+    """The op-level axes and each value's members."""
+    pairs = [_axis("dtype", dtypes), _axis("shape", SHAPES, "w13 with 2 / 1 slices, or w2"),
+             _axis("H", _dims(max_dim, 1)), _axis("I", _dims(max_dim, 1)), _axis("rank", OP_RANKS),
+             _axis("top_k", TOP_KS), _axis("layout", layouts), _axis("block_m", BLOCK_MS),
+             _axis("add_inputs", (True, False)), _axis("mul", (True, False), "mul_routed_weight (w2: always)"),
+             _axis("loras", LORAS), _axis("offset", OFFSETS), _axis("tokens", _windows(max_T))]
+    return tuple(a for a, _ in pairs), {a.name: m for a, m in pairs}
+
+
+def expert_axes(dtypes, activations, quants, max_T: int, max_dim: int):
+    pairs = [_axis("dtype", dtypes), _axis("activation", activations), _axis("H", _dims(max_dim, 2)),
+             _axis("I", _dims(max_dim, 2)), _axis("rank", EXPERT_RANKS), _axis("top_k", TOP_KS),
+             _axis("quant", quants), _axis("bias", (True, False)), _axis("lora", (True, False)),
+             _axis("loras", LORAS), _axis("tokens", _windows(max_T))]
+    return tuple(a for a, _ in pairs), {a.name: m for a, m in pairs}
+
+
+def _pick(members: dict, row: dict, i: int) -> dict:
+    """The concrete member of every axis for rotation `i` (member i mod count)."""
+    return {n: ms[row[n]][i % len(ms[row[n]])] for n, ms in members.items() if n in row}
+
+
+def op_fields(v: dict, interpreter: bool) -> dict | None:
+    """Case fields of an op class from concrete values `v`; None where the model has no such call."""
+    if v["shape"] == "w2" and not v["mul"]:
+        return None                      # vLLM's w2 multiplies by the routed weight
+    which, slices = {"w13x2": ("w13", 2), "w13x1": ("w13", 1), "w2": ("w2", 1)}[v["shape"]]
+    T = v["tokens"]
+    if interpreter and v["layout"] == "naive" and T > INTERPRETER_NAIVE_TOKENS:
+        return None                      # the interpreter runs one program per (token, slot): too slow
+    return dict(level="op", dtype=v["dtype"], which=which, num_slices=slices, H=v["H"], I=v["I"],
+                max_rank=v["rank"], top_k=v["top_k"], E=max(4, v["top_k"]), layout=v["layout"],
+                block_size_m=v["block_m"], add_inputs=v["add_inputs"], mul_routed_weight=v["mul"], T=T,
+                max_loras=v["loras"], offset=v["offset"])
+
+
+def expert_fields(v: dict, interpreter: bool) -> dict | None:
+    return dict(level="expert", dtype=v["dtype"], activation=v["activation"], H=v["H"], I=v["I"],
+                max_rank=v["rank"], top_k=v["top_k"], E=max(4, v["top_k"]), quant=v["quant"], bias=v["bias"],
+                lora=v["lora"], T=v["tokens"], max_loras=v["loras"])
+
+
+_CLASS_FIELDS = {"op": op_fields, "expert": expert_fields}
+_NOT_FIXED = ("level", "T", "E")   # realised for the claim check; the strategy sets level, draws T (the window), E
+
+
+def build(level: str, claimed, axes, members, interpreter: bool) -> Palette:
+    """The palette over `axes`: a pairwise design whose every class `claimed(case)` accepts."""
+    to_fields = _CLASS_FIELDS[level]
+    spread = max(len(ms) for m in members.values() for ms in m.values())
+
+    def realise(row: dict, i: int):
+        """(fields, members tried first at rotation i) of the first claimed concrete choice, else None."""
+        for j in range(spread):
+            f = to_fields(_pick(members, row, i + j), interpreter)
+            if f is None:
+                continue
+            case = Case(**f, seed=0)
+            if not case.problems() and claimed(case):
+                return f
+        return None
+
+    def holds(pair) -> bool:
+        """Some full row with this pair is claimed: the other axes tried at their k-th values, k = 0, 1, ..."""
+        most = max(len(a.values) for a in axes)
+        for k in range(most):
+            row = {a.name: a.values[k % len(a.values)] for a in axes}
+            row.update(dict(pair))
+            if realise(row, 0) is not None:
+                return True
+        return False
+
+    excluded = {p: "no claimed class holds both" for p in _pairs(axes) if not holds(p)}
+    unmet = []
+    ok = lambda r: realise(r, 0) is not None   # noqa: E731
+    # balanced: a value the greedy would leave to a tie goes to the one held least, so each value (and each
+    # pair) turns up in the palette about as often as in a free draw, not only in the one class that covers it
+    rows = all_pairs(axes, excluded, ok, seeds=SEEDS, unmet=unmet, balance=True)
+    order = {a.name: a.values for a in axes}
+    rows.sort(key=lambda r: (sum(order[n].index(v) for n, v in r.items()), tuple(map(str, r.values()))))
+    classes = []
+    for i, row in enumerate(rows):
+        f = realise(row, i) or realise(row, 0)
+        tokens = members["tokens"][row["tokens"]]
+        fixed = {k: v for k, v in f.items() if k not in _NOT_FIXED}
+        classes.append(CompileClass(tuple(row.items()), fixed, tokens))
+    return Palette(level, axes, tuple(classes), tuple(sorted(excluded)) + tuple(unmet))
+
+
+def palette_for(spec, device: str, level: str, max_T: int, max_dim: int) -> Palette:
+    """The palette of `level` ("op" or "expert") that `spec` claims on `device`, at a size profile."""
+    from moe_lora_harness.harness.contract import support_for
+    from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
+    cap = spec.capabilities
+    dev = "cuda" if str(device).startswith("cuda") else str(device)
+    dtypes = tuple(d for d in ("float16", "bfloat16", "float32") if d in cap.dtypes.get(dev, ()))
+    claimed = lambda c: support_for(spec, c, device)[0]   # noqa: E731
+    interpreter = dev != "cuda"
+    if level == "op":
+        axes, members = op_axes(dtypes, tuple(sorted(cap.layouts)) or LAYOUTS, max_T, max_dim)
+    else:
+        acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
+        quants = tuple(q for q in QUANTS if q in cap.quant) or ("none",)
+        axes, members = expert_axes(dtypes, acts or SUPPORTED_ACTIVATIONS, quants, max_T, max_dim)
+    return build(level, claimed, axes, members, interpreter)
+
+
+def class_of(case: Case, palette: Palette):
+    """The palette's class a case belongs to (its fixed fields match, its T in the window), else None."""
+    for c in palette.classes:
+        if all(getattr(case, k) == v for k, v in c.fields.items()) and case.T in c.tokens:
+            return c
+    return None
+
+
+def value_pairs(palette: Palette) -> set:
+    """Every pair of axis values some class of `palette` holds."""
+    out = set()
+    for c in palette.classes:
+        out.update(itertools.combinations(c.labels, 2))
+    return out
