@@ -168,18 +168,20 @@ def _child(a) -> None:
     print("RESULT " + json.dumps(row))
 
 
-def _spawn(a, job: str, palette: str, seed: int, mutant: str = "") -> dict:
-    """One job in a fresh process with an empty Triton cache."""
-    with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+def _spawn(a, job: str, palette: str, seed: int, mutant: str = "", cache: str | None = None, budget=None) -> dict:
+    """One job in a fresh process with an empty Triton cache (or the given cache directory, as left by an
+    earlier job: a later campaign against the same kernels loads what the earlier one compiled)."""
+    with tempfile.TemporaryDirectory(prefix="triton-cache-") as fresh:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache or fresh)
+        budget = a.budget if budget is None else budget
         cmd = [sys.executable, __file__, "--child", "--job", job, "--palette", palette, "--seed", str(seed),
-               "--only", a.only, "--level", a.level, "--budget", str(a.budget), "--detect-budget",
+               "--only", a.only, "--level", a.level, "--budget", str(budget), "--detect-budget",
                str(a.detect_budget), "--out", a.out] + (["--device", a.device] if a.device else [])
         cmd += ["--log-compiles"] if a.log_compiles else []
         cmd += ["--mutant", mutant] if mutant else []
         for ref in a.backend:
             cmd += ["--backend", ref]
-        limit = (a.budget if job == "throughput" else a.detect_budget) + 180
+        limit = (budget if job == "throughput" else a.detect_budget) + 180
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired:
@@ -192,16 +194,21 @@ def _spawn(a, job: str, palette: str, seed: int, mutant: str = "") -> dict:
 
 
 def _summary(rows: list, doc: dict) -> list[str]:
-    lines = [f"Fuzz throughput: {doc['backend']} ({doc['level']} level) on {doc['device']}, "
-             f"{doc['budget_s']:g} s per palette, each palette in a fresh process with an empty Triton cache", "",
-             "| palette | examples | examples/min | Triton compiles | s in compiler | median call, compiling (s) "
-             "| median call, cached (s) | median T |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"Fuzz throughput: {doc['backend']} ({doc['level']} level) on {doc['device']}; each campaign in a fresh "
+             f"process; cold: an empty Triton cache, warm: the cache the cold campaign left", "",
+             "| palette | Triton cache | s | examples | examples/min | Triton compiles | s in compiler "
+             "| median call, compiling (s) | median call, cached (s) | median T |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in (x for x in rows if x.get("job") == "throughput" and "error" not in x):
-        lines.append(f"| {r['palette']} | {r['examples']} | {r['examples_per_min']} | {r['compiles']} | "
+        lines.append(f"| {r['palette']} | {r.get('cache', 'cold')} | {r['wall_s']:.0f} | {r['examples']} | "
+                     f"{r['examples_per_min']} | {r['compiles']} | "
                      f"{r['compile_s']} | {r['median_call_that_compiled_s']} | {r['median_cached_call_s']} | "
                      f"{r['median_T']} |")
     if "gain_examples_per_min" in doc:
-        lines.append(f"\ngain (classes / free): {doc['gain_examples_per_min']}x examples per minute")
+        lines.append(f"\ngain (classes / free, cold cache): {doc['gain_examples_per_min']}x examples per minute")
+    warm = {r["palette"]: r for r in rows if r.get("job") == "throughput" and r.get("cache") == "warm" and "error" not in r}
+    if len(warm) == 2 and warm["free"]["examples_per_min"]:
+        lines.append(f"gain (classes / free, warm cache): "
+                     f"{warm['classes']['examples_per_min'] / warm['free']['examples_per_min']:.2f}x examples per minute")
     reach = {x["palette"]: x for x in rows if x.get("job") == "reach" and "error" not in x}
     if reach:
         lines += ["", "Reach: the fraction of 1000 drawn op cases in which each planted bug's shape class shows (an "
@@ -247,6 +254,9 @@ def main(argv=None):
     p.add_argument("--log-compiles", action="store_true", help="keep every compile's kernel, constexprs and key, "
                                                                   "and every case, in the JSON (to see what recompiles)")
     p.add_argument("--no-reach", action="store_true", help="skip the reach rates")
+    p.add_argument("--warm", type=float, default=0.0, metavar="S", help="instead of one campaign per palette: two "
+                   "of S seconds in one Triton cache directory (cold, then warm: what a second campaign against "
+                   "unchanged kernels costs)")
     p.add_argument("--out", required=True)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--job", default="throughput", help=argparse.SUPPRESS)
@@ -272,8 +282,14 @@ def main(argv=None):
     if a.level == "op" and not a.no_reach:
         rows += [_spawn(a, "reach", pal, a.seed) for pal in palettes]
     for pal in palettes:
-        rows.append(_spawn(a, "throughput", pal, a.seed))
-        write()
+        if a.warm:    # the same campaign length twice in one cache directory: cold, then warm (another seed)
+            with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
+                for i, state in enumerate(("cold", "warm")):
+                    rows.append(dict(_spawn(a, "throughput", pal, a.seed + i, cache=cache, budget=a.warm), cache=state))
+                    write()
+        else:
+            rows.append(_spawn(a, "throughput", pal, a.seed))
+            write()
     if a.mutants:
         from moe_lora_harness.harness.reach_mutants import DEFECTS
         jobs = [(pal, seed, f"reach-{m}") for m in DEFECTS for seed in range(a.seeds) for pal in palettes]
@@ -294,7 +310,8 @@ def _document(a, device, rows, seconds) -> dict:
     doc = {"backend": a.only, "level": a.level, "device": device, "budget_s": a.budget,
            "detect_budget_s": a.detect_budget, "seeds": a.seeds, "jobs": a.jobs, "machine": machine,
            "seconds": round(seconds, 1), "rows": rows}
-    tp = {r["palette"]: r for r in rows if r.get("job") == "throughput" and "error" not in r}
+    tp = {r["palette"]: r for r in rows if r.get("job") == "throughput" and "error" not in r
+          and r.get("cache", "cold") == "cold"}
     if len(tp) == 2 and tp["free"]["examples_per_min"]:
         doc["gain_examples_per_min"] = round(tp["classes"]["examples_per_min"] / tp["free"]["examples_per_min"], 2)
     return doc
