@@ -160,10 +160,11 @@ def build(level: str, claimed, axes, members, interpreter: bool) -> Palette:
         return None
 
     def holds(pair) -> bool:
-        """Some full row with this pair is claimed: the other axes tried at their k-th values, k = 0, 1, ..."""
+        """Some full row with this pair is claimed: the other axes tried at their (k + j)-th and k-th values
+        (j: the axis' position, so that axes of equal length do not move in step), k = 0, 1, ..."""
         most = max(len(a.values) for a in axes)
-        for k in range(most):
-            row = {a.name: a.values[k % len(a.values)] for a in axes}
+        for k, shift in itertools.product(range(most), (True, False)):
+            row = {a.name: a.values[(k + (j if shift else 0)) % len(a.values)] for j, a in enumerate(axes)}
             row.update(dict(pair))
             if realise(row, 0) is not None:
                 return True
@@ -183,7 +184,9 @@ def build(level: str, claimed, axes, members, interpreter: bool) -> Palette:
         tokens = members["tokens"][row["tokens"]]
         fixed = {k: v for k, v in f.items() if k not in _NOT_FIXED}
         classes.append(CompileClass(tuple(row.items()), fixed, tokens))
-    return Palette(level, axes, tuple(classes), tuple(sorted(excluded)) + tuple(unmet))
+    held = {p for c in classes for p in itertools.combinations(c.labels, 2)}
+    unmet = [p for p in sorted(excluded) + unmet if p not in held]   # a pair judged out may have met anyway
+    return Palette(level, axes, tuple(classes), tuple(unmet))
 
 
 def palette_for(spec, device: str, level: str, max_T: int, max_dim: int) -> Palette:

@@ -1,0 +1,168 @@
+"""Compile classes (harness/compile_classes.py) and the planted shape-class bugs (harness/reach_mutants.py):
+a palette meets every pair of values its backend can claim and says which it cannot; its classes are
+claimed, well formed and balanced; a classed draw stays inside its class (so a GPU campaign reuses the
+kernel cache) yet still reaches block edges, wide routing, many experts and large inputs; free draws are
+untouched; each planted shape-class bug fails exactly where its class shows."""
+from __future__ import annotations
+
+import collections
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from moe_lora_harness.harness import compile_classes as CC
+from moe_lora_harness.harness import strategies as S
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import support_for
+from moe_lora_harness.harness.covering import _pairs
+from moe_lora_harness.harness.registry import available_backends
+
+_DRAW = dict(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+PROFILES = {"cpu": dict(max_T=12, max_dim=96), "cuda": dict(max_T=256, max_dim=1024)}
+BACKENDS = [("triton", "op"), ("triton_small_batch", "op"), ("eager", "expert"), ("gated_fast_experts", "expert"),
+            ("marlin_experts", "expert")]
+
+
+@pytest.fixture(scope="module")
+def backends():
+    pytest.importorskip("triton")
+    return available_backends()
+
+
+def _drawn(strategy, n: int) -> list:
+    out = []
+
+    @settings(max_examples=n, **_DRAW)
+    @given(strategy)
+    def collect(case):
+        out.append(case)
+    collect()
+    return out
+
+
+def _realised(c: CC.CompileClass, level: str, **runtime) -> Case:
+    f = dict(c.fields, level=level, T=c.tokens[0], E=max(4, c.fields["top_k"]), seed=0)
+    return Case(**dict(f, **runtime))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name,level", BACKENDS)
+def test_a_palette_meets_every_pair_it_can_claim_and_only_claimed_classes(backends, name, level, device):
+    spec = backends[name]
+    p = CC.palette_for(spec, device, level, **PROFILES[device])
+    if not p.classes:    # nothing claimable here: every pair is then unmet, said so
+        assert set(_pairs(p.axes)) <= set(p.unmet)
+        return
+    held = CC.value_pairs(p)
+    for pair in _pairs(p.axes):
+        assert (pair in held) != (pair in p.unmet), pair     # met, or listed as unmet: never both, never neither
+    for c in p.classes:
+        case = _realised(c, level)
+        assert not case.problems(), (c.describe(), case.problems())
+        assert support_for(spec, case, device)[0], (c.describe(), support_for(spec, case, device))
+    plainness = [sum(ax.values.index(dict(c.labels)[ax.name]) for ax in p.axes) for c in p.classes]
+    assert plainness[0] == min(plainness)      # shrinking (to class 0) goes to the plainest class
+
+
+def test_unmet_pairs_are_the_declared_limits_both_ways(backends):
+    """The triton op under the interpreter: exactly the naive layout past 33 tokens (too slow there) and w2
+    without the routed weight (no such vLLM call); on a GPU only the latter. small_batch (rank <= 64): every
+    pair with a rank past 64 is unmet; gated_fast (I % 128): no class with an odd I."""
+    want = {(("shape", "w2"), ("mul", False)), (("layout", "naive"), ("tokens", "edge64")),
+            (("layout", "naive"), ("tokens", "edge128"))}
+    assert set(CC.palette_for(backends["triton"], "cpu", "op", 12, 96).unmet) == want
+    assert set(CC.palette_for(backends["triton"], "cuda", "op", 256, 1024).unmet) == {(("shape", "w2"), ("mul", False))}
+    sb = CC.palette_for(backends["triton_small_batch"], "cuda", "op", 256, 1024)
+    assert all(pair in sb.unmet for pair in _pairs(sb.axes) if ("rank", "past64") in pair)
+    assert all(c.fields["max_rank"] <= 64 for c in sb.classes)
+    gf = CC.palette_for(backends["gated_fast_experts"], "cuda", "expert", 256, 1024)
+    assert gf.classes and all(c.fields["I"] % 128 == 0 for c in gf.classes)
+
+
+def test_palettes_are_small_and_balanced(backends):
+    """About the pairwise lower bound of classes, and every value of an axis about equally often (so a
+    campaign meets each pair in several classes, as often as a free draw would)."""
+    for name, level in (("triton", "op"), ("triton_experts", "expert")):
+        p = CC.palette_for(backends[name], "cuda", level, 256, 1024)
+        sizes = sorted((len(ax.values) for ax in p.axes), reverse=True)
+        assert sizes[0] * sizes[1] <= len(p.classes) <= 2 * sizes[0] * sizes[1], len(p.classes)
+        for ax in p.axes:
+            n = collections.Counter(dict(c.labels)[ax.name] for c in p.classes)
+            assert min(n.get(v, 0) for v in ax.values) >= 0.5 * len(p.classes) / len(ax.values), (ax.name, n)
+
+
+@pytest.mark.parametrize("name,level", [("triton", "op"), ("triton_experts", "expert")])
+def test_a_classed_draw_stays_in_its_class_and_still_reaches(backends, name, level):
+    spec = backends[name]
+    sizes = PROFILES["cuda"]
+    p = S.palette_of(spec, "cuda", level, **sizes)
+    cases = _drawn(S.claimed_cases(spec, "cuda", level, compile_classes=True, **sizes), 300)
+    assert all(not c.problems() and support_for(spec, c, "cuda")[0] for c in cases)
+    classes = [CC.class_of(c, p) for c in cases]
+    assert all(k is not None for k in classes), [c.to_json() for c, k in zip(cases, classes) if k is None][:2]
+    assert len({k.describe() for k in classes}) <= len(p.classes)
+    assert sum(c.T > 16 for c in cases) >= 50 and any(c.top_k >= 5 for c in cases) and any(c.E >= 32 for c in cases)
+    assert any(c.magnitude > 1 for c in cases) and any(c.outliers for c in cases)
+    if level == "op":
+        assert any(c.ep_size > 1 for c in cases) and any(c.offset for c in cases) and any(c.fully_sharded for c in cases)
+    else:
+        assert any(c.dispatched for c in cases) and any(c.tp_size > 1 for c in cases)
+        acts = {(dict(k.labels)["activation"], dict(k.labels)["dtype"]) for k in p.classes}
+        assert acts == set(itertools.product(p.axes[1].values, p.axes[0].values))   # every activation x dtype
+
+
+def test_free_draws_are_the_default_and_the_palette_choice_is_checked():
+    assert S.wants_compile_classes("auto", "cuda:0") and not S.wants_compile_classes("auto", "cpu")
+    assert S.wants_compile_classes("classes", "cpu") and not S.wants_compile_classes("free", "cuda")
+    with pytest.raises(ValueError, match="palette must be one of"):
+        S.wants_compile_classes("fast", "cuda")
+
+
+def test_fuzz_cli_runs_with_compile_classes_on_cpu(tmp_path):
+    from moe_lora_harness.harness import cli
+    rc = cli.main(["fuzz", "--only", "eager", "--level", "op", "--device", "cpu", "--palette", "classes",
+                   "--max-examples", "4", "--in-process", "--no-db", "-q", "--out", str(tmp_path)])
+    assert rc == 0
+    assert (tmp_path / "campaign.json").exists()
+
+
+# -- planted shape-class bugs ----------------------------------------------------------------------------------
+
+def _op(**kw):
+    base = dict(level="op", T=6, H=32, I=32, E=4, top_k=2, max_loras=2, max_rank=8, dtype="float32",
+                mapping="uniform", which="w13", num_slices=2, add_inputs=True, layout="sorted", seed=3)
+    return Case(**dict(base, **kw))
+
+
+# where each defect shows, and a case just outside its class (the planted bug must pass there)
+SHOWS = {
+    "tokens-past-16": (_op(T=17), _op(T=16)),
+    "k-tail": (_op(H=30), _op(H=32)),
+    "rank-1": (_op(max_rank=1), _op(max_rank=2)),
+    "top-k-past-4": (_op(top_k=5, E=6), _op(top_k=4, E=6)),
+    "n-tail-past-32": (_op(I=40), _op(I=64)),
+    "slice-2-without-add-inputs": (_op(add_inputs=False), _op(add_inputs=False, num_slices=1)),
+}
+
+
+@pytest.fixture(scope="module")
+def reach():
+    pytest.importorskip("triton")
+    from moe_lora_harness.harness.reach_mutants import DEFECTS, REACH_MUTANTS
+    assert set(SHOWS) == set(DEFECTS)
+    return {s.name: s for s in REACH_MUTANTS}, DEFECTS
+
+
+@pytest.mark.parametrize("name", sorted(SHOWS))
+def test_each_planted_shape_bug_fails_in_its_class_and_only_there(reach, name):
+    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.harness.runner import run_case
+    specs, defects = reach
+    inside, outside = SHOWS[name]
+    shows = defects[name][1]
+    assert shows(inside) and not shows(outside)
+    ex = InProcess()
+    assert run_case(specs[f"reach-{name}"], inside, "cpu", executor=ex, reruns=0).failed
+    assert run_case(specs[f"reach-{name}"], outside, "cpu", executor=ex, reruns=0).status == "pass"
+    assert run_case(specs["reach-control"], inside, "cpu", executor=ex, reruns=0).status == "pass"
