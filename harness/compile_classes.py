@@ -148,14 +148,20 @@ def build(level: str, claimed, axes, members, interpreter: bool) -> Palette:
     to_fields = _CLASS_FIELDS[level]
     spread = max(len(ms) for m in members.values() for ms in m.values())
 
+    judged: dict = {}
+
+    def claimed_case(f: dict) -> bool:
+        key = tuple(sorted(f.items()))
+        if key not in judged:        # the design asks about the same concrete case many times
+            case = Case(**f, seed=0)
+            judged[key] = not case.problems() and claimed(case)
+        return judged[key]
+
     def realise(row: dict, i: int):
-        """(fields, members tried first at rotation i) of the first claimed concrete choice, else None."""
+        """The fields of the first claimed concrete choice (members tried from rotation i on), else None."""
         for j in range(spread):
             f = to_fields(_pick(members, row, i + j), interpreter)
-            if f is None:
-                continue
-            case = Case(**f, seed=0)
-            if not case.problems() and claimed(case):
+            if f is not None and claimed_case(f):
                 return f
         return None
 
