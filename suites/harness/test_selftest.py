@@ -19,6 +19,13 @@ def test_op_and_tp_corpora_are_killed_by_both_detectors():
     assert all(cells["fuzz"].caught for cells in res.cells.values()), kill_matrix_text(res, ("check", "fuzz"))
 
 
+def test_compile_classes_keep_the_fuzz_detector_killing_every_op_and_tp_mutant():
+    """The palette a GPU campaign draws from (harness/compile_classes.py) loses none of these planted bugs."""
+    res = run_selftest("cpu", InProcess(), corpora=("op", "tp"), detectors=("fuzz",), fuzz_budget_s=10,
+                       fuzz_max_examples=120, palette="classes")
+    assert res.cells and not res.survivors, kill_matrix_text(res, ("fuzz",))
+
+
 def test_every_corpus_has_a_control_and_mutants():
     from moe_lora_harness.harness.registry import load_ref
     pytest.importorskip("triton")
