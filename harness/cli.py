@@ -307,7 +307,15 @@ def cmd_fuzz(args) -> int:
     sizes = (dict(max_T=10 if cpu else 256, max_dim=96 if cpu else 1024) if level == "expert"
              else dict(max_T=12 if cpu else 256, max_dim=96 if cpu else 1024))
     # the search spends itself on what it claims (shapes from compile classes on a GPU unless --palette free)
-    strategy = claimed_cases(spec, device, level, compile_classes=wants_compile_classes(args.palette, device), **sizes)
+    classes = wants_compile_classes(args.palette, device)
+    strategy = claimed_cases(spec, device, level, compile_classes=classes, **sizes)
+    shapes = "free shapes"
+    if classes:
+        from moe_lora_harness.harness.strategies import palette_of
+        pal = palette_of(spec, device, "op" if level == "op" else "expert", sizes["max_T"], sizes["max_dim"])
+        shapes = f"{len(pal.classes)} compile classes ({len(pal.unmet)} value pairs it cannot claim)"
+    if not args.quiet:
+        print(f"[fuzz] {name}, {level} level on {device}: {shapes}", file=sys.stderr)
     max_examples = args.max_examples or (10**9 if args.budget else 300)
     corpus = None if args.no_db else (args.corpus or os.path.join(".moe-lora-harness", "corpus", f"{name}-{level}"))
     executor = _executor(args)
@@ -330,7 +338,8 @@ def cmd_fuzz(args) -> int:
         (out / "campaign.json").write_text(json.dumps({
             "backend": name, "origin": spec.origin, "level": level, "device": device,
             "examples": result.examples, "seconds": round(result.seconds, 1), "stopped": result.exhausted,
-            "interrupted": interrupted, "distinct_failures": [f.signature.text for f in result.found],
+            "interrupted": interrupted, "shapes": shapes,
+            "distinct_failures": [f.signature.text for f in result.found],
             "fixed_since_last_run": [c.to_json() for c in result.fixed]}, indent=1, sort_keys=True))
     if args.junit:
         cases = [dict(classname=f"fuzz.{name}", name=f"#{i} {f.signature.text}", status="fail",
