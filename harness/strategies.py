@@ -144,7 +144,7 @@ class _Shape:
         if palette is not None:
             classes = palette.classes if most_tokens is None else tuple(
                 c for c in palette.classes if min(c.tokens) <= most_tokens)
-            c = draw(st.sampled_from(classes))
+            c = draw(st.sampled_from(classes) if classes else st.nothing())   # none fits: no example
             self.fixed = dict(c.fields)
             self.tokens = tuple(t for t in c.tokens if most_tokens is None or t <= most_tokens)
 

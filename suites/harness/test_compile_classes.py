@@ -112,6 +112,15 @@ def test_a_classed_draw_stays_in_its_class_and_still_reaches(backends, name, lev
         assert acts == set(itertools.product(p.axes[1].values, p.axes[0].values))   # every activation x dtype
 
 
+def test_classed_dispatched_ep_draws_stay_in_their_class_at_most_65_tokens(backends):
+    spec = backends["triton_experts"]
+    p = S.palette_of(spec, "cuda", "expert", **PROFILES["cuda"])
+    cases = _drawn(S.claimed_cases(spec, "cuda", "ep", compile_classes=True, **PROFILES["cuda"]), 120)
+    assert cases and all(c.dispatched and c.T <= S.EP_MOST_TOKENS and sum(c.ep_tokens) == c.T for c in cases)
+    assert all(CC.class_of(c, p) is not None for c in cases)
+    assert any(c.T in (63, 64, 65) for c in cases) and any(0 in c.ep_tokens for c in cases)
+
+
 def test_free_draws_are_the_default_and_the_palette_choice_is_checked():
     assert S.wants_compile_classes("auto", "cuda:0") and not S.wants_compile_classes("auto", "cpu")
     assert S.wants_compile_classes("classes", "cpu") and not S.wants_compile_classes("free", "cuda")
