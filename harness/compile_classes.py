@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from moe_lora_harness.harness.case import LAYOUTS, QUANTS, Case
 from moe_lora_harness.harness.covering import Axis, _pairs, all_pairs
+from moe_lora_harness.harness.strategies import BLOCK_EDGES
 
 # (label, members): a value of an axis and the concrete sizes it stands for, smallest first
 DIMS = (("aligned64", (64, 128, 256, 512, 1024)), ("mult16", (48, 80, 272, 784)), ("mult8", (24, 40, 72, 520)),
@@ -38,7 +39,6 @@ SHAPES = ("w13x2", "w13x1", "w2")       # op: which projection and how many outp
 LORAS = (("1", (1,)), ("several", (2, 3, 4)))      # max_loras: Triton specializes an int argument equal to 1
 OFFSETS = (("0", (0,)), ("nonzero", (3, 17)))      # the output column offset (its alignment is specialized)
 BLOCK_MS = (16, 32, 64)
-EDGES = (16, 32, 64, 128)               # block / tile sizes the token loops step by (strategies.BLOCK_EDGES)
 FEW = 12                                # the "few" window: 0..12 tokens (decode-sized batches)
 BULK = (130, 256)                       # the "bulk" window (only where max_T reaches it: the GPU profile)
 INTERPRETER_NAIVE_TOKENS = 33           # naive layout under the interpreter: one program per (token, slot)
@@ -72,7 +72,7 @@ class Palette:
 def _windows(max_T: int) -> tuple:
     """(label, token counts) of the token axis: a few tokens, either side of each block edge, bulk."""
     out = [("few", tuple(range(0, min(max_T, FEW) + 1)))]
-    out += [(f"edge{e}", (e - 1, e, e + 1)) for e in EDGES]
+    out += [(f"edge{e}", (e - 1, e, e + 1)) for e in BLOCK_EDGES]
     if max_T >= BULK[0]:
         out.append(("bulk", tuple(range(BULK[0], min(max_T, BULK[1]) + 1))))
     return tuple(out)
@@ -107,6 +107,7 @@ def op_axes(dtypes, layouts, max_T: int, max_dim: int):
 
 
 def expert_axes(dtypes, activations, quants, max_T: int, max_dim: int):
+    """The expert-level axes and each value's members."""
     pairs = [_axis("dtype", dtypes), _axis("activation", activations), _axis("H", _dims(max_dim, 2)),
              _axis("I", _dims(max_dim, 2)), _axis("rank", EXPERT_RANKS), _axis("top_k", TOP_KS),
              _axis("quant", quants), _axis("bias", (True, False)), _axis("lora", (True, False)),
