@@ -9,7 +9,9 @@
 #   ep        expert parallelism: the EP suites and check rows on CUDA (simulated ranks; NCCL processes when
 #             the machine has a GPU per rank), bf16 at real shapes, and the dispatch benchmark (~120 s)
 #   check     the conformance matrix on CUDA (not in `all`: over 220 s; run it alone)
-#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check ...] [-- extra bench_lora_op args]
+#   fuzz      fuzz throughput, free shapes against compile classes, and time to detection of the planted
+#             shape-class bugs (bench/bench_fuzz.py; not in `all`: about 390 s)
+#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 targets=()
@@ -18,8 +20,8 @@ while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
 [[ ${#targets[@]} -eq 0 ]] && targets=(all)
 [[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize)
 for t in "${targets[@]}"; do
-  case $t in tests|bench|experts|dual|sanitize|ep|check) ;;
-    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check)"; exit 2 ;; esac
+  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz)"; exit 2 ;; esac
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -69,6 +71,11 @@ for t in "${targets[@]}"; do
             > "$OUT/ep_dispatch_nccl.txt" 2>&1 || rc=1
         fi
       fi ;;
+    fuzz)
+      timeout ${FUZZ_TIMEOUT:-560} python3 bench/bench_fuzz.py --only triton --level op --device cuda \
+        --budget ${FUZZ_BUDGET:-150} --mutants --seeds ${FUZZ_SEEDS:-1} --detect-budget 45 --jobs 12 \
+        --out "$OUT/fuzz" > "$OUT/fuzz.txt" 2>&1 || rc=1
+      grep -E "^gain" "$OUT/fuzz.txt" ;;
     check)
       timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.cli check --device cuda --json "$OUT/check_cuda.json" \
         --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1
