@@ -33,12 +33,6 @@ sys.path.insert(0, str(ROOT))
 PALETTES = ("free", "classes")
 
 
-def sizes_for(device: str, level: str) -> dict:
-    """The size profile `moe-lora-harness fuzz` draws at (harness/cli.py cmd_fuzz)."""
-    cpu = not str(device).startswith("cuda")
-    return dict(max_T=(10 if level == "expert" else 12) if cpu else 256, max_dim=96 if cpu else 1024)
-
-
 class CompileCounter:
     """Counts Triton JIT compiles and the seconds inside them, through triton.knobs' runtime hooks."""
 
@@ -92,8 +86,8 @@ class TimedExecutor:
 
 
 def _strategy(spec, device, level, palette):
-    from moe_lora_harness.harness.strategies import claimed_cases
-    return claimed_cases(spec, device, level, compile_classes=palette == "classes", **sizes_for(device, level))
+    from moe_lora_harness.harness.strategies import claimed_cases, fuzz_sizes
+    return claimed_cases(spec, device, level, compile_classes=palette == "classes", **fuzz_sizes(device, level))
 
 
 def throughput(spec, device, level, palette, budget_s, seed, log=False):
@@ -139,17 +133,10 @@ def detection(mutant, device, palette, budget_s, seed):
 def reach_rates(device, palette, n: int, seed: int) -> dict:
     """Of n drawn op cases of the `triton` backend's claim, the fraction in which each planted bug's shape class
     shows (no kernel runs): the per-example chance a palette gives each bug, beside its examples per minute."""
-    from hypothesis import HealthCheck, given, settings
     from moe_lora_harness.harness.reach_mutants import BASE, DEFECTS, REACH_MUTANTS
+    from moe_lora_harness.harness.strategies import examples
     spec = next(s for s in REACH_MUTANTS if s.name == "reach-control")
-    cases = []
-
-    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(_strategy(spec, device, "op", palette))
-    def draw(c):
-        cases.append(c)
-    from hypothesis import seed as hseed
-    hseed(seed)(draw)()
+    cases = examples(_strategy(spec, device, "op", palette), n, seed=seed)
     return {"job": "reach", "palette": palette, "base": BASE, "cases": len(cases),
             "rates": {m: round(sum(map(pred, cases)) / len(cases), 3) for m, (_, pred) in DEFECTS.items()}}
 

@@ -297,22 +297,20 @@ def cmd_fuzz(args) -> int:
     device = _device(args)
     from moe_lora_harness.harness.campaign import Campaign, summary_table
     from moe_lora_harness.harness.report import to_junit
-    from moe_lora_harness.harness.strategies import claimed_cases, profile, wants_compile_classes
+    from moe_lora_harness.harness.strategies import (claimed_cases, fuzz_sizes, palette_of, profile,
+                                                     wants_compile_classes)
     specs = _backends(args)
     if len(specs) != 1:
         raise UsageError(f"fuzz one backend at a time (--only NAME); have {sorted(specs)}")
     (name, spec), = specs.items()
     level = fuzz_level(spec, args.level)
-    cpu = not device.startswith("cuda")
-    sizes = (dict(max_T=10 if cpu else 256, max_dim=96 if cpu else 1024) if level == "expert"
-             else dict(max_T=12 if cpu else 256, max_dim=96 if cpu else 1024))
+    sizes = fuzz_sizes(device, level)
     # the search spends itself on what it claims (shapes from compile classes on a GPU unless --palette free)
     classes = wants_compile_classes(args.palette, device)
     strategy = claimed_cases(spec, device, level, compile_classes=classes, **sizes)
     shapes = "free shapes"
     if classes:
-        from moe_lora_harness.harness.strategies import palette_of
-        pal = palette_of(spec, device, "op" if level == "op" else "expert", sizes["max_T"], sizes["max_dim"])
+        pal = palette_of(spec, device, level, **sizes)
         shapes = f"{len(pal.classes)} compile classes ({len(pal.unmet)} value pairs it cannot claim)"
     if not args.quiet:
         print(f"[fuzz] {name}, {level} level on {device}: {shapes}", file=sys.stderr)

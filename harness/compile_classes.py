@@ -25,9 +25,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from moe_lora_harness.harness.case import LAYOUTS, QUANTS, Case
+from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.covering import Axis, _pairs, all_pairs
-from moe_lora_harness.harness.strategies import BLOCK_EDGES
+from moe_lora_harness.harness.strategies import BLOCK_EDGES, declared_values
 
 # (label, members): a value of an axis and the concrete sizes it stands for, smallest first
 DIMS = (("aligned64", (64, 128, 256, 512, 1024)), ("mult16", (48, 80, 272, 784)), ("mult8", (24, 40, 72, 520)),
@@ -191,7 +191,7 @@ def build(level: str, claimed, axes, members, interpreter: bool) -> Palette:
         tokens = members["tokens"][row["tokens"]]
         fixed = {k: v for k, v in f.items() if k not in _NOT_FIXED}
         classes.append(CompileClass(tuple(row.items()), fixed, tokens))
-    held = {p for c in classes for p in itertools.combinations(c.labels, 2)}
+    held = _held(classes)
     unmet = [p for p in sorted(excluded) + unmet if p not in held]   # a pair judged out may have met anyway
     return Palette(level, axes, tuple(classes), tuple(unmet))
 
@@ -199,18 +199,13 @@ def build(level: str, claimed, axes, members, interpreter: bool) -> Palette:
 def palette_for(spec, device: str, level: str, max_T: int, max_dim: int) -> Palette:
     """The palette of `level` ("op" or "expert") that `spec` claims on `device`, at a size profile."""
     from moe_lora_harness.harness.contract import support_for
-    from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
-    cap = spec.capabilities
-    dev = "cuda" if str(device).startswith("cuda") else str(device)
-    dtypes = tuple(d for d in ("float16", "bfloat16", "float32") if d in cap.dtypes.get(dev, ()))
+    v = declared_values(spec, device)
     claimed = lambda c: support_for(spec, c, device)[0]   # noqa: E731
-    interpreter = dev != "cuda"
+    interpreter = not str(device).startswith("cuda")
     if level == "op":
-        axes, members = op_axes(dtypes, tuple(sorted(cap.layouts)) or LAYOUTS, max_T, max_dim)
+        axes, members = op_axes(v["dtypes"], v["layouts"], max_T, max_dim)
     else:
-        acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
-        quants = tuple(q for q in QUANTS if q in cap.quant) or ("none",)
-        axes, members = expert_axes(dtypes, acts or SUPPORTED_ACTIVATIONS, quants, max_T, max_dim)
+        axes, members = expert_axes(v["dtypes"], v["activations"], v["quants"], max_T, max_dim)
     return build(level, claimed, axes, members, interpreter)
 
 
@@ -222,9 +217,10 @@ def class_of(case: Case, palette: Palette):
     return None
 
 
+def _held(classes) -> set:
+    return {p for c in classes for p in itertools.combinations(c.labels, 2)}
+
+
 def value_pairs(palette: Palette) -> set:
     """Every pair of axis values some class of `palette` holds."""
-    out = set()
-    for c in palette.classes:
-        out.update(itertools.combinations(c.labels, 2))
-    return out
+    return _held(palette.classes)

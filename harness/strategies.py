@@ -51,6 +51,21 @@ def suite_settings(**overrides) -> settings:
     return settings(profile(), **overrides)
 
 
+def examples(strategy, n: int, seed: int | None = None) -> list:
+    """n examples of `strategy` (structure only: no tensors, no kernels): derandomized, or from `seed`."""
+    from hypothesis import given
+    from hypothesis import seed as hseed
+    out = []
+
+    @settings(max_examples=n, derandomize=seed is None, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(case):
+        out.append(case)
+    (collect if seed is None else hseed(seed)(collect))()
+    return out
+
+
 # Reach: the axes kernels break on, each drawn with some probability (never always: the interpreter is slow).
 # A draw first picks a REGIME: "base" (the small shapes of old), "boundary" (a token count either side of a
 # block / tile edge: 15/16/17 ... 127/128/129), "wide" (top_k 5..8, E >= top_k) or "many" (E 32..64 experts,
@@ -158,6 +173,11 @@ class _Shape:
     def token_count(self):
         return self.draw(st.sampled_from(self.tokens))
 
+    def experts_and_top_k(self, regime: str, ep: int) -> tuple:
+        """(E, top_k) of a classed draw: the class's top_k, E drawn for it (many experts in "many")."""
+        top_k = self.fixed["top_k"]
+        return _experts_for(self.draw, regime, top_k, ep), top_k
+
 
 @st.composite
 def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1, 2, 4, 8, 16, 32, 64),
@@ -172,8 +192,8 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
     layout = shape.pick("layout", st.sampled_from(tuple(layouts)))
     ep = _op_ep(draw, allow_ep, layout)
     if shape.classed:
-        top_k, T = shape.fixed["top_k"], shape.token_count()
-        E = _experts_for(draw, regime, top_k, ep)
+        T = shape.token_count()
+        E, top_k = shape.experts_and_top_k(regime, ep)
     else:
         E, top_k = _experts_and_top_k(draw, regime, ep)
         # naive: one program per (token, slot): the edges up to 32 only, top_k 1
@@ -240,8 +260,7 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
     small = T is None or T <= EP_MOST_TOKENS
     ep = draw(st.sampled_from((1, 1, 2))) if small else 1
     if shape.classed:
-        top_k = shape.fixed["top_k"]
-        E = _experts_for(draw, regime, top_k, ep)
+        E, top_k = shape.experts_and_top_k(regime, ep)
     else:
         E, top_k = _experts_and_top_k(draw, regime, ep)
     on_input = top_k == 1 and draw(st.booleans())
@@ -308,8 +327,7 @@ def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
                 else st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim)))
         H, I = draw(dims), draw(dims)
     if shape.classed:
-        top_k = shape.fixed["top_k"]
-        E = _experts_for(draw, regime, top_k, ep)
+        E, top_k = shape.experts_and_top_k(regime, ep)
     elif regime == "base":
         E = ep * draw(st.integers(1, 3))
         top_k = draw(st.integers(1, min(E, 4)))
@@ -347,12 +365,32 @@ _PALETTES: dict = {}
 
 
 def palette_of(spec, device: str, level: str, max_T: int, max_dim: int):
-    """The compile-class palette (harness.compile_classes) of `spec` on `device`, built once per size profile."""
+    """The compile-class palette (harness.compile_classes) of `spec` on `device` for `level` (op; expert and
+    ep share the expert palette), built once per size profile."""
     from moe_lora_harness.harness.compile_classes import palette_for
+    level = "op" if level == "op" else "expert"
     key = (id(spec), str(device), level, max_T, max_dim)
     if key not in _PALETTES or _PALETTES[key][0] is not spec:
         _PALETTES[key] = (spec, palette_for(spec, device, level, max_T, max_dim))
     return _PALETTES[key][1]
+
+
+def declared_values(spec, device: str) -> dict:
+    """The values `spec` declares on `device` for the axes the strategies draw over: dtypes, layouts,
+    activations, quant schemes (empty dtypes: it runs nothing there)."""
+    cap = spec.capabilities
+    dev = "cuda" if str(device).startswith("cuda") else str(device)
+    acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
+    return dict(dtypes=tuple(d for d in ("float16", "bfloat16", "float32") if d in cap.dtypes.get(dev, ())),
+                layouts=tuple(sorted(cap.layouts)) or LAYOUTS, activations=acts or SUPPORTED_ACTIVATIONS,
+                quants=tuple(q for q in QUANTS if q in cap.quant) or ("none",))
+
+
+def fuzz_sizes(device: str, level: str) -> dict:
+    """The size profile `moe-lora-harness fuzz` draws at: small under the CPU interpreter, large on a GPU."""
+    if str(device).startswith("cuda"):
+        return dict(max_T=256, max_dim=1024)
+    return dict(max_T=10 if level == "expert" else 12, max_dim=96)
 
 
 def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, **sizes):
@@ -361,29 +399,23 @@ def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, 
     declaration (rules included, so nothing it declines runs). `compile_classes`: shapes from the backend's
     compile-class palette (harness.compile_classes: the kernel cache is reused on a GPU), the rest as ever."""
     from moe_lora_harness.harness.contract import support_for
-    cap = spec.capabilities
-    dev = "cuda" if str(device).startswith("cuda") else str(device)
-    dtypes = tuple(d for d in ("float16", "bfloat16", "float32") if d in cap.dtypes.get(dev, ()))
-    if not dtypes:
+    v = declared_values(spec, device)
+    if not v["dtypes"]:
         return st.nothing()
     palette = None
     if compile_classes:
-        default_T = 12 if level == "op" else 10
-        palette = palette_of(spec, device, "op" if level == "op" else "expert", sizes.get("max_T", default_T),
-                             sizes.get("max_dim", 96))
+        at = {**fuzz_sizes("cpu", "op" if level == "op" else "expert"), **sizes}   # the small profile
+        palette = palette_of(spec, device, level, at["max_T"], at["max_dim"])
         if not palette.classes:
             return st.nothing()
     if level == "op":
-        base = op_cases(dtypes=dtypes, layouts=tuple(sorted(cap.layouts)) or LAYOUTS, palette=palette, **sizes)
+        base = op_cases(dtypes=v["dtypes"], layouts=v["layouts"], palette=palette, **sizes)
     else:
-        acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
-        quants = tuple(q for q in QUANTS if q in cap.quant)
-        kw = dict(dtypes=dtypes, activations=acts or SUPPORTED_ACTIVATIONS, quants=quants or ("none",),
-                  palette=palette)
+        kw = dict(dtypes=v["dtypes"], activations=v["activations"], quants=v["quants"], palette=palette)
         if level == "ep":       # dispatched expert parallelism (expert-level cases with ep_tokens)
             base = ep_cases(**kw, **sizes)
         else:
             base = expert_cases(**kw, **sizes)
-            if cap.expert_parallel:   # one case in four dispatched, so fuzzing reaches EP too
+            if spec.capabilities.expert_parallel:   # one case in four dispatched, so fuzzing reaches EP too
                 base = st.one_of(base, base, base, ep_cases(**kw, **sizes))
     return base.filter(lambda c: support_for(spec, c, device)[0])

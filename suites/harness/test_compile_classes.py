@@ -9,7 +9,6 @@ import collections
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 
 from moe_lora_harness.harness import compile_classes as CC
 from moe_lora_harness.harness import strategies as S
@@ -18,7 +17,6 @@ from moe_lora_harness.harness.contract import support_for
 from moe_lora_harness.harness.covering import _pairs
 from moe_lora_harness.harness.registry import available_backends
 
-_DRAW = dict(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 PROFILES = {"cpu": dict(max_T=12, max_dim=96), "cuda": dict(max_T=256, max_dim=1024)}
 BACKENDS = [("triton", "op"), ("triton_small_batch", "op"), ("eager", "expert"), ("gated_fast_experts", "expert"),
             ("marlin_experts", "expert")]
@@ -28,17 +26,6 @@ BACKENDS = [("triton", "op"), ("triton_small_batch", "op"), ("eager", "expert"),
 def backends():
     pytest.importorskip("triton")
     return available_backends()
-
-
-def _drawn(strategy, n: int) -> list:
-    out = []
-
-    @settings(max_examples=n, **_DRAW)
-    @given(strategy)
-    def collect(case):
-        out.append(case)
-    collect()
-    return out
 
 
 def _realised(c: CC.CompileClass, level: str, **runtime) -> Case:
@@ -97,7 +84,7 @@ def test_a_classed_draw_stays_in_its_class_and_still_reaches(backends, name, lev
     spec = backends[name]
     sizes = PROFILES["cuda"]
     p = S.palette_of(spec, "cuda", level, **sizes)
-    cases = _drawn(S.claimed_cases(spec, "cuda", level, compile_classes=True, **sizes), 300)
+    cases = S.examples(S.claimed_cases(spec, "cuda", level, compile_classes=True, **sizes), 300)
     assert all(not c.problems() and support_for(spec, c, "cuda")[0] for c in cases)
     classes = [CC.class_of(c, p) for c in cases]
     assert all(k is not None for k in classes), [c.to_json() for c, k in zip(cases, classes) if k is None][:2]
@@ -115,7 +102,7 @@ def test_a_classed_draw_stays_in_its_class_and_still_reaches(backends, name, lev
 def test_classed_dispatched_ep_draws_stay_in_their_class_at_most_65_tokens(backends):
     spec = backends["triton_experts"]
     p = S.palette_of(spec, "cuda", "expert", **PROFILES["cuda"])
-    cases = _drawn(S.claimed_cases(spec, "cuda", "ep", compile_classes=True, **PROFILES["cuda"]), 120)
+    cases = S.examples(S.claimed_cases(spec, "cuda", "ep", compile_classes=True, **PROFILES["cuda"]), 120)
     assert cases and all(c.dispatched and c.T <= S.EP_MOST_TOKENS and sum(c.ep_tokens) == c.T for c in cases)
     assert all(CC.class_of(c, p) is not None for c in cases)
     assert any(c.T in (63, 64, 65) for c in cases) and any(0 in c.ep_tokens for c in cases)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, find, given, settings
+from hypothesis import HealthCheck, Phase, find, settings
 
 from moe_lora_harness.harness import covering as C
 from moe_lora_harness.harness import strategies as S
@@ -19,22 +19,9 @@ from moe_lora_harness.harness.features import (EXPERT_FEATURES, FEATURES, LARGE,
                                                PAIRWISE_OP_FEATURES, SMALL)
 from moe_lora_harness.reference.activations import OAI_LIMIT, SUPPORTED_ACTIVATIONS
 
-_DRAW = dict(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 _FIND = settings(max_examples=4000, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
                  suppress_health_check=list(HealthCheck))
 _STRATEGIES = {"op": S.op_cases, "expert": S.expert_cases, "ep": S.ep_cases}
-
-
-def _drawn(strategy, n: int = 250) -> list:
-    """n derandomized examples of `strategy` (structure only: no tensors, no kernels)."""
-    out = []
-
-    @settings(max_examples=n, **_DRAW)
-    @given(strategy)
-    def collect(case):
-        out.append(case)
-    collect()
-    return out
 
 
 # -- the covering designs ---------------------------------------------------------------------------------------
@@ -213,7 +200,7 @@ def test_the_clamp_feature_drives_swigluoai_past_its_limit():
 @pytest.mark.parametrize("name", ["op", "expert", "ep"])
 def test_strategies_reach_block_edges_top_k_8_many_experts_and_large_inputs(name):
     strategy = _STRATEGIES[name]
-    cases = _drawn(strategy())
+    cases = S.examples(strategy(), 250)
     assert all(not c.problems() for c in cases)
     assert sum(c.T > 16 for c in cases) >= 5                     # on CPU sizes (max_T 10 / 12) ...
     assert sum(c.T <= 12 for c in cases) >= len(cases) // 2     # ... but not always: the average stays cheap
@@ -226,17 +213,17 @@ def test_strategies_reach_block_edges_top_k_8_many_experts_and_large_inputs(name
     # (dispatched EP: up to 65, as every rank runs), top_k 8 with E >= 8, E up to 64 with a handful of tokens
     want = {t for t in S.BOUNDARY_TOKENS if name != "ep" or t <= 65}
     edge = strategy(regimes=("boundary",))
-    for t in sorted(want - {c.T for c in _drawn(edge, 200)}):        # the rarer ones searched for
+    for t in sorted(want - {c.T for c in S.examples(edge, 200)}):        # the rarer ones searched for
         assert find(edge, lambda c, t=t: c.T == t, settings=_FIND).T == t
-    wide = _drawn(strategy(regimes=("wide",)), 60)
+    wide = S.examples(strategy(regimes=("wide",)), 60)
     assert any(c.top_k == 8 for c in wide) and all(c.E >= c.top_k >= 5 for c in wide)
-    many = _drawn(strategy(regimes=("many",)), 60)
+    many = S.examples(strategy(regimes=("many",)), 60)
     assert any(c.E == 64 for c in many) and all(c.E >= 32 and c.T <= 12 for c in many)
 
 
 def test_expert_strategy_reaches_every_activation_in_every_dtype():
     dtypes = ("float16", "float32", "bfloat16")
-    seen = {(c.activation, c.dtype) for c in _drawn(S.expert_cases(dtypes=dtypes, regimes=("base",)), 500)}
+    seen = {(c.activation, c.dtype) for c in S.examples(S.expert_cases(dtypes=dtypes, regimes=("base",)), 500)}
     want = set(itertools.product(SUPPORTED_ACTIVATIONS, dtypes))
     for act, dt in sorted(want - seen):
         assert find(S.expert_cases(dtypes=dtypes), lambda c: (c.activation, c.dtype) == (act, dt), settings=_FIND)
