@@ -51,18 +51,19 @@ def suite_settings(**overrides) -> settings:
     return settings(profile(), **overrides)
 
 
-def examples(strategy, n: int, seed: int | None = None) -> list:
-    """n examples of `strategy` (structure only: no tensors, no kernels): derandomized, or from `seed`."""
+def examples(strategy, n: int, seed: int = 0) -> list:
+    """n examples of `strategy` (structure only: no tensors, no kernels), from hypothesis seed `seed`: the
+    same examples wherever it is called from."""
     from hypothesis import given
     from hypothesis import seed as hseed
     out = []
 
-    @settings(max_examples=n, derandomize=seed is None, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @hseed(seed)
+    @settings(max_examples=n, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(strategy)
     def collect(case):
         out.append(case)
-    (collect if seed is None else hseed(seed)(collect))()
+    collect()
     return out
 
 
