@@ -94,7 +94,9 @@ def inputs_digest(built) -> str:
             continue
         c = _raw(t.cpu())
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(c.numpy().tobytes())
+        flat = c.numpy().reshape(-1)
+        if flat.size:
+            h.update(memoryview(flat).cast("B"))   # the bytes in place, not copied
     return h.hexdigest()
 
 

@@ -76,21 +76,36 @@ def _chunks(n: int, per_item: int):
         yield slice(start, min(n, start + step))
 
 
-def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Precision | None = None) -> torch.Tensor:
-    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64, gathered chunk by chunk.
+def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Precision | None = None, *,
+                     absolute: bool = False) -> torch.Tensor:
+    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64 (|w| with `absolute`: an error-scale magnitude).
 
-    `prec` with an alternative GEMM model (operand rounding, low-precision accumulation) computes each
-    product by `prec.bmv`; None or a path preset: the exact float64 product.
+    One GEMM per distinct (lora, expert) weight, so each weight is converted once, not once per pair.
+    `prec` with an alternative GEMM model computes each product by it (operand rounding per element; a
+    low-precision accumulation model, sequential over K, takes the gathered per-pair form); None or a path
+    preset: the exact float64 product.
     """
     lead = w.shape[2]
     out = torch.empty((vec.shape[0], lead), dtype=torch.float64, device=vec.device)
+    if vec.shape[0] == 0:
+        return out
     e_idx = _expert_index(w, expert)
-    for sl in _chunks(vec.shape[0], w.shape[2] * w.shape[3]):
-        mats = w[lora[sl], e_idx[sl]].to(torch.float64)  # (c, lead, inner)
-        if prec is None or prec.plain_gemm:
-            out[sl] = torch.bmm(mats, vec[sl].unsqueeze(-1)).squeeze(-1)
-        else:
-            out[sl] = prec.bmv(mats, vec[sl])
+    if prec is not None and prec.accumulate is not None:
+        for sl in _chunks(vec.shape[0], w.shape[2] * w.shape[3]):
+            mats = w[lora[sl], e_idx[sl]].to(torch.float64)  # (c, lead, inner)
+            out[sl] = prec.bmv(mats.abs() if absolute else mats, vec[sl])
+        return out
+    key = lora * w.shape[1] + e_idx
+    order = torch.argsort(key, stable=True)
+    groups, counts = torch.unique_consecutive(key[order], return_counts=True)
+    start = 0
+    for g, c in zip(groups.tolist(), counts.tolist()):
+        idx = order[start:start + c]
+        start += c
+        mat = w[g // w.shape[1], g % w.shape[1]].to(torch.float64)
+        if absolute:
+            mat = mat.abs()
+        out[idx] = vec[idx] @ mat.T if prec is None or prec.plain_gemm else prec.mm(vec[idx], mat)
     return out
 
 
@@ -218,7 +233,7 @@ def lora_shrink_scale(
     """|A_s[l, e]| @ |x_row| (S, P, R): the magnitude u's rounding and summation errors scale with."""
     rows = x.to(torch.float64)[_x_rows(layout, top_k_num, mul_routed_weight)].abs()
     return torch.stack(
-        [_gathered_matvec(a.to(torch.float64).abs(), layout.lora, layout.expert, rows) for a in lora_a_stacked]
+        [_gathered_matvec(a, layout.lora, layout.expert, rows, absolute=True) for a in lora_a_stacked]
     )
 
 
@@ -271,7 +286,7 @@ def lora_expand(
         d = _gathered_matvec(b, layout.lora, layout.expert, cache[s].to(torch.float64), prec) * w[:, None]
         if prec.round_delta:
             d = prec.r(d)
-        dscale = _gathered_matvec(b.to(torch.float64).abs(), layout.lora, layout.expert, cs[s]) * w.abs()[:, None]
+        dscale = _gathered_matvec(b, layout.lora, layout.expert, cs[s], absolute=True) * w.abs()[:, None]
         cols = torch.arange(offset + s * N, offset + (s + 1) * N, device=prev.device)
         for rnd_i in range(int(occ.max()) + 1):
             sel = occ == rnd_i
