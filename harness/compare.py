@@ -2,10 +2,12 @@
 
 Error model (docs/error-model.md): over the elements the contract writes,
   1. nothing non-finite where the truth is finite (NaN/Inf never pass);
-  2. per element  |out - truth| <= ULPS * eps_dt * scale + sqrt(K+R) * eps_fp32 * scale,
-     where `scale` is the element's forward-error magnitude (|prev| + |w| |B| |A| |x| ...) in float64;
+  2. per element  |out - truth| <= ULPS * eps_dt * scale + sqrt(K+R) * eps_fp32 * scale + tiny_dt * underflow,
+     where `scale` is the element's forward-error magnitude (|prev| + |w| |B| |A| |x| ...) in float64 and
+     `underflow` its exposure to gradual underflow (each rounding below dt's smallest normal may add half
+     dt's smallest subnormal `tiny_dt`, times what later steps multiply it by: twice that is allowed);
   3. in aggregate ||out - truth|| <= RATIO * max(||emulation - truth||, floor),
-     floor = 0.5 eps_dt ||truth|| + sqrt(K+R) eps_fp32 ||scale||.
+     floor = 0.5 eps_dt ||truth|| + sqrt(K+R) eps_fp32 ||scale|| + 0.5 tiny_dt ||underflow||.
 Elements the contract does not write are compared bit for bit with what the buffer held.
 """
 from __future__ import annotations
@@ -39,6 +41,12 @@ def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
+def tiny(dtype: torch.dtype) -> float:
+    """The smallest positive subnormal of `dtype`: the spacing of its values below the smallest normal."""
+    f = torch.finfo(dtype)
+    return f.smallest_normal * f.eps
+
+
 def _fmt_worst(idx_tensor, out, truth, emu, bound, names, limit=6):
     rows = []
     for i in range(min(limit, idx_tensor.shape[0])):
@@ -49,11 +57,13 @@ def _fmt_worst(idx_tensor, out, truth, emu, bound, names, limit=6):
 
 def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
                     written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
-                    before: torch.Tensor | None = None, names=("t", "j", "col")) -> Verdict:
+                    before: torch.Tensor | None = None, names=("t", "j", "col"),
+                    underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
-    (when `before` is given).
+    (when `before` is given). `underflow` (the reference's exposure, None: no allowance) is in half
+    subnormal spacings of `work_dtype`, the dtype the kernel rounds to (default `dtype`, the bound's).
     """
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
@@ -86,6 +96,11 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     eps_dt = _eps(dtype)
     acc = math.sqrt(max(k_plus_r, 1)) * EPS32
     bound = ULPS * eps_dt * scale + acc * scale
+    under_w = None
+    if underflow is not None:
+        t_dt = tiny(work_dtype or dtype)
+        bound = bound + t_dt * underflow
+        under_w = underflow[written]
     bound = torch.where(bound > 0, bound, torch.full_like(bound, torch.finfo(torch.float64).tiny))
     err = (o64 - truth).abs()
     rel = torch.where(written, err / bound, torch.zeros_like(err))
@@ -93,6 +108,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     kern = float(torch.linalg.vector_norm(ow - tw))
     emu = float(torch.linalg.vector_norm(ew - tw))
     floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + acc * float(torch.linalg.vector_norm(sw))
+    if under_w is not None:
+        floor += 0.5 * t_dt * float(torch.linalg.vector_norm(under_w))
     base = max(emu, floor)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     order = torch.topk(rel.flatten(), min(6, rel.numel())).indices   # the worst six, largest first

@@ -138,9 +138,10 @@ def _emulation(case: Case, name: str) -> torch.Tensor:
 
 def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelFit:
     # the verdict at the bound the model would be judged at if declared; the distance at the data's dtype
+    under = dict(underflow=truth.underflow, work_dtype=dtype)
     v = compare_written(out, truth.value, emu, truth.scale, written, dtype=bound_dtype(name, dtype),
-                        k_plus_r=k_plus_r)
-    swapped = compare_written(out, emu, truth.value, truth.scale, written, dtype=dtype, k_plus_r=k_plus_r)
+                        k_plus_r=k_plus_r, **under)
+    swapped = compare_written(out, emu, truth.value, truth.scale, written, dtype=dtype, k_plus_r=k_plus_r, **under)
     return ModelFit(name, description, v.ratio, swapped.ratio, v.ok)
 
 
@@ -181,7 +182,8 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
     out = output.detach().cpu()
     declared_emu = _emulation(case, backend_precision)
     verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,
-                              dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r)
+                              dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
+                              underflow=truth.underflow, work_dtype=dtype)
     if verdict.ok or verdict.kind not in _DIAGNOSED_KINDS:
         return None
     worst = worst_relative_error(out, truth, written)

@@ -130,6 +130,9 @@ OP_FEATURES = (
     Feature("op: top_k 8, E 16", "op", lambda s: dict(top_k=8, E=16, T=max(3, s.T // 2)), small_cases=1),
     Feature("op: many experts, few tokens (E=64, T=5)", "op", lambda s: dict(E=64, T=5), small_cases=1),
     Feature("op: K, N multiples of 8, not of 16", "op", lambda s: dict(H=s.H - 24, I=s.I - 24), small_cases=1),
+    Feature("op: subnormal deltas (float16, x times 2^-20, add_inputs=False)", "op",
+            lambda s: dict(dtype="float16", magnitude=2.0 ** -20, add_inputs=False), small_cases=1,
+            note="deltas near 1e-6, below float16's smallest normal: gradual underflow, where flush-to-zero shows"),
 )
 
 ACTIVATION_NAMES = SUPPORTED_ACTIVATIONS   # the reference's list: one feature row each
@@ -210,6 +213,10 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
             lambda s: dict(activation="swigluoai", magnitude=8.0, bias=True), small_cases=1,
             note="pre-activations ~ N(0, 8^2): about half pass swigluoai's limit 7"),
     Feature("experts: outlier tokens (2 tokens x30)", "expert", lambda s: dict(outliers=2), small_cases=1),
+    Feature("experts: subnormal activations (float16, hidden states times 2^-10)", "expert",
+            lambda s: dict(dtype="float16", magnitude=2.0 ** -10), small_cases=1,
+            note="a gated activation multiplies two pre-activations near 1e-3: products below float16's smallest "
+                 "normal"),
 )
 
 

@@ -1,6 +1,6 @@
 """Planted shape-class bugs in a real Triton op: each is our `triton` backend, correct except on one class of
 shapes (a token past a block edge, a K that is not a multiple of 8, rank 1, top_k past 4, an N tail past 32,
-add_inputs=False with two slices). They pay the real kernel's compile on a GPU, so the time a campaign takes
+add_inputs=False with two slices) or of values (float16 results below its smallest normal). They pay the real kernel's compile on a GPU, so the time a campaign takes
 to find them measures what the compile-class palette is for: finding shape bugs sooner in wall time, at no
 loss of reach (bench/bench_fuzz.py --mutants; `moe-lora-harness selftest --corpus reach`).
 
@@ -18,6 +18,7 @@ from moe_lora_harness.harness.registry import BUILTIN_REF, load_ref
 BASE = "triton"
 PAST_TOKENS = 16        # a token loop that stops at the first block
 WIDE_N = 32
+SUBNORMAL_INPUT = 2.0 ** -20   # hidden states this small give float16 deltas below its smallest normal
 
 
 def _base():
@@ -90,6 +91,13 @@ def skips_slice_2_without_add_inputs(op, **kw):
     _keep_before(op, kw, region)
 
 
+def flushes_subnormals(op, **kw):
+    """Results below the dtype's smallest normal are flushed to zero (an FTZ conversion of the output)."""
+    op(**kw)
+    out = kw["output"]
+    out[out.abs() < torch.finfo(out.dtype).smallest_normal] = 0
+
+
 # name -> (defect, the cases where it shows: a predicate on the Case, for reach rates; the delta must also be
 # non-zero there, so it bounds the chance that one example catches the bug from above)
 DEFECTS = {
@@ -99,6 +107,9 @@ DEFECTS = {
     "top-k-past-4": (drops_last_slot_past_top_k_4, lambda c: c.top_k > 4),
     "n-tail-past-32": (drops_n_tail_past_32, lambda c: c.N > WIDE_N and c.N % WIDE_N != 0),
     "slice-2-without-add-inputs": (skips_slice_2_without_add_inputs, lambda c: not c.add_inputs and c.num_slices == 2),
+    # float16 deltas written alone from hidden states scaled into its subnormal range (strategies.MAGNITUDES)
+    "subnormal-flush": (flushes_subnormals,
+                        lambda c: c.dtype == "float16" and not c.add_inputs and c.magnitude <= SUBNORMAL_INPUT),
 }
 
 

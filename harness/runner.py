@@ -171,12 +171,13 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     if case.level == "op":
         verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale,
                                   exp.truth.written, dtype=exp.bound_dtype or torch_dtype(case),
-                                  k_plus_r=case.K + case.max_rank, before=exp.before)
+                                  k_plus_r=case.K + case.max_rank, before=exp.before,
+                                  underflow=exp.truth.underflow, work_dtype=torch_dtype(case))
     else:
         written = torch.ones(case.T, case.H, dtype=torch.bool)
         verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written,
                                   dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=case.H + case.I + case.max_rank,
-                                  names=("t", "h"))
+                                  names=("t", "h"), underflow=exp.truth.underflow, work_dtype=torch_dtype(case))
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict

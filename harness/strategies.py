@@ -80,8 +80,11 @@ ALIGNED_DIMS = (16, 32, 64)
 # dims either side of the 8 / 16 / 64 multiples kernels tile by (K, N, H, I)
 AWKWARD_DIMS = (7, 15, 17, 24, 40, 48, 63, 65, 72, 80, 88, 127, 129)
 MANY_EXPERTS = (32, 48, 64)
-# input scale: hidden states times a magnitude past the activations' clamps (swigluoai's 7), or outlier tokens
-MAGNITUDES = (4.0, 8.0, 12.0)
+# input scale: hidden states times a magnitude past the activations' clamps (swigluoai's 7), or so small that
+# float16 values go subnormal, below its smallest normal 2^-14, where a flush-to-zero kernel shows (2^-10: a
+# gated expert's activations, products of two pre-activations; 2^-20: an op's deltas), or outlier tokens
+TINY_MAGNITUDES = (2.0 ** -10, 2.0 ** -20)
+MAGNITUDES = (4.0, 8.0, 12.0) + TINY_MAGNITUDES
 _SCALES = ("plain",) * 8 + ("magnitude", "outliers")   # one example in five (each adds draws to shrink)
 
 

@@ -212,11 +212,13 @@ def activation_scale(
     *,
     situ_beta: float = SITU_BETA,
     situ_linear_beta: float | None = SITU_LINEAR_BETA,
+    own: bool = True,
 ) -> torch.Tensor:
     """First-order error magnitude of the activation output given input error magnitudes `xscale`.
 
     Gated h(g, u): |dh/dg| xs_g + |dh/du| xs_u + |h| (for act-and-mul: |f'(g)| xs_g |u| + |f(g)| xs_u
-    + |f(g) u|); non-gated: |f'(x)| xs + |f(x)|. The |h| term carries the output's own rounding.
+    + |f(g) u|); non-gated: |f'(x)| xs + |f(x)|. The |h| term carries the output's own rounding
+    (`own=False` leaves it out: the input errors carried through alone).
     """
     spec = lookup_activation(name)
     x = _as_f64(x, "x")
@@ -230,8 +232,9 @@ def activation_scale(
         h = _exact(xg, spec, situ_beta, situ_linear_beta)
         (grad,) = torch.autograd.grad(h.sum(), xg)  # elementwise: one partial per input element
     h = h.detach()
+    mine = h.abs() if own else torch.zeros_like(h)
     if not spec.gated:
-        return grad.abs() * xscale + h.abs()
+        return grad.abs() * xscale + mine
     dg, du = _split(grad, spec, "x")
     sg, su = _split(xscale, spec, "xscale")
-    return dg.abs() * sg + du.abs() * su + h.abs()
+    return dg.abs() * sg + du.abs() * su + mine

@@ -61,6 +61,8 @@ class ExpertExpected:
 
     value: Tensor
     scale: Tensor
+    # (T, H): exposure to gradual underflow in half subnormal spacings (reference.lora_op.OpExpected.underflow)
+    underflow: Tensor | None = None
     cache1: Tensor | None = None
     cache2: Tensor | None = None
     cache3: Tensor | None = None
@@ -144,35 +146,41 @@ def _check_lora(stacked: StackedMoELoRA, E: int, H: int, I: int, gated: bool, sh
         raise ValueError(f"lora.stacked.adapter_enabled must have shape (L+1={L + 1},)")
 
 
-def _shrink_joined(x, stacked_a, x_scale, layout, k, mul_routed_weight, prec, collective):
-    """Shrink u = A x (rounded per `prec`) and its magnitude |A| x_scale, joined by `collective`.
+def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec, collective):
+    """Shrink u = A x (rounded per `prec`), its magnitude |A| x_scale and its underflow exposure
+    |A| x_under + 1, joined by `collective`.
 
-    Value and magnitude travel through one collective call (stacked on the slice dim); the joined
-    value is re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor).
+    The three travel through one collective call (stacked on the slice dim); the joined value is
+    re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor).
     """
+    absolute = [a.abs() for a in stacked_a]
     u = lora_shrink(x, stacked_a, layout, k, mul_routed_weight, prec)
-    u_abs = lora_shrink(x_scale, [a.abs() for a in stacked_a], layout, k, mul_routed_weight, _EXACT)
+    u_abs = lora_shrink(x_scale, absolute, layout, k, mul_routed_weight, _EXACT)
+    u_under = lora_shrink(x_under, absolute, layout, k, mul_routed_weight, _EXACT) + 1.0
     if collective is not None:
         S = u.shape[0]
-        joined = collective(torch.cat([u.to(_F64), u_abs.to(_F64)], dim=0))
-        u, u_abs = joined[:S], joined[S:]
+        joined = collective(torch.cat([u.to(_F64), u_abs.to(_F64), u_under], dim=0))
+        u, u_abs, u_under = joined[:S], joined[S:2 * S], joined[2 * S:] + 1.0
         if prec.round_rank_intermediate:
             u = prec.r(u)
-    return u, u_abs
+    return u, u_abs, u_under
 
 
-def _lora_delta(x, stacked_a, stacked_b, x_scale, prev, w32, layout, k, mul_routed_weight, offset, prec,
-                collective, add_inputs=True):
-    """(value, magnitude) of one LoRA GEMM written into `prev` (T, k, W), both float64 (T, k, W).
+def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32, layout, k, mul_routed_weight,
+                offset, prec, collective, add_inputs=True):
+    """(value, magnitude, underflow exposure) of one LoRA GEMM written into `prev` (T, k, W), float64.
 
     value: lora_expand's r(prev + r?(w B u)) (or r(w B u) without add_inputs); magnitude:
-    |w| |B| (|A| x_scale) at written elements, 0 elsewhere, computed exactly on absolute values.
+    |w| |B| (|A| x_scale) at written elements, 0 elsewhere, computed exactly on absolute values;
+    underflow: lora_expand's, from `prev_under` and the intermediate's.
     """
-    u, u_abs = _shrink_joined(x, stacked_a, x_scale, layout, k, mul_routed_weight, prec, collective)
-    val = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec).value
+    u, u_abs, u_under = _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec,
+                                       collective)
+    got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
+                      cache_underflow=u_under, prev_underflow=prev_under)
     mag = lora_expand(torch.zeros_like(prev), u_abs, [b.abs() for b in stacked_b], w32.abs(), layout, k,
                       mul_routed_weight, offset, False, _EXACT).value
-    return val, mag
+    return got.value, mag, got.underflow
 
 
 def _interleave(split: Tensor, I: int) -> Tensor:
@@ -263,16 +271,20 @@ def moe_experts_forward(
     tok = torch.arange(P) // k
     w_pair = w64.reshape(P, 1)
 
+    # underflow exposure (`under*`): every rounding point adds 1, linear steps carry it by absolute values
     # base GEMM1: cache1 = r(x_in @ w13[e]^T + b1)
     x_in = prec.r(x * prec.r(w64)) if apply_router_weight_on_input else x  # k == 1 here: w64 is (T, 1)
     xr = x_in[tok]
     c1 = _per_expert_gemm(xr, W13, e_flat, prec)
     s1 = _per_expert_gemm(xr.abs(), W13.abs(), e_flat)
+    u1 = 1.0 + (_per_expert_gemm(1.0 + x[tok].abs(), W13.abs(), e_flat) if apply_router_weight_on_input
+                else 0.0)
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
         s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
     scale1 = s1.reshape(T, k, N1)
+    under1 = (u1 + torch.zeros_like(s1)).reshape(T, k, N1)
 
     layout = None
     coll = lora_collectives or LoRACollectives()
@@ -289,17 +301,20 @@ def moe_experts_forward(
         if spec.interleaved and st.num_slices == 2:
             # delta computed in split layout into a zeroed dt buffer, then added interleaved: r(c + r(d))
             zeros = torch.zeros(T, k, 2 * I, dtype=_F64)
-            d, m = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), zeros, w32, layout, k, False, 0, prec, coll.w13,
-                               add_inputs=False)
+            d, m, du = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), torch.zeros_like(x), zeros, None, w32, layout,
+                                   k, False, 0, prec, coll.w13, add_inputs=False)
             cache1 = prec.r(cache1 + _interleave(d, I))
             scale1 = scale1 + _interleave(m, I)
+            under1 = under1 + _interleave(du, I) + 1.0
         else:
-            cache1, m = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), cache1, w32, layout, k, False, 0, prec, coll.w13)
+            cache1, m, under1 = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), torch.zeros_like(x), cache1, under1,
+                                            w32, layout, k, False, 0, prec, coll.w13)
             scale1 = scale1 + m
 
     # activation
     a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
     s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
+    under2 = activation_scale(cache1.reshape(P, N1), under1.reshape(P, N1), spec.name, own=False) + 1.0
 
     # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input)
     c3 = _per_expert_gemm(a, W2, e_flat, prec)
@@ -307,25 +322,31 @@ def moe_experts_forward(
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)
         s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
+    u3 = _per_expert_gemm(under2, W2.abs(), e_flat)
     if not apply_router_weight_on_input:
         c3 = w_pair * c3
         s3 = w_pair.abs() * s3
+        u3 = w_pair.abs() * u3
     cache3 = prec.r(c3).reshape(T, k, H)
     scale3 = s3.reshape(T, k, H)
+    under3 = (u3 + 1.0).reshape(T, k, H)
 
     # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
     if lora is not None:
         st = lora.stacked
-        cache3, m = _lora_delta(a, st.w2_a, st.w2_b, s2, cache3, w32, layout, k, True, w2_lora_offset, prec, coll.w2)
+        cache3, m, under3 = _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3, w32, layout, k, True,
+                                        w2_lora_offset, prec, coll.w2)
         scale3 = scale3 + m
 
     # moe_sum: fp32 accumulation (float64 here) of the k pair outputs, one rounding; non-local skipped
     keep = (local >= 0).to(_F64).unsqueeze(-1)
     out = prec.r((cache3 * keep).sum(dim=1))
     scale = (scale3 * keep).sum(dim=1)
+    under = (under3 * keep).sum(dim=1) + 1.0
     if not return_intermediates:
-        return ExpertExpected(value=out, scale=scale)
-    return ExpertExpected(value=out, scale=scale, cache1=cache1, cache2=a.reshape(T, k, -1), cache3=cache3)
+        return ExpertExpected(value=out, scale=scale, underflow=under)
+    return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),
+                          cache3=cache3)
 
 
 def _layout(lora: LoRAInputs, local: Tensor, T: int, k: int) -> PairLayout:

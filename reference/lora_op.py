@@ -36,6 +36,10 @@ class OpExpected:
     value: torch.Tensor  # (T, k, W) float64
     written: torch.Tensor  # (T, k, W) bool
     scale: torch.Tensor  # (T, k, W) float64
+    # (T, k, W) float64: the element's exposure to gradual underflow, in half subnormal spacings of the working
+    # dtype: each rounding that can produce the value, times what later steps multiply its absolute error by
+    # (every rounding point of every path counted: path-independent, like `scale`)
+    underflow: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -250,20 +254,25 @@ def lora_expand(
     prec: Precision,
     *,
     cache_scale: torch.Tensor | None = None,
+    cache_underflow: torch.Tensor | None = None,
+    prev_underflow: torch.Tensor | None = None,
 ) -> OpExpected:
     """out[t, j, offset + s*N : offset + (s+1)*N] = r(prev + r?(w * B_s[l, e] @ u)) for qualifying pairs.
 
     w = fp32(topk_weights[t, j]) only with mul_routed_weight; the inner r? is prec.round_delta;
     add_inputs=False writes r(d). Unwritten elements keep prev. `cache_scale` (S, P, R) is |A||x|
     from lora_shrink_scale (|cache| if None); scale = |prev|*add_inputs + |w| |B| cache_scale.
+    underflow = prev_underflow*add_inputs + |w| |B| cache_underflow + 2 (the delta's rounding and the
+    add's); `cache_underflow` (S, P, R) defaults to 1 (u rounded once), `prev_underflow` to 0 (an input).
     """
     prev = prev.to(torch.float64)
     value = prev.clone()
     written = torch.zeros(prev.shape, dtype=torch.bool, device=prev.device)
     scale = prev.abs()
+    under = (torch.zeros_like(prev) if prev_underflow is None else prev_underflow.to(torch.float64).clone())
     T, k, W = prev.shape
     if len(layout) == 0:
-        return OpExpected(value, written, scale)
+        return OpExpected(value, written, scale, under)
     t = torch.div(layout.pair, k, rounding_mode="floor")
     j = layout.pair % k
     if mul_routed_weight:
@@ -273,6 +282,7 @@ def lora_expand(
     else:
         w = torch.ones(len(layout), dtype=torch.float64, device=prev.device)
     cs = cache.abs() if cache_scale is None else cache_scale.to(torch.float64)
+    cu = torch.ones_like(cs) if cache_underflow is None else cache_underflow.to(torch.float64)
     # A pair listed twice (malformed align) is applied twice, in order: split into rounds of unique pairs.
     order = torch.argsort(layout.pair, stable=True)
     sp = layout.pair[order]
@@ -287,6 +297,7 @@ def lora_expand(
         if prec.round_delta:
             d = prec.r(d)
         dscale = _gathered_matvec(b, layout.lora, layout.expert, cs[s], absolute=True) * w.abs()[:, None]
+        dunder = _gathered_matvec(b, layout.lora, layout.expert, cu[s], absolute=True) * w.abs()[:, None] + 2.0
         cols = torch.arange(offset + s * N, offset + (s + 1) * N, device=prev.device)
         for rnd_i in range(int(occ.max()) + 1):
             sel = occ == rnd_i
@@ -297,8 +308,10 @@ def lora_expand(
             keep_prev = add_inputs or rnd_i > 0
             base = scale[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
             scale[ti, ji, cols] = base + dscale[sel]
+            base_u = under[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
+            under[ti, ji, cols] = base_u + dunder[sel]
             written[ti, ji, cols] = True
-    return OpExpected(value, written, scale)
+    return OpExpected(value, written, scale, under)
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -478,18 +491,24 @@ def fused_moe_lora_expected(
     _check_layout(layout, E, A[0].shape[1], B[0].shape[1])
     cache = lora_shrink(qcurr_hidden_states, A, layout, k, mul_routed_weight, precision)
     cache_scale = lora_shrink_scale(qcurr_hidden_states, A, layout, k, mul_routed_weight)
+    cache_underflow = None       # u rounded once
     if fully_sharded and collective is not None:
+        local_ones = torch.ones_like(cache_scale)
         cache = collective(cache)
         if precision.round_rank_intermediate:
             cache = precision.r(cache)
         cache_scale = collective_scale(cache_scale) if collective_scale is not None else cache.abs()
+        # each rank's partial u rounded once (an all-reduce sums them), the joined u rounded again; without
+        # collective_scale the number of partials is unknown: counted once
+        joined = collective_scale(local_ones) if collective_scale is not None else torch.ones_like(cache)
+        cache_underflow = joined + 1.0
     if cache.shape[-1] != B[0].shape[3]:
         raise ValueError(
             f"lora_b_stacked rank dim ({B[0].shape[3]}) must equal the (joined) shrink rank ({cache.shape[-1]})"
         )
     return lora_expand(
         output, cache, B, topk_weights, layout, k, mul_routed_weight, off, add_inputs, precision,
-        cache_scale=cache_scale,
+        cache_scale=cache_scale, cache_underflow=cache_underflow,
     )
 
 

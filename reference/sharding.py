@@ -397,7 +397,8 @@ def sharded_experts_forward(
 
     outs = _run_ranks(tp_size, rank_fn)
     return ExpertExpected(value=all_reduce_sum([o.value for o in outs], precision.dtype),
-                          scale=all_reduce_sum([o.scale for o in outs]))
+                          scale=all_reduce_sum([o.scale for o in outs]),
+                          underflow=all_reduce_sum([o.underflow for o in outs]) + 1.0)   # + the reduce's rounding
 
 
 def _even_split(n: int, parts: int) -> list[int]:
@@ -430,4 +431,5 @@ def _ep_forward(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, lora
                                         lora=lora_r, expert_map=emap, **common))
     value = torch.cat(ep_combine([o.value for o in outs], counts, common["precision"].dtype), dim=0)
     scale = torch.cat(ep_combine([o.scale for o in outs], counts), dim=0)
-    return ExpertExpected(value=value, scale=scale)
+    under = torch.cat(ep_combine([o.underflow for o in outs], counts), dim=0) + 1.0   # + the combine's rounding
+    return ExpertExpected(value=value, scale=scale, underflow=under)

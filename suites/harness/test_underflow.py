@@ -1,0 +1,84 @@
+"""Gradual underflow in the error model: a correct kernel whose values go subnormal passes, a flush-to-zero
+kernel fails, and the allowance is what makes the difference (checked both ways)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_lora_harness.harness.builders import torch_dtype
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import compare_written, tiny
+from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.registry import available_backends
+from moe_lora_harness.harness.runner import expectations, run_case
+
+EAGER = available_backends()["eager"]
+# float16 op cases whose deltas are subnormal: hidden states at 2^-20, or a delta written alone
+TINY_OP = [Case(T=6, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=8, seed=7, dtype="float16",
+                magnitude=2.0 ** -20, add_inputs=False),
+           Case(T=9, H=64, I=24, E=3, top_k=2, max_loras=2, max_rank=4, seed=11, dtype="float16", which="w2",
+                num_slices=1, mul_routed_weight=True, magnitude=2.0 ** -20, add_inputs=False, layout="naive"),
+           # found by fuzzing eager at GPU sizes: one B column ~1e-6 made its deltas subnormal (magnitude 1)
+           Case(H=128, I=7, T=31, add_inputs=False, block_size_m=64, max_loras=1, max_rank=1, mul_routed_weight=True,
+                num_slices=1, offset=3, seed=878826, top_k=4, which="w2")]
+TINY_EXPERT = [Case(level="expert", T=5, H=32, I=32, E=4, top_k=2, max_loras=2, max_rank=8, seed=7,
+                    dtype="float16", magnitude=2.0 ** -20),
+               Case(level="expert", T=5, H=32, I=48, E=4, top_k=1, lora=False, seed=3, dtype="float16",
+                    activation="gelu", magnitude=2.0 ** -20)]
+
+
+def _verdicts(spec, case):
+    """(verdict with the underflow allowance, verdict without it) of `spec`'s output on `case`."""
+    exp = expectations(spec, case)
+    ex = InProcess().execute(spec, case, "cpu", exp.poison)
+    assert ex.failure is None, ex.failure
+    if case.level == "op":
+        written, kr, before = exp.truth.written, case.K + case.max_rank, exp.before
+    else:
+        written, kr, before = torch.ones(case.T, case.H, dtype=torch.bool), case.H + case.I + case.max_rank, None
+    args = (ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written)
+    kw = dict(dtype=torch_dtype(case), k_plus_r=kr, before=before)
+    return (compare_written(*args, **kw, underflow=exp.truth.underflow, work_dtype=torch_dtype(case)),
+            compare_written(*args, **kw))
+
+
+def _correct(case):
+    return EAGER if case.level == "op" else available_backends()["experts_oracle"]
+
+
+@pytest.mark.parametrize("case", TINY_OP + TINY_EXPERT, ids=lambda c: c.id)
+def test_correct_kernel_passes_where_values_go_subnormal(case):
+    out = run_case(_correct(case), case, "cpu")
+    assert out.status == "pass", out.detail
+
+
+@pytest.mark.parametrize("case", TINY_OP + TINY_EXPERT, ids=lambda c: c.id)
+def test_the_allowance_is_what_passes_them(case):
+    """Without the underflow term these correct outputs fail per element: the term is needed, not decoration."""
+    with_allowance, without = _verdicts(_correct(case), case)
+    assert with_allowance.ok, with_allowance.message
+    assert not without.ok and without.kind == "element", without.summary()
+
+
+@pytest.mark.parametrize("case", TINY_OP[:2], ids=lambda c: c.id)
+def test_flush_to_zero_still_fails(case):
+    pytest.importorskip("triton")
+    from moe_lora_harness.harness.reach_mutants import REACH_MUTANTS
+    ftz = next(s for s in REACH_MUTANTS if s.name == "reach-subnormal-flush")
+    out = run_case(ftz, case, "cpu", reruns=0)
+    assert out.status == "fail" and out.kind in ("element", "aggregate"), (out.status, out.reason)
+
+
+@pytest.mark.parametrize("case", [Case(T=8, H=64, I=32, E=4, top_k=2, max_loras=2, max_rank=16, seed=5, dtype="float16"),
+                                  Case(level="expert", T=5, H=32, I=32, E=4, top_k=2, max_loras=2, max_rank=8, seed=7,
+                                       dtype="float16")], ids=lambda c: c.id)
+def test_exposure_counts_every_rounding_and_stays_far_below_an_ulp_at_normal_values(case):
+    """Every written element carries an exposure >= 2 (at least two roundings produce it), and at normal
+    magnitudes the allowance is far below one ulp of the values (it cannot hide a real error there)."""
+    exp = expectations(_correct(case), case)
+    written = exp.truth.written if case.level == "op" else torch.ones(case.T, case.H, dtype=torch.bool)
+    u = exp.truth.underflow[written]
+    assert bool((u >= 2).all())
+    allowance = tiny(torch.float16) * u
+    ulp = torch.finfo(torch.float16).eps * exp.truth.scale[written]
+    assert float((allowance / ulp).max()) < 0.01
