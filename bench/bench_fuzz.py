@@ -72,14 +72,34 @@ class TimedExecutor:
     def __init__(self, counter: CompileCounter):
         from moe_lora_harness.harness.execute import InProcess
         self.inner, self.counter, self.rows = InProcess(), counter, []
+        self.start = time.perf_counter()
 
     def execute(self, spec, case, device, poison=None):
         n, t0 = self.counter.count, time.perf_counter()
         self.counter.example = len(self.rows)
         ex = self.inner.execute(spec, case, device, poison)
-        self.rows.append({"compiled": self.counter.count > n, "seconds": time.perf_counter() - t0, "T": case.T,
-                          "case": case.to_json()})
+        t1 = time.perf_counter()
+        self.rows.append({"compiled": self.counter.count > n, "seconds": t1 - t0, "T": case.T,
+                          "case": case.to_json(), "at": t1 - self.start, "compiles": self.counter.count})
         return ex
+
+
+TIMELINE_STEP_S = 30.0
+
+
+def timeline(rows: list, wall: float) -> list:
+    """[seconds, examples so far, compiles so far, examples/min in the step ending there] every 30 s: the
+    warm-up and the steady rate of one campaign, so a long run also gives the rate of any shorter budget."""
+    out, i, prev = [], 0, 0
+    t = TIMELINE_STEP_S
+    while t <= wall + TIMELINE_STEP_S / 2:
+        while i < len(rows) and rows[i]["at"] <= t:
+            i += 1
+        comp = rows[i - 1]["compiles"] if i else 0
+        out.append([round(min(t, wall), 1), i, comp, round(60.0 * (i - prev) / TIMELINE_STEP_S, 1)])
+        prev = i
+        t += TIMELINE_STEP_S
+    return out
 
     def close(self):
         pass
@@ -95,7 +115,7 @@ def throughput(spec, device, level, palette, budget_s, seed, log=False):
     counter = CompileCounter(log)
     ex = TimedExecutor(counter)
     strategy = _strategy(spec, device, level, palette)
-    t0 = time.perf_counter()
+    t0 = ex.start = time.perf_counter()
     r = Campaign(spec, device, level, ex, budget_s=budget_s, max_examples=10**9, seed=seed, reruns=0,
                  shrink=False, max_found=10**6).run(strategy)
     wall = time.perf_counter() - t0
@@ -111,6 +131,7 @@ def throughput(spec, device, level, palette, budget_s, seed, log=False):
             "median_T": med([x["T"] for x in ex.rows]), "distinct_failures": len(r.found),
             "failures": [f.signature.text for f in r.found][:5],
             "compiles_by_example": [i for i, x in enumerate(ex.rows) if x["compiled"]],
+            "timeline": timeline(ex.rows, wall),
             **({"compile_log": counter.log, "cases": [x["case"] for x in ex.rows]} if log else {})}
 
 
@@ -196,6 +217,17 @@ def _summary(rows: list, doc: dict) -> list[str]:
     if len(warm) == 2 and warm["free"]["examples_per_min"]:
         lines.append(f"gain (classes / free, warm cache): "
                      f"{warm['classes']['examples_per_min'] / warm['free']['examples_per_min']:.2f}x examples per minute")
+    tl = [r for r in rows if r.get("job") == "throughput" and "error" not in r and r.get("timeline")]
+    if tl:
+        marks = sorted({p[0] for r in tl for p in r["timeline"] if p[0] % 60 == 0 or p[0] == 150})
+        lines += ["", "Examples per minute over the first t seconds of each campaign (its timeline: the rate a "
+                      "campaign of that budget would have had)", "",
+                  "| palette | Triton cache | " + " | ".join(f"{m:g} s" for m in marks) + " |",
+                  "|---|---|" + "---|" * len(marks)]
+        for r in tl:
+            at = {p[0]: p for p in r["timeline"]}
+            cells = [f"{60.0 * at[m][1] / m:.0f} ({at[m][2]} compiles)" if m in at else "" for m in marks]
+            lines.append(f"| {r['palette']} | {r.get('cache', 'cold')} | " + " | ".join(cells) + " |")
     reach = {x["palette"]: x for x in rows if x.get("job") == "reach" and "error" not in x}
     if reach:
         lines += ["", "Reach: the fraction of 1000 drawn op cases in which each planted bug's shape class shows (an "
