@@ -79,18 +79,28 @@ def _h200_device_info():
         mod.device_info = lambda device=None, _i=info: _i
 
 
-def count(spec, palette: str, n: int, seed: int) -> dict:
-    from moe_lora_harness.harness.builders import build_op_inputs
+def _launch(spec, case):
+    """The backend's host code on `case`'s inputs (CPU tensors; kernel launches are intercepted)."""
+    from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs
+    if case.level == "op":
+        spec.op(**build_op_inputs(case, "cpu").call_kwargs())
+    else:
+        spec.experts(build_expert_inputs(case).call("cpu"))
+
+
+def count(spec, palette: str, n: int, seed: int, level: str = "op") -> dict:
     from moe_lora_harness.harness.strategies import claimed_cases, examples, fuzz_sizes
-    strategy = claimed_cases(spec, "cuda", "op", compile_classes=palette == "classes", **fuzz_sizes("cuda", "op"))
+    strategy = claimed_cases(spec, "cuda", level, compile_classes=palette == "classes", **fuzz_sizes("cuda", level))
     cases = examples(strategy, n, seed=seed)
     rec = KeyRecorder()
     rec.install()
     errors = 0
     for case in cases:
-        kw = build_op_inputs(case, "cpu").call_kwargs()
+        if level == "expert" and (case.tp_size > 1 or case.dispatched):
+            rec.next_case()      # TP / EP drivers need ranks: counted as no launch (a lower bound)
+            continue
         try:
-            spec.op(**kw)
+            _launch(spec, case)
         except Exception:  # noqa: BLE001 - a host-side refusal compiles nothing
             errors += 1
         rec.next_case()
@@ -113,12 +123,13 @@ def main(argv=None):
     p.add_argument("--examples", type=int, default=800)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--palette", choices=("free", "classes", "both"), default="both")
+    p.add_argument("--level", choices=("op", "expert"), default="op")
     a = p.parse_args(argv)
     from moe_lora_harness.harness.registry import available_backends
     _h200_device_info()
     spec = available_backends()[a.only]
     for pal in (("free", "classes") if a.palette == "both" else (a.palette,)):
-        r = count(spec, pal, a.examples, a.seed)
+        r = count(spec, pal, a.examples, a.seed, a.level)
         print(f"{pal:8s} {r['cases']} cases: {r['distinct_keys']} distinct compile keys "
               f"(after {', '.join(f'{m}: {v}' for m, v in r['keys_after'].items())}); by kernel {r['by_kernel']}"
               + (f"; {r['host_errors']} host-side errors" if r["host_errors"] else ""))
