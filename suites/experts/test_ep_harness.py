@@ -177,12 +177,12 @@ def test_ep_random(backend_name, device):
 
 
 @pytest.mark.parametrize("ep", [dict(ep_tokens=(0, 2)), dict(ep_rank=1)], ids=["dispatched", "expert_map"])
-def test_oai_router_weight_on_input_under_ep(ep):
+def test_oai_router_weight_on_input_under_ep(ep, device):
     """Found by the wider draws: the OAI experts' second grouped GEMM bounded the pair ids by the local pair
     count (x already permuted, no routed weight read), which under EP is below T*k."""
     from moe_lora_harness.backends import BUILTINS
     spec = next(s for s in BUILTINS if s.name == "oai_experts")
     case = Case(level="expert", T=2, H=16, I=16, E=2, top_k=1, activation="swigluoai", lora=False, max_loras=1,
                 max_rank=1, apply_router_weight_on_input=True, ep_size=2, **ep)
-    outcome = run_case(spec, case, "cpu", executor=InProcess(), reruns=0)
+    outcome = run_case(spec, case, device, executor=InProcess(), reruns=0)
     assert outcome.status == "pass", outcome.detail

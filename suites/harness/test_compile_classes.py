@@ -154,7 +154,7 @@ def reach():
 
 
 @pytest.mark.parametrize("name", sorted(SHOWS))
-def test_each_planted_shape_bug_fails_in_its_class_and_only_there(reach, name):
+def test_each_planted_shape_bug_fails_in_its_class_and_only_there(reach, name, device):
     from moe_lora_harness.harness.execute import InProcess
     from moe_lora_harness.harness.runner import run_case
     specs, defects = reach
@@ -162,6 +162,6 @@ def test_each_planted_shape_bug_fails_in_its_class_and_only_there(reach, name):
     shows = defects[name][1]
     assert shows(inside) and not shows(outside)
     ex = InProcess()
-    assert run_case(specs[f"reach-{name}"], inside, "cpu", executor=ex, reruns=0).failed
-    assert run_case(specs[f"reach-{name}"], outside, "cpu", executor=ex, reruns=0).status == "pass"
-    assert run_case(specs["reach-control"], inside, "cpu", executor=ex, reruns=0).status == "pass"
+    assert run_case(specs[f"reach-{name}"], inside, device, executor=ex, reruns=0).failed
+    assert run_case(specs[f"reach-{name}"], outside, device, executor=ex, reruns=0).status == "pass"
+    assert run_case(specs["reach-control"], inside, device, executor=ex, reruns=0).status == "pass"

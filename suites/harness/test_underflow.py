@@ -27,10 +27,10 @@ TINY_EXPERT = [Case(level="expert", T=5, H=32, I=32, E=4, top_k=2, max_loras=2, 
                     activation="gelu", magnitude=2.0 ** -20)]
 
 
-def _verdicts(spec, case):
+def _verdicts(spec, case, device):
     """(verdict with the underflow allowance, verdict without it) of `spec`'s output on `case`."""
     exp = expectations(spec, case)
-    ex = InProcess().execute(spec, case, "cpu", exp.poison)
+    ex = InProcess().execute(spec, case, device, exp.poison)
     assert ex.failure is None, ex.failure
     if case.level == "op":
         written, kr, before = exp.truth.written, case.K + case.max_rank, exp.before
@@ -47,25 +47,25 @@ def _correct(case):
 
 
 @pytest.mark.parametrize("case", TINY_OP + TINY_EXPERT, ids=lambda c: c.id)
-def test_correct_kernel_passes_where_values_go_subnormal(case):
-    out = run_case(_correct(case), case, "cpu")
+def test_correct_kernel_passes_where_values_go_subnormal(case, device):
+    out = run_case(_correct(case), case, device)
     assert out.status == "pass", out.detail
 
 
 @pytest.mark.parametrize("case", TINY_OP + TINY_EXPERT, ids=lambda c: c.id)
-def test_the_allowance_is_what_passes_them(case):
+def test_the_allowance_is_what_passes_them(case, device):
     """Without the underflow term these correct outputs fail per element: the term is needed, not decoration."""
-    with_allowance, without = _verdicts(_correct(case), case)
+    with_allowance, without = _verdicts(_correct(case), case, device)
     assert with_allowance.ok, with_allowance.message
     assert not without.ok and without.kind == "element", without.summary()
 
 
 @pytest.mark.parametrize("case", TINY_OP[:2], ids=lambda c: c.id)
-def test_flush_to_zero_still_fails(case):
+def test_flush_to_zero_still_fails(case, device):
     pytest.importorskip("triton")
     from moe_lora_harness.harness.reach_mutants import REACH_MUTANTS
     ftz = next(s for s in REACH_MUTANTS if s.name == "reach-subnormal-flush")
-    out = run_case(ftz, case, "cpu", reruns=0)
+    out = run_case(ftz, case, device, reruns=0)
     assert out.status == "fail" and out.kind in ("element", "aggregate"), (out.status, out.reason)
 
 
