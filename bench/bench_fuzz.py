@@ -245,6 +245,9 @@ def _summary(rows: list, doc: dict) -> list[str]:
             for pal in PALETTES:
                 xs = [x for x in det if x["mutant"] == m and x["palette"] == pal and "error" not in x]
                 got = [x for x in xs if x["caught"]]
+                if not xs:
+                    cells.append("not run")
+                    continue
                 if not got:
                     cells.append(f"not caught (0 / {len(xs)})")
                     continue
@@ -273,6 +276,8 @@ def main(argv=None):
     p.add_argument("--log-compiles", action="store_true", help="keep every compile's kernel, constexprs and key, "
                                                                   "and every case, in the JSON (to see what recompiles)")
     p.add_argument("--no-reach", action="store_true", help="skip the reach rates")
+    p.add_argument("--no-throughput", action="store_true", help="skip the throughput campaigns (reach and "
+                                                                "detection only)")
     p.add_argument("--warm", type=float, default=0.0, metavar="S", help="instead of one campaign per palette: two "
                    "of S seconds in one Triton cache directory (cold, then warm: what a second campaign against "
                    "unchanged kernels costs)")
@@ -300,7 +305,7 @@ def main(argv=None):
 
     if a.level == "op" and not a.no_reach:
         rows += [_spawn(a, "reach", pal, a.seed) for pal in palettes]
-    for pal in palettes:
+    for pal in (() if a.no_throughput else palettes):
         if a.warm:    # the same campaign length twice in one cache directory: cold, then warm (another seed)
             with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
                 for i, state in enumerate(("cold", "warm")):
