@@ -113,7 +113,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     base = max(emu, floor)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     order = torch.topk(rel.flatten(), min(6, rel.numel())).indices   # the worst six, largest first
-    idx = torch.stack(torch.unravel_index(order, rel.shape), dim=1)
+    idx = _unravel(order, rel.shape)
     worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
     if max_ulps > 1.0:
         return Verdict(False, "element", f"{int((rel > 1).sum())} element(s) exceed the per-element bound "
@@ -122,6 +122,15 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
                        f"{emu:.3g} (floor {floor:.3g}); bound {RATIO}", ratio, max_ulps, worst)
     return Verdict(True, "pass", "", ratio, max_ulps, worst)
+
+
+def _unravel(flat: torch.Tensor, shape) -> torch.Tensor:
+    """(n, ndim) indices of flat positions (torch.unravel_index imports sympy: seconds on first use)."""
+    cols, rest = [], flat.clone()
+    for size in reversed(tuple(shape)):
+        cols.append(rest % size)
+        rest = torch.div(rest, size, rounding_mode="floor")
+    return torch.stack(cols[::-1], dim=1) if cols else flat.reshape(-1, 0)
 
 
 def _int_view(t: torch.Tensor):
