@@ -312,13 +312,21 @@ def cmd_fuzz(args) -> int:
     if classes:
         pal = palette_of(spec, device, level, **sizes)
         shapes = f"{len(pal.classes)} compile classes ({len(pal.unmet)} value pairs it cannot claim)"
-    if not args.quiet:
+    if not args.quiet and args.job_index is None:
         print(f"[fuzz] {name}, {level} level on {device}: {shapes}", file=sys.stderr)
+    if args.jobs > 1 and args.job_index is None:
+        from moe_lora_harness.harness.fuzz_jobs import run_jobs
+        return run_jobs(args.argv, args.jobs, args.out, args.junit, name, level, device, args.quiet)
+    seed = args.seed
+    if args.job_index is not None:     # one job of --jobs N: its own seed; the parent writes the JUnit
+        from moe_lora_harness.harness.fuzz_jobs import SEED_STRIDE
+        seed = None if seed is None else seed + args.job_index * SEED_STRIDE
+        args.junit, args.quiet = None, True
     max_examples = args.max_examples or (10**9 if args.budget else 300)
     corpus = None if args.no_db else (args.corpus or os.path.join(".moe-lora-harness", "corpus", f"{name}-{level}"))
     executor = _executor(args)
     campaign = Campaign(spec, device, level, executor, budget_s=args.budget, max_examples=max_examples,
-                        seed=args.seed, reruns=args.reruns, database=None if args.no_db else profile("fuzz").database,
+                        seed=seed, reruns=args.reruns, database=None if args.no_db else profile("fuzz").database,
                         corpus_dir=corpus, sizes=sizes, progress=_progress_wanted(args))
     interrupted = False
     try:
@@ -336,7 +344,7 @@ def cmd_fuzz(args) -> int:
         (out / "campaign.json").write_text(json.dumps({
             "backend": name, "origin": spec.origin, "level": level, "device": device,
             "examples": result.examples, "seconds": round(result.seconds, 1), "stopped": result.exhausted,
-            "interrupted": interrupted, "shapes": shapes,
+            "interrupted": interrupted, "shapes": shapes, "claimed": result.claimed_any,
             "distinct_failures": [f.signature.text for f in result.found],
             "fixed_since_last_run": [c.to_json() for c in result.fixed]}, indent=1, sort_keys=True))
     if args.junit:
@@ -488,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "backend provides)")
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
     f.add_argument("--no-db", action="store_true", help="use neither the example database nor the corpus")
+    f.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
+                   help="N campaigns at once, one process each (own seeds; shared corpus, example database and "
+                        "Triton cache), merged into one report; on a GPU host, up to the CPU cores")
+    f.add_argument("--job-index", type=int, default=None, help=argparse.SUPPRESS)
     palette_option(f)
     f.set_defaults(fn=cmd_fuzz)
     t = sub.add_parser("selftest", help="run the project's planted-bug corpora through check and fuzz: the kill "
@@ -510,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(argv if argv is not None else sys.argv[1:])   # fuzz --jobs re-issues it per job
         if getattr(args, "reruns", 0) < 0:
             raise UsageError(f"--reruns must be >= 0; got {args.reruns}")
         return args.fn(args)

@@ -99,3 +99,39 @@ def test_failure_class_names_the_exception():
     from moe_lora_harness.harness.runner import run_case
     o = run_case(THREE_BUGS, Case(max_rank=128, T=2), "cpu", executor=InProcess(), reruns=0)
     assert failure_class(o) == "raised: ValueError: rank too large"
+
+
+def test_fuzz_jobs_run_campaigns_at_once_and_merge_them(tmp_path, monkeypatch):
+    """`fuzz --jobs 2`: two processes with their own seeds, one report: examples summed, each distinct failure
+    once (both jobs find the planted bug), renumbered failure files, one JUnit, exit 1."""
+    from moe_lora_harness.harness import cli
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+                   "--max-examples", "30", "--seed", "2", "--in-process", "--reruns", "0", "--out", "out",
+                   "--junit", "f.xml", "--no-db", "-q", "--jobs", "2"])
+    assert rc == 1
+    summary = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    assert summary["jobs"] == 2 and len(summary["examples_per_job"]) == 2 and not summary["job_errors"]
+    assert summary["examples"] == sum(summary["examples_per_job"]) > 30
+    files = sorted((tmp_path / "out").glob("failure-*.json"))
+    assert len(files) == len(summary["distinct_failures"]) >= 1
+    assert len(set(summary["distinct_failures"])) == len(summary["distinct_failures"])
+    suite = ET.parse(tmp_path / "f.xml").getroot().find("testsuite")
+    assert int(suite.get("failures")) == len(files)
+
+
+def test_merged_jobs_keep_one_record_per_signature():
+    """A job's partly shrunk find of a bug another job shrank (its case matches that signature) is dropped;
+    a failure of another class is kept; the fully shrunk record wins even when found later."""
+    from moe_lora_harness.harness.campaign import axes_of
+    from moe_lora_harness.harness.fuzz_jobs import distinct
+    crash_case = Case(mapping="none", T=5, top_k=3, E=7)
+    shrunk = {"class": "crash: exited with code 3", "needs": {"mapping": "none"}, "case": json.loads(Case(
+        mapping="none").to_json()), "seconds": 30.0, "shrunk": True, "signature": "crash | needs mapping=none"}
+    partial = {"class": "crash: exited with code 3", "needs": {k: v for k, v in axes_of(crash_case).items()},
+               "case": json.loads(crash_case.to_json()), "seconds": 12.0, "shrunk": False, "signature": "crash | all"}
+    other = {"class": "non-finite output", "needs": {"add_inputs": "False"},
+             "case": json.loads(Case(add_inputs=False).to_json()), "seconds": 20.0, "shrunk": True,
+             "signature": "non-finite | needs add_inputs=False"}
+    kept = distinct([partial, other, shrunk])
+    assert [r["signature"] for r in kept] == [other["signature"], shrunk["signature"]]

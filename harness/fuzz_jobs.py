@@ -1,0 +1,171 @@
+"""`fuzz --jobs N`: N campaigns against one backend at once, one process each, merged into one report.
+
+Each job is the same `fuzz` command with its own hypothesis seed and output directory; the jobs share the
+failure corpus, the example database and the Triton cache (a kernel one job compiled, the others load).
+On a GPU host the device is mostly idle between a campaign's small launches and the time goes to the CPU
+(compiles, the float64 judge), so jobs multiply examples per minute by up to the cores they get. The merge
+keeps each distinct failure once (by signature: the earliest found), renumbers the failure files, sums the
+examples, and exits like one campaign: 1 if anything failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+SEED_STRIDE = 1000     # job i searches from seed + i * SEED_STRIDE when --seed is given
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # oversubscribed torch threads cost more than they give
+
+
+def child_argv(argv: list, i: int, out_dir: str) -> list:
+    """The command of job i: the user's own arguments, then the job's (argparse keeps an option's last value)."""
+    return [sys.executable, "-m", "moe_lora_harness.harness.cli", *argv, "--jobs", "1", "--job-index", str(i),
+            "--out", out_dir]
+
+
+def _records(job_dir: pathlib.Path) -> list:
+    return [json.loads(p.read_text()) for p in sorted(job_dir.glob("failure-*.json"))]
+
+
+def distinct(records: list) -> list:
+    """The records one campaign would have kept: fully shrunk first, then by time found, a record is dropped
+    when its class and case match a kept one's signature (its class, and the values its minimal case needs),
+    as a campaign stops hunting a signature once found. Two jobs' partly shrunk finds of one bug merge so."""
+    from moe_lora_harness.harness.campaign import Signature, axes_of
+    from moe_lora_harness.harness.case import Case
+    kept, sigs = [], []
+    for r in sorted(records, key=lambda r: (not r.get("shrunk", True), r["seconds"])):
+        axes = axes_of(Case.from_json(r["case"]))
+        if any(sig.matches(r["class"], axes) for sig in sigs):
+            continue
+        kept.append(r)
+        sigs.append(Signature(r["class"], tuple(sorted(r["needs"].items()))))
+    return sorted(kept, key=lambda r: r["seconds"])
+
+
+def merge(job_dirs: list) -> dict:
+    """One campaign's summary from the jobs' outputs: distinct failures (earliest first), examples summed."""
+    summaries, found, errors = [], [], []
+    for i, d in enumerate(job_dirs):
+        path = d / "campaign.json"
+        if not path.exists():
+            errors.append(i)
+            continue
+        summaries.append(json.loads(path.read_text()))
+        for rec in _records(d):
+            rec["job"] = i
+            found.append(rec)
+    records = distinct(found)
+    return {"jobs": len(job_dirs), "job_errors": errors, "summaries": summaries, "records": records,
+            "examples": sum(s["examples"] for s in summaries),
+            "seconds": max((s["seconds"] for s in summaries), default=0.0),
+            "claimed": any(s.get("claimed", True) for s in summaries),
+            "fixed": sorted({c for s in summaries for c in s.get("fixed_since_last_run", [])})}
+
+
+def table(records: list) -> str:
+    """The distinct failures as text, each with its minimal case and REPRO line (harness.campaign's layout)."""
+    if not records:
+        return ""
+    lines = [f"{len(records)} distinct failure(s):", ""]
+    for i, r in enumerate(records, 1):
+        tags = ((" [regression]" if r.get("regression") else "") + ("" if r.get("shrunk", True) else " [partly shrunk]")
+                + (" [environment, not a kernel bug]" if r.get("kind") == "environment" else ""))
+        lines.append(f"#{i} at {r['seconds']:.0f}s (job {r['job']}){tags}: {r['signature']}")
+        lines.append(f"   CASE: {json.dumps(r['case'], sort_keys=True, separators=(',', ':'))}")
+        lines.append(f"   REPRO: {r['repro']}")
+    return "\n".join(lines)
+
+
+def run_jobs(argv: list, jobs: int, out: str | None, junit: str | None, name: str, level: str, device: str,
+             quiet: bool) -> int:
+    """Run `jobs` campaigns of the fuzz command `argv` at once; print and write the merged report."""
+    from moe_lora_harness.harness.report import to_junit
+    from moe_lora_harness.harness.worker import child_env
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="moe-lora-fuzz-jobs-"))
+    dirs = [tmp / f"job-{i}" for i in range(jobs)]
+    logs = [open(tmp / f"job-{i}.log", "wb") for i in range(jobs)]
+    env = child_env()
+    # the cores shared out: each job's torch threads (and its worker's) get their share, unless the user set it
+    share = str(max(1, (os.cpu_count() or 1) // jobs))
+    for var in THREAD_VARS:
+        env.setdefault(var, share)
+    procs = [subprocess.Popen(child_argv(argv, i, str(d)), stdout=logs[i], stderr=subprocess.STDOUT,
+                              env=env, start_new_session=True) for i, d in enumerate(dirs)]
+    if not quiet:
+        print(f"[fuzz] {jobs} jobs (one process each, logs in {tmp})", file=sys.stderr)
+    t0 = time.monotonic()
+    interrupted = False
+    try:
+        for p in procs:
+            p.wait()
+    except KeyboardInterrupt:
+        interrupted = True
+        for p in procs:   # each job stops its own worker and writes what it found
+            try:
+                os.killpg(p.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    finally:
+        for f in logs:
+            f.close()
+    m = merge(dirs)
+    records = m["records"]
+    for r in records:
+        print(r["detail"] + "\n")
+    for c in m["fixed"]:
+        print(f"FIXED since the last run (removed from the corpus): {c}")
+    if records:
+        print(table(records))
+    for i in m["job_errors"]:
+        tail = (tmp / f"job-{i}.log").read_text(errors="replace")[-3000:]
+        print(f"\njob {i} wrote no report (exit {procs[i].returncode}); its output ends:\n{tail}")
+    env = sum(r.get("kind") == "environment" for r in records)
+    wall = time.monotonic() - t0
+    print(f"\n{name}: {m['examples']} {level}-level examples in {wall:.0f}s on {device} over {jobs} jobs, "
+          f"{len(records) - env} distinct failure(s)" + (f" and {env} environment failure(s)" if env else "")
+          + ("; stopped: interrupted" if interrupted else "") + (f"; reports in {out}" if out else ""))
+    if out:
+        o = pathlib.Path(out)
+        o.mkdir(parents=True, exist_ok=True)
+        for i, r in enumerate(records, 1):
+            (o / f"failure-{i:02d}.json").write_text(json.dumps(r, indent=1, sort_keys=True))
+        first = m["summaries"][0] if m["summaries"] else {}
+        (o / "campaign.json").write_text(json.dumps({
+            "backend": name, "origin": first.get("origin"), "level": level, "device": device, "jobs": jobs,
+            "examples": m["examples"], "seconds": round(wall, 1), "interrupted": interrupted,
+            "shapes": first.get("shapes"), "claimed": m["claimed"],
+            "examples_per_job": [s["examples"] for s in m["summaries"]],
+            "stopped_per_job": [s.get("stopped") for s in m["summaries"]],
+            "job_errors": m["job_errors"], "distinct_failures": [r["signature"] for r in records],
+            "fixed_since_last_run": m["fixed"]}, indent=1, sort_keys=True))
+    if junit:
+        cases = [dict(classname=f"fuzz.{name}", name=f"#{i} {r['signature']}", status="fail", message=r["signature"],
+                      detail=r["detail"], seconds=r["seconds"]) for i, r in enumerate(records, 1)]
+        if not cases:
+            cases = [dict(classname=f"fuzz.{name}", name=f"{level}-level campaign ({jobs} jobs)", seconds=wall,
+                          status="pass" if m["claimed"] else "fail",
+                          message="" if m["claimed"] else "nothing tested")]
+        pathlib.Path(junit).write_text(to_junit("moe-lora-harness fuzz", cases))
+    if not m["job_errors"]:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if interrupted:
+        return 130
+    if m["job_errors"]:
+        return 2
+    if not m["claimed"] and not records:
+        print(f"{name}: NOTHING TESTED: no drawn {level}-level case is claimed by its declarations on {device}")
+        return 1
+    return 1 if records else 0
