@@ -497,8 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")
     f.add_argument("--no-db", action="store_true", help="use neither the example database nor the corpus")
     f.add_argument("--jobs", type=_positive(int), default=1, metavar="N",
-                   help="N campaigns at once, one process each (own seeds; shared corpus, example database and "
-                        "Triton cache), merged into one report; on a GPU host, up to the CPU cores")
+                   help="N campaigns at once, one process each, each with the whole --budget / --max-examples "
+                        "(own seeds; shared corpus, example database and Triton cache), merged into one report; "
+                        "on a GPU host, up to the CPU cores")
     f.add_argument("--job-index", type=int, default=None, help=argparse.SUPPRESS)
     palette_option(f)
     f.set_defaults(fn=cmd_fuzz)
