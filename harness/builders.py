@@ -7,7 +7,7 @@ weight gives a gross error rather than a rounding-sized one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

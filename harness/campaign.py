@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec
-from moe_lora_harness.harness.runner import Outcome, repro_command, run_case
+from moe_lora_harness.harness.runner import Outcome, run_case
 
 
 # ----------------------------------------------------------------------------- axes and signatures

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 LEVELS = ("op", "expert")
 DTYPES = ("float16", "bfloat16", "float32")
