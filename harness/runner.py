@@ -152,6 +152,13 @@ def _is_environment(spec: BackendSpec, message: str) -> bool:
     return any(re.search(p, message, re.I) for p in (*ENVIRONMENT_ERRORS, *spec.environment_errors))
 
 
+def judging(case: Case, truth) -> tuple:
+    """(written mask, K+R, index names): what a case's output is compared over (the diagnosis uses it too)."""
+    if case.level == "op":
+        return truth.written, case.K + case.max_rank, ("t", "j", "col")
+    return torch.ones(case.T, case.H, dtype=torch.bool), case.H + case.I + case.max_rank, ("t", "h")
+
+
 def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendSpec | None = None
                      ) -> tuple[str, str, Verdict | None]:
     """(kind, message, verdict): kind 'pass' or a failure kind."""
@@ -168,16 +175,11 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     if ex.built_digest != exp.digest:
         return "inputs-differ", ("the worker built other inputs than the judge did (the backend changed the "
                                  "worker's global state, e.g. torch's RNG or a harness function)"), None
-    if case.level == "op":
-        verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale,
-                                  exp.truth.written, dtype=exp.bound_dtype or torch_dtype(case),
-                                  k_plus_r=case.K + case.max_rank, before=exp.before,
-                                  underflow=exp.truth.underflow, work_dtype=torch_dtype(case))
-    else:
-        written = torch.ones(case.T, case.H, dtype=torch.bool)
-        verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written,
-                                  dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=case.H + case.I + case.max_rank,
-                                  names=("t", "h"), underflow=exp.truth.underflow, work_dtype=torch_dtype(case))
+    written, k_plus_r, names = judging(case, exp.truth)
+    verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written,
+                              dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=k_plus_r,
+                              before=exp.before, names=names,
+                              underflow=exp.truth.underflow, work_dtype=torch_dtype(case))
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict

@@ -10,7 +10,7 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written, tiny
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.registry import available_backends
-from moe_lora_harness.harness.runner import expectations, run_case
+from moe_lora_harness.harness.runner import expectations, judging, run_case
 
 EAGER = available_backends()["eager"]
 # float16 op cases whose deltas are subnormal: hidden states at 2^-20, or a delta written alone
@@ -32,12 +32,9 @@ def _verdicts(spec, case, device):
     exp = expectations(spec, case)
     ex = InProcess().execute(spec, case, device, exp.poison)
     assert ex.failure is None, ex.failure
-    if case.level == "op":
-        written, kr, before = exp.truth.written, case.K + case.max_rank, exp.before
-    else:
-        written, kr, before = torch.ones(case.T, case.H, dtype=torch.bool), case.H + case.I + case.max_rank, None
+    written, kr, _ = judging(case, exp.truth)
     args = (ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written)
-    kw = dict(dtype=torch_dtype(case), k_plus_r=kr, before=before)
+    kw = dict(dtype=torch_dtype(case), k_plus_r=kr, before=exp.before)
     return (compare_written(*args, **kw, underflow=exp.truth.underflow, work_dtype=torch_dtype(case)),
             compare_written(*args, **kw))
 
@@ -76,7 +73,7 @@ def test_exposure_counts_every_rounding_and_stays_far_below_an_ulp_at_normal_val
     """Every written element carries an exposure >= 2 (at least two roundings produce it), and at normal
     magnitudes the allowance is far below one ulp of the values (it cannot hide a real error there)."""
     exp = expectations(_correct(case), case)
-    written = exp.truth.written if case.level == "op" else torch.ones(case.T, case.H, dtype=torch.bool)
+    written = judging(case, exp.truth)[0]
     u = exp.truth.underflow[written]
     assert bool((u >= 2).all())
     allowance = tiny(torch.float16) * u
