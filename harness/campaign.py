@@ -412,15 +412,63 @@ class Campaign:
         return self.result
 
 
-def summary_table(result: CampaignResult, device: str) -> str:
-    """The distinct failures as a text table, each with its minimal case and REPRO line."""
-    if not result.found:
+# ----------------------------------------------------------------------------- the report (one campaign or merged jobs)
+
+
+def records_table(records: list) -> str:
+    """The distinct failures (`Found.record` dicts) as a text table, each with its minimal case and REPRO
+    line; the records of merged jobs (harness.fuzz_jobs) name their job."""
+    if not records:
         return ""
-    lines = [f"{len(result.found)} distinct failure(s):", ""]
-    for i, f in enumerate(result.found, 1):
-        tags = ((" [regression]" if f.regression else "") + ("" if f.shrunk else " [partly shrunk]")
-                + (" [environment, not a kernel bug]" if f.outcome.kind == "environment" else ""))
-        lines.append(f"#{i} at {f.seconds:.0f}s{tags}: {f.signature.text}")
-        lines.append(f"   CASE: {f.outcome.case.to_json()}")
-        lines.append(f"   REPRO: {repro_command_for(f.outcome, device)}")
+    lines = [f"{len(records)} distinct failure(s):", ""]
+    for i, r in enumerate(records, 1):
+        tags = ((" [regression]" if r.get("regression") else "") + ("" if r.get("shrunk", True) else " [partly shrunk]")
+                + (" [environment, not a kernel bug]" if r.get("kind") == "environment" else ""))
+        job = f" (job {r['job']})" if "job" in r else ""
+        lines.append(f"#{i} at {r['seconds']:.0f}s{job}{tags}: {r['signature']}")
+        lines.append(f"   CASE: {Case.from_json(r['case']).to_json()}")
+        lines.append(f"   REPRO: {r['repro']}")
     return "\n".join(lines)
+
+
+def summary_table(result: CampaignResult, device: str) -> str:
+    """The distinct failures of one campaign as a text table (records_table)."""
+    return records_table([f.record(device) for f in result.found])
+
+
+def write_reports(records: list, summary: dict, out: str | None, junit: str | None, *, name: str, level: str,
+                  seconds: float, claimed: bool, label: str = "") -> None:
+    """failure-NN.json and campaign.json (`summary` plus the distinct failures) under `out`; JUnit XML at
+    `junit`: one test case per distinct failure, or one for the campaign (failing when nothing was tested)."""
+    if out:
+        o = pathlib.Path(out)
+        o.mkdir(parents=True, exist_ok=True)
+        for i, r in enumerate(records, 1):
+            (o / f"failure-{i:02d}.json").write_text(json.dumps(r, indent=1, sort_keys=True))
+        (o / "campaign.json").write_text(json.dumps(dict(summary, distinct_failures=[r["signature"] for r in records]),
+                                                    indent=1, sort_keys=True))
+    if junit:
+        from moe_lora_harness.harness.report import to_junit
+        cases = [dict(classname=f"fuzz.{name}", name=f"#{i} {r['signature']}", status="fail", message=r["signature"],
+                      detail=r["detail"], seconds=r["seconds"]) for i, r in enumerate(records, 1)]
+        if not cases:
+            cases = [dict(classname=f"fuzz.{name}", name=f"{level}-level campaign{label}", seconds=seconds,
+                          status="pass" if claimed else "fail", message="" if claimed else "nothing tested")]
+        pathlib.Path(junit).write_text(to_junit("moe-lora-harness fuzz", cases))
+
+
+def print_report(records: list, fixed: list, *, name: str, level: str, device: str, examples: int, seconds: float,
+                 stopped: str, out: str | None, jobs: int = 1) -> None:
+    """Each failure's detail, the corpus cases that pass now (`fixed`, as JSON), the table, the closing line."""
+    for r in records:
+        print(r["detail"] + "\n")
+    for c in fixed:
+        print(f"FIXED since the last run (removed from the corpus): {c}")
+    table = records_table(records)
+    if table:
+        print(table)
+    env = sum(r.get("kind") == "environment" for r in records)
+    print(f"\n{name}: {examples} {level}-level examples in {seconds:.0f}s on {device}"
+          + (f" over {jobs} jobs" if jobs > 1 else "")
+          + f", {len(records) - env} distinct failure(s)" + (f" and {env} environment failure(s)" if env else "")
+          + (f"; stopped: {stopped}" if stopped else "") + (f"; reports in {out}" if out else ""))

@@ -295,8 +295,7 @@ def _progress_wanted(args) -> bool:
 def cmd_fuzz(args) -> int:
     """A campaign against one backend: every distinct failure within the budget, each shrunk, with its repro."""
     device = _device(args)
-    from moe_lora_harness.harness.campaign import Campaign, summary_table
-    from moe_lora_harness.harness.report import to_junit
+    from moe_lora_harness.harness.campaign import Campaign, print_report, write_reports
     from moe_lora_harness.harness.strategies import (claimed_cases, fuzz_sizes, palette_of, profile,
                                                      wants_compile_classes)
     specs = _backends(args)
@@ -336,38 +335,16 @@ def cmd_fuzz(args) -> int:
         result = campaign.result
     finally:
         executor.close()
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        for i, f in enumerate(result.found, 1):
-            (out / f"failure-{i:02d}.json").write_text(json.dumps(f.record(device), indent=1, sort_keys=True))
-        (out / "campaign.json").write_text(json.dumps({
-            "backend": name, "origin": spec.origin, "level": level, "device": device,
-            "examples": result.examples, "seconds": round(result.seconds, 1), "stopped": result.exhausted,
-            "interrupted": interrupted, "shapes": shapes, "claimed": result.claimed_any,
-            "distinct_failures": [f.signature.text for f in result.found],
-            "fixed_since_last_run": [c.to_json() for c in result.fixed]}, indent=1, sort_keys=True))
-    if args.junit:
-        cases = [dict(classname=f"fuzz.{name}", name=f"#{i} {f.signature.text}", status="fail",
-                      message=f.signature.text, detail=f.outcome.detail, seconds=f.seconds)
-                 for i, f in enumerate(result.found, 1)]
-        if not cases:
-            cases = [dict(classname=f"fuzz.{name}", name=f"{level}-level campaign", seconds=result.seconds,
-                          status="pass" if result.claimed_any else "fail",
-                          message="" if result.claimed_any else "nothing tested")]
-        pathlib.Path(args.junit).write_text(to_junit("moe-lora-harness fuzz", cases))
-    for f in result.found:
-        print(f.outcome.detail + "\n")
-    for c in result.fixed:
-        print(f"FIXED since the last run (removed from the corpus): {c.to_json()}")
-    table = summary_table(result, device)
-    if table:
-        print(table)
-    env = sum(f.outcome.kind == "environment" for f in result.found)
-    print(f"\n{name}: {result.examples} {level}-level examples in {result.seconds:.0f}s on {device}, "
-          f"{len(result.found) - env} distinct failure(s)" + (f" and {env} environment failure(s)" if env else "")
-          + f"; stopped: {'interrupted' if interrupted else result.exhausted}"
-          + (f"; reports in {args.out}" if args.out else ""))
+    records = [f.record(device) for f in result.found]
+    fixed = [c.to_json() for c in result.fixed]
+    summary = {"backend": name, "origin": spec.origin, "level": level, "device": device,
+               "examples": result.examples, "seconds": round(result.seconds, 1), "stopped": result.exhausted,
+               "interrupted": interrupted, "shapes": shapes, "claimed": result.claimed_any,
+               "fixed_since_last_run": fixed}
+    write_reports(records, summary, args.out, args.junit, name=name, level=level, seconds=result.seconds,
+                  claimed=result.claimed_any)
+    print_report(records, fixed, name=name, level=level, device=device, examples=result.examples,
+                 seconds=result.seconds, stopped="interrupted" if interrupted else result.exhausted, out=args.out)
     if interrupted:
         return 130
     if not result.claimed_any and not result.found:

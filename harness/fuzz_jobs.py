@@ -69,24 +69,10 @@ def merge(job_dirs: list) -> dict:
             "fixed": sorted({c for s in summaries for c in s.get("fixed_since_last_run", [])})}
 
 
-def table(records: list) -> str:
-    """The distinct failures as text, each with its minimal case and REPRO line (harness.campaign's layout)."""
-    if not records:
-        return ""
-    lines = [f"{len(records)} distinct failure(s):", ""]
-    for i, r in enumerate(records, 1):
-        tags = ((" [regression]" if r.get("regression") else "") + ("" if r.get("shrunk", True) else " [partly shrunk]")
-                + (" [environment, not a kernel bug]" if r.get("kind") == "environment" else ""))
-        lines.append(f"#{i} at {r['seconds']:.0f}s (job {r['job']}){tags}: {r['signature']}")
-        lines.append(f"   CASE: {json.dumps(r['case'], sort_keys=True, separators=(',', ':'))}")
-        lines.append(f"   REPRO: {r['repro']}")
-    return "\n".join(lines)
-
-
 def run_jobs(argv: list, jobs: int, out: str | None, junit: str | None, name: str, level: str, device: str,
              quiet: bool) -> int:
     """Run `jobs` campaigns of the fuzz command `argv` at once; print and write the merged report."""
-    from moe_lora_harness.harness.report import to_junit
+    from moe_lora_harness.harness.campaign import print_report, write_reports
     from moe_lora_harness.harness.worker import child_env
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="moe-lora-fuzz-jobs-"))
     dirs = [tmp / f"job-{i}" for i in range(jobs)]
@@ -123,42 +109,21 @@ def run_jobs(argv: list, jobs: int, out: str | None, junit: str | None, name: st
             f.close()
     m = merge(dirs)
     records = m["records"]
-    for r in records:
-        print(r["detail"] + "\n")
-    for c in m["fixed"]:
-        print(f"FIXED since the last run (removed from the corpus): {c}")
-    if records:
-        print(table(records))
+    wall = time.monotonic() - t0
+    first = m["summaries"][0] if m["summaries"] else {}
+    summary = {"backend": name, "origin": first.get("origin"), "level": level, "device": device, "jobs": jobs,
+               "examples": m["examples"], "seconds": round(wall, 1), "interrupted": interrupted,
+               "shapes": first.get("shapes"), "claimed": m["claimed"],
+               "examples_per_job": [s["examples"] for s in m["summaries"]],
+               "stopped_per_job": [s.get("stopped") for s in m["summaries"]],
+               "job_errors": m["job_errors"], "fixed_since_last_run": m["fixed"]}
+    write_reports(records, summary, out, junit, name=name, level=level, seconds=wall, claimed=m["claimed"],
+                  label=f" ({jobs} jobs)")
     for i in m["job_errors"]:
         tail = (tmp / f"job-{i}.log").read_text(errors="replace")[-3000:]
         print(f"\njob {i} wrote no report (exit {procs[i].returncode}); its output ends:\n{tail}")
-    env = sum(r.get("kind") == "environment" for r in records)
-    wall = time.monotonic() - t0
-    print(f"\n{name}: {m['examples']} {level}-level examples in {wall:.0f}s on {device} over {jobs} jobs, "
-          f"{len(records) - env} distinct failure(s)" + (f" and {env} environment failure(s)" if env else "")
-          + ("; stopped: interrupted" if interrupted else "") + (f"; reports in {out}" if out else ""))
-    if out:
-        o = pathlib.Path(out)
-        o.mkdir(parents=True, exist_ok=True)
-        for i, r in enumerate(records, 1):
-            (o / f"failure-{i:02d}.json").write_text(json.dumps(r, indent=1, sort_keys=True))
-        first = m["summaries"][0] if m["summaries"] else {}
-        (o / "campaign.json").write_text(json.dumps({
-            "backend": name, "origin": first.get("origin"), "level": level, "device": device, "jobs": jobs,
-            "examples": m["examples"], "seconds": round(wall, 1), "interrupted": interrupted,
-            "shapes": first.get("shapes"), "claimed": m["claimed"],
-            "examples_per_job": [s["examples"] for s in m["summaries"]],
-            "stopped_per_job": [s.get("stopped") for s in m["summaries"]],
-            "job_errors": m["job_errors"], "distinct_failures": [r["signature"] for r in records],
-            "fixed_since_last_run": m["fixed"]}, indent=1, sort_keys=True))
-    if junit:
-        cases = [dict(classname=f"fuzz.{name}", name=f"#{i} {r['signature']}", status="fail", message=r["signature"],
-                      detail=r["detail"], seconds=r["seconds"]) for i, r in enumerate(records, 1)]
-        if not cases:
-            cases = [dict(classname=f"fuzz.{name}", name=f"{level}-level campaign ({jobs} jobs)", seconds=wall,
-                          status="pass" if m["claimed"] else "fail",
-                          message="" if m["claimed"] else "nothing tested")]
-        pathlib.Path(junit).write_text(to_junit("moe-lora-harness fuzz", cases))
+    print_report(records, m["fixed"], name=name, level=level, device=device, examples=m["examples"], seconds=wall,
+                 stopped="interrupted" if interrupted else "", out=out, jobs=jobs)
     if not m["job_errors"]:
         shutil.rmtree(tmp, ignore_errors=True)
     if interrupted:
