@@ -277,14 +277,15 @@ def moe_experts_forward(
     xr = x_in[tok]
     c1 = _per_expert_gemm(xr, W13, e_flat, prec)
     s1 = _per_expert_gemm(xr.abs(), W13.abs(), e_flat)
-    u1 = 1.0 + (_per_expert_gemm(1.0 + x[tok].abs(), W13.abs(), e_flat) if apply_router_weight_on_input
-                else 0.0)
+    u1 = torch.ones_like(s1)                                # cache1's own rounding
+    if apply_router_weight_on_input:                        # r(w), then r(x * r(w)), through |w13|
+        u1 = u1 + _per_expert_gemm(1.0 + x[tok].abs(), W13.abs(), e_flat)
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
         s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
     scale1 = s1.reshape(T, k, N1)
-    under1 = (u1 + torch.zeros_like(s1)).reshape(T, k, N1)
+    under1 = u1.reshape(T, k, N1)
 
     layout = None
     coll = lora_collectives or LoRACollectives()

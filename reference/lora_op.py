@@ -493,15 +493,14 @@ def fused_moe_lora_expected(
     cache_scale = lora_shrink_scale(qcurr_hidden_states, A, layout, k, mul_routed_weight)
     cache_underflow = None       # u rounded once
     if fully_sharded and collective is not None:
-        local_ones = torch.ones_like(cache_scale)
+        # each rank's partial u rounded once (an all-reduce sums them), the joined u rounded again; without
+        # collective_scale the number of partials is unknown: counted once
+        partials = collective_scale(torch.ones_like(cache_scale)) if collective_scale is not None else None
         cache = collective(cache)
         if precision.round_rank_intermediate:
             cache = precision.r(cache)
         cache_scale = collective_scale(cache_scale) if collective_scale is not None else cache.abs()
-        # each rank's partial u rounded once (an all-reduce sums them), the joined u rounded again; without
-        # collective_scale the number of partials is unknown: counted once
-        joined = collective_scale(local_ones) if collective_scale is not None else torch.ones_like(cache)
-        cache_underflow = joined + 1.0
+        cache_underflow = (partials if partials is not None else torch.ones_like(cache)) + 1.0
     if cache.shape[-1] != B[0].shape[3]:
         raise ValueError(
             f"lora_b_stacked rank dim ({B[0].shape[3]}) must equal the (joined) shrink rank ({cache.shape[-1]})"
