@@ -127,11 +127,13 @@ def _judging(case: Case, truth):
 
 
 def _emulation(case: Case, name: str) -> torch.Tensor:
+    """The value of the rounding model `name` on the case's inputs (rebuilt from its seed)."""
     if case.level == "op":
-        from moe_lora_harness.harness.runner import op_expectations
-        return op_expectations(case, name)[2].value
+        from moe_lora_harness.harness.builders import build_op_inputs
+        from moe_lora_harness.harness.runner import op_reference
+        return op_reference(case, build_op_inputs(case, "cpu"), name).value
     from moe_lora_harness.harness.expert_runner import expert_expectations
-    return expert_expectations(case, name)[2].value
+    return expert_expectations(case, name, emulation_only=True)[2].value
 
 
 def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelFit:

@@ -14,9 +14,9 @@ from moe_lora_harness.reference.precision import precision as make_precision
 from moe_lora_harness.reference.sharding import all_reduce_sum, sharded_experts_forward, tp_slice_base, tp_slice_lora
 
 
-def expert_expectations(case: Case, backend_precision: str):
+def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False):
     """(cpu inputs, truth, emulation) for an expert-level case (tp_size > 1: the sharded forward over all
-    simulated ranks, recombined with the collectives)."""
+    simulated ranks, recombined with the collectives); `emulation_only`: truth None."""
     inp = build_expert_inputs(case)
     lora = LoRAInputs(inp.stacked, inp.token_lora_mapping) if inp.stacked is not None else None
     kw = dict(activation=case.activation, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, lora=lora,
@@ -30,10 +30,10 @@ def expert_expectations(case: Case, backend_precision: str):
     else:
         forward = moe_experts_forward
         kw.update(expert_map=inp.expert_map)
-    truth = forward(inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids,
-                    precision=make_precision("exact", None), **kw)
-    emu = forward(inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids,
-                  precision=make_precision(backend_precision, torch_dtype(case)), **kw)
+    args = (inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids)
+    truth = None if emulation_only else forward(*args, precision=make_precision("exact", None), **kw)
+    # the emulation's value only: it is judged with the truth's magnitudes
+    emu = forward(*args, precision=make_precision(backend_precision, torch_dtype(case)), magnitudes=False, **kw)
     return inp, truth, emu
 
 

@@ -91,15 +91,19 @@ def _ref_kwargs(inp) -> dict:
     return dict(kw, block_size_m=block)
 
 
+def op_reference(case: Case, cpu, precision_name: str | None = None):
+    """The float64 truth with its magnitudes (precision_name None), or the emulation of `precision_name`
+    (its value only: every emulation is judged with the truth's magnitudes)."""
+    prec = (make_precision("exact", None) if precision_name is None
+            else make_precision(precision_name, torch_dtype(case)))
+    return fused_moe_lora_expected(**_ref_kwargs(cpu), fully_sharded=case.fully_sharded, precision=prec,
+                                   magnitudes=precision_name is None)
+
+
 def op_expectations(case: Case, backend_precision: str):
     """(cpu inputs, truth, emulation) for an op-level case."""
     cpu = build_op_inputs(case, "cpu")
-    kw = _ref_kwargs(cpu)
-    truth = fused_moe_lora_expected(**kw, fully_sharded=case.fully_sharded,
-                                    precision=make_precision("exact", None))
-    emu = fused_moe_lora_expected(**kw, fully_sharded=case.fully_sharded,
-                                  precision=make_precision(backend_precision, torch_dtype(case)))
-    return cpu, truth, emu
+    return cpu, op_reference(case, cpu), op_reference(case, cpu, backend_precision)
 
 
 def expectations(spec: BackendSpec, case: Case) -> Expectation:

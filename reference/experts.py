@@ -53,14 +53,15 @@ class LoRACollectives:
 
 @dataclass
 class ExpertExpected:
-    """Expected expert output: value (T, H) and error magnitude scale (T, H), both float64.
+    """Expected expert output: value (T, H) and error magnitude scale (T, H), both float64 (scale and
+    underflow None with magnitudes=False: an emulation, judged against the truth's magnitudes).
 
     With return_intermediates, cache1 (T, k, N1), cache2 (T, k, I) and cache3 (T, k, H) as the
     reference holds them (float64; rows of non-local pairs are 0).
     """
 
     value: Tensor
-    scale: Tensor
+    scale: Tensor | None
     # (T, H): exposure to gradual underflow in half subnormal spacings (reference.lora_op.OpExpected.underflow)
     underflow: Tensor | None = None
     cache1: Tensor | None = None
@@ -148,13 +149,19 @@ def _check_lora(stacked: StackedMoELoRA, E: int, H: int, I: int, gated: bool, sh
 
 def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec, collective):
     """Shrink u = A x (rounded per `prec`), its magnitude |A| x_scale and its underflow exposure
-    |A| x_under + 1, joined by `collective`.
+    |A| x_under + 1, joined by `collective` (x_scale None: the value only, magnitudes None).
 
     The three travel through one collective call (stacked on the slice dim); the joined value is
     re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor).
     """
-    absolute = [a.abs() for a in stacked_a]
     u = lora_shrink(x, stacked_a, layout, k, mul_routed_weight, prec)
+    if x_scale is None:
+        if collective is not None:
+            u = collective(u.to(_F64))
+            if prec.round_rank_intermediate:
+                u = prec.r(u)
+        return u, None, None
+    absolute = [a.abs() for a in stacked_a]
     u_abs = lora_shrink(x_scale, absolute, layout, k, mul_routed_weight, _EXACT)
     u_under = lora_shrink(x_under, absolute, layout, k, mul_routed_weight, _EXACT) + 1.0
     if collective is not None:
@@ -172,10 +179,14 @@ def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32
 
     value: lora_expand's r(prev + r?(w B u)) (or r(w B u) without add_inputs); magnitude:
     |w| |B| (|A| x_scale) at written elements, 0 elsewhere, computed exactly on absolute values;
-    underflow: lora_expand's, from `prev_under` and the intermediate's.
+    underflow: lora_expand's, from `prev_under` and the intermediate's. x_scale None: the value only.
     """
     u, u_abs, u_under = _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec,
                                        collective)
+    if x_scale is None:
+        got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
+                          magnitudes=False)
+        return got.value, None, None
     got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
                       cache_underflow=u_under, prev_underflow=prev_under)
     mag = lora_expand(torch.zeros_like(prev), u_abs, [b.abs() for b in stacked_b], w32.abs(), layout, k,
@@ -208,6 +219,7 @@ def moe_experts_forward(
     lora_collectives: LoRACollectives | None = None,
     w2_lora_offset: int = 0,
     return_intermediates: bool = False,
+    magnitudes: bool = True,
 ) -> ExpertExpected:
     """Expected MoE expert output (T, H) with LoRA, rounded where vLLM's Triton path rounds (spec 5).
 
@@ -217,6 +229,7 @@ def moe_experts_forward(
     apply_router_weight_on_input (top_k 1): base input r(x * r(w)) (vLLM casts w to the
     activation dtype first), w2 GEMM unweighted; the LoRA still reads the unweighted x and still
     weights the w2 delta. `lora_collectives`/`w2_lora_offset` serve fully-sharded TP ranks.
+    magnitudes=False computes the value only (an emulation: the judge reads the truth's magnitudes).
     """
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a reference.precision.Precision, got {type(precision).__name__}")
@@ -276,16 +289,19 @@ def moe_experts_forward(
     x_in = prec.r(x * prec.r(w64)) if apply_router_weight_on_input else x  # k == 1 here: w64 is (T, 1)
     xr = x_in[tok]
     c1 = _per_expert_gemm(xr, W13, e_flat, prec)
-    s1 = _per_expert_gemm(xr.abs(), W13.abs(), e_flat)
-    u1 = torch.ones_like(s1)                                # cache1's own rounding
-    if apply_router_weight_on_input:                        # r(w), then r(x * r(w)), through |w13|
-        u1 = u1 + _per_expert_gemm(1.0 + x[tok].abs(), W13.abs(), e_flat)
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
-        s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
-    scale1 = s1.reshape(T, k, N1)
-    under1 = u1.reshape(T, k, N1)
+    scale1 = under1 = None
+    if magnitudes:
+        s1 = _per_expert_gemm(xr.abs(), W13.abs(), e_flat)
+        u1 = torch.ones_like(s1)                                # cache1's own rounding
+        if apply_router_weight_on_input:                        # r(w), then r(x * r(w)), through |w13|
+            u1 = u1 + _per_expert_gemm(1.0 + x[tok].abs(), W13.abs(), e_flat)
+        if b13 is not None:
+            s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
+        scale1 = s1.reshape(T, k, N1)
+        under1 = u1.reshape(T, k, N1)
 
     layout = None
     coll = lora_collectives or LoRACollectives()
@@ -297,53 +313,63 @@ def moe_experts_forward(
         if st.w2_b[0].shape[2] + w2_lora_offset > H:
             raise ValueError(f"w2_lora_offset={w2_lora_offset} + w2_b rows {st.w2_b[0].shape[2]} exceeds H={H}")
         layout = _layout(lora, local, T, k)
+        x_abs, x_zero = (x.abs(), torch.zeros_like(x)) if magnitudes else (None, None)
 
         # w13 LoRA (x row = token, unweighted hidden states, mul_routed_weight False)
         if spec.interleaved and st.num_slices == 2:
             # delta computed in split layout into a zeroed dt buffer, then added interleaved: r(c + r(d))
             zeros = torch.zeros(T, k, 2 * I, dtype=_F64)
-            d, m, du = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), torch.zeros_like(x), zeros, None, w32, layout,
+            d, m, du = _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32, layout,
                                    k, False, 0, prec, coll.w13, add_inputs=False)
             cache1 = prec.r(cache1 + _interleave(d, I))
-            scale1 = scale1 + _interleave(m, I)
-            under1 = under1 + _interleave(du, I) + 1.0
+            if magnitudes:
+                scale1 = scale1 + _interleave(m, I)
+                under1 = under1 + _interleave(du, I) + 1.0
         else:
-            cache1, m, under1 = _lora_delta(x, st.w13_a, st.w13_b, x.abs(), torch.zeros_like(x), cache1, under1,
+            cache1, m, under1 = _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, cache1, under1,
                                             w32, layout, k, False, 0, prec, coll.w13)
-            scale1 = scale1 + m
+            if magnitudes:
+                scale1 = scale1 + m
 
     # activation
     a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
-    s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
-    under2 = activation_scale(cache1.reshape(P, N1), under1.reshape(P, N1), spec.name, own=False) + 1.0
+    s2 = under2 = None
+    if magnitudes:
+        s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
+        under2 = activation_scale(cache1.reshape(P, N1), under1.reshape(P, N1), spec.name, own=False) + 1.0
 
     # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input)
     c3 = _per_expert_gemm(a, W2, e_flat, prec)
-    s3 = _per_expert_gemm(s2, W2.abs(), e_flat)
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)
-        s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
-    u3 = _per_expert_gemm(under2, W2.abs(), e_flat)
     if not apply_router_weight_on_input:
         c3 = w_pair * c3
-        s3 = w_pair.abs() * s3
-        u3 = w_pair.abs() * u3
     cache3 = prec.r(c3).reshape(T, k, H)
-    scale3 = s3.reshape(T, k, H)
-    under3 = (u3 + 1.0).reshape(T, k, H)
+    scale3 = under3 = None
+    if magnitudes:
+        s3 = _per_expert_gemm(s2, W2.abs(), e_flat)
+        if b2 is not None:
+            s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
+        u3 = _per_expert_gemm(under2, W2.abs(), e_flat)
+        if not apply_router_weight_on_input:
+            s3 = w_pair.abs() * s3
+            u3 = w_pair.abs() * u3
+        scale3 = s3.reshape(T, k, H)
+        under3 = (u3 + 1.0).reshape(T, k, H)
 
     # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
     if lora is not None:
         st = lora.stacked
         cache3, m, under3 = _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3, w32, layout, k, True,
                                         w2_lora_offset, prec, coll.w2)
-        scale3 = scale3 + m
+        if magnitudes:
+            scale3 = scale3 + m
 
     # moe_sum: fp32 accumulation (float64 here) of the k pair outputs, one rounding; non-local skipped
     keep = (local >= 0).to(_F64).unsqueeze(-1)
     out = prec.r((cache3 * keep).sum(dim=1))
-    scale = (scale3 * keep).sum(dim=1)
-    under = (under3 * keep).sum(dim=1) + 1.0
+    scale = (scale3 * keep).sum(dim=1) if magnitudes else None
+    under = (under3 * keep).sum(dim=1) + 1.0 if magnitudes else None
     if not return_intermediates:
         return ExpertExpected(value=out, scale=scale, underflow=under)
     return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),

@@ -31,11 +31,12 @@ class PairLayout:
 
 @dataclass
 class OpExpected:
-    """Expected op output (float64), which elements the op writes, and their forward-error magnitude."""
+    """Expected op output (float64), which elements the op writes, and their forward-error magnitude (None when
+    computed with magnitudes=False: an emulation, judged against the truth's magnitudes)."""
 
     value: torch.Tensor  # (T, k, W) float64
     written: torch.Tensor  # (T, k, W) bool
-    scale: torch.Tensor  # (T, k, W) float64
+    scale: torch.Tensor | None  # (T, k, W) float64
     # (T, k, W) float64: the element's exposure to gradual underflow, in half subnormal spacings of the working
     # dtype: each rounding that can produce the value, times what later steps multiply its absolute error by
     # (every rounding point of every path counted: path-independent, like `scale`)
@@ -256,6 +257,7 @@ def lora_expand(
     cache_scale: torch.Tensor | None = None,
     cache_underflow: torch.Tensor | None = None,
     prev_underflow: torch.Tensor | None = None,
+    magnitudes: bool = True,
 ) -> OpExpected:
     """out[t, j, offset + s*N : offset + (s+1)*N] = r(prev + r?(w * B_s[l, e] @ u)) for qualifying pairs.
 
@@ -264,12 +266,14 @@ def lora_expand(
     from lora_shrink_scale (|cache| if None); scale = |prev|*add_inputs + |w| |B| cache_scale.
     underflow = prev_underflow*add_inputs + |w| |B| cache_underflow + 2 (the delta's rounding and the
     add's); `cache_underflow` (S, P, R) defaults to 1 (u rounded once), `prev_underflow` to 0 (an input).
+    magnitudes=False: value and written only (scale and underflow None).
     """
     prev = prev.to(torch.float64)
     value = prev.clone()
     written = torch.zeros(prev.shape, dtype=torch.bool, device=prev.device)
-    scale = prev.abs()
-    under = (torch.zeros_like(prev) if prev_underflow is None else prev_underflow.to(torch.float64).clone())
+    scale = prev.abs() if magnitudes else None
+    under = None if not magnitudes else (
+        torch.zeros_like(prev) if prev_underflow is None else prev_underflow.to(torch.float64).clone())
     T, k, W = prev.shape
     if len(layout) == 0:
         return OpExpected(value, written, scale, under)
@@ -281,8 +285,9 @@ def lora_expand(
         w = topk_weights.to(torch.float32).to(torch.float64).reshape(-1)[layout.pair]
     else:
         w = torch.ones(len(layout), dtype=torch.float64, device=prev.device)
-    cs = cache.abs() if cache_scale is None else cache_scale.to(torch.float64)
-    cu = torch.ones_like(cs) if cache_underflow is None else cache_underflow.to(torch.float64)
+    if magnitudes:
+        cs = cache.abs() if cache_scale is None else cache_scale.to(torch.float64)
+        cu = torch.ones_like(cs) if cache_underflow is None else cache_underflow.to(torch.float64)
     # A pair listed twice (malformed align) is applied twice, in order: split into rounds of unique pairs.
     order = torch.argsort(layout.pair, stable=True)
     sp = layout.pair[order]
@@ -296,21 +301,24 @@ def lora_expand(
         d = _gathered_matvec(b, layout.lora, layout.expert, cache[s].to(torch.float64), prec) * w[:, None]
         if prec.round_delta:
             d = prec.r(d)
-        dscale = _gathered_matvec(b, layout.lora, layout.expert, cs[s], absolute=True) * w.abs()[:, None]
-        dunder = _gathered_matvec(b, layout.lora, layout.expert, cu[s], absolute=True) * w.abs()[:, None] + 2.0
+        if magnitudes:
+            dscale = _gathered_matvec(b, layout.lora, layout.expert, cs[s], absolute=True) * w.abs()[:, None]
+            dunder = _gathered_matvec(b, layout.lora, layout.expert, cu[s], absolute=True) * w.abs()[:, None] + 2.0
         cols = torch.arange(offset + s * N, offset + (s + 1) * N, device=prev.device)
         for rnd_i in range(int(occ.max()) + 1):
             sel = occ == rnd_i
             ti, ji = t[sel][:, None], j[sel][:, None]
             cur = value[ti, ji, cols]
             value[ti, ji, cols] = prec.r(cur + d[sel]) if add_inputs else prec.r(d[sel])
+            written[ti, ji, cols] = True
+            if not magnitudes:
+                continue
             # add_inputs=False drops prev's magnitude; a duplicate's earlier magnitude is kept (conservative)
             keep_prev = add_inputs or rnd_i > 0
             base = scale[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
             scale[ti, ji, cols] = base + dscale[sel]
             base_u = under[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
             under[ti, ji, cols] = base_u + dunder[sel]
-            written[ti, ji, cols] = True
     return OpExpected(value, written, scale, under)
 
 
@@ -469,6 +477,7 @@ def fused_moe_lora_expected(
     precision: Precision,
     collective: Callable[[torch.Tensor], torch.Tensor] | None = None,
     collective_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    magnitudes: bool = True,
 ) -> OpExpected:
     """Expected result of `fused_moe_lora` on `output` (read as prev, not modified).
 
@@ -476,6 +485,7 @@ def fused_moe_lora_expected(
     all_gather / all_reduce (None = identity); the joined cache is re-rounded when the path rounds
     the intermediate. `collective_scale` joins the matching |A||x| magnitudes; without it the error
     scale after a collective is |joined cache| (too tight if the partial caches cancel).
+    magnitudes=False skips the magnitudes (an emulation is judged with the truth's).
     """
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a reference.precision.Precision; got {type(precision).__name__}")
@@ -490,24 +500,26 @@ def fused_moe_lora_expected(
     )
     _check_layout(layout, E, A[0].shape[1], B[0].shape[1])
     cache = lora_shrink(qcurr_hidden_states, A, layout, k, mul_routed_weight, precision)
-    cache_scale = lora_shrink_scale(qcurr_hidden_states, A, layout, k, mul_routed_weight)
+    cache_scale = lora_shrink_scale(qcurr_hidden_states, A, layout, k, mul_routed_weight) if magnitudes else None
     cache_underflow = None       # u rounded once
     if fully_sharded and collective is not None:
         # each rank's partial u rounded once (an all-reduce sums them), the joined u rounded again; without
         # collective_scale the number of partials is unknown: counted once
-        partials = collective_scale(torch.ones_like(cache_scale)) if collective_scale is not None else None
+        partials = (collective_scale(torch.ones_like(cache_scale))
+                    if collective_scale is not None and magnitudes else None)
         cache = collective(cache)
         if precision.round_rank_intermediate:
             cache = precision.r(cache)
-        cache_scale = collective_scale(cache_scale) if collective_scale is not None else cache.abs()
-        cache_underflow = (partials if partials is not None else torch.ones_like(cache)) + 1.0
+        if magnitudes:
+            cache_scale = collective_scale(cache_scale) if collective_scale is not None else cache.abs()
+            cache_underflow = (partials if partials is not None else torch.ones_like(cache)) + 1.0
     if cache.shape[-1] != B[0].shape[3]:
         raise ValueError(
             f"lora_b_stacked rank dim ({B[0].shape[3]}) must equal the (joined) shrink rank ({cache.shape[-1]})"
         )
     return lora_expand(
         output, cache, B, topk_weights, layout, k, mul_routed_weight, off, add_inputs, precision,
-        cache_scale=cache_scale, cache_underflow=cache_underflow,
+        cache_scale=cache_scale, cache_underflow=cache_underflow, magnitudes=magnitudes,
     )
 
 

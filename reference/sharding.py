@@ -339,6 +339,7 @@ def sharded_experts_forward(
     apply_router_weight_on_input: bool = False,
     tokens_per_rank: Sequence[int] | None = None,
     w13_gather: Callable[[Sequence[Tensor]], Tensor] = all_gather_last,
+    magnitudes: bool = True,
 ):
     """The expert forward on `tp_size` x `ep_size` simulated ranks, recombined with the collectives.
 
@@ -352,7 +353,7 @@ def sharded_experts_forward(
     reduction of the dt partial outputs is modelled as one rounding of their float64 sum (NCCL's own
     order is not). Returns an ExpertExpected for all tokens in the original order (value and scale
     summed over ranks; caches None). In float64 it equals `moe_experts_forward` on the unsharded
-    layer up to summation order.
+    layer up to summation order. magnitudes=False: the value only (scale and underflow None).
     """
     for nm, v in (("tp_size", tp_size), ("ep_size", ep_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -368,7 +369,7 @@ def sharded_experts_forward(
     spec = lookup_activation(activation)
     interleaved, gated = spec.interleaved, spec.gated
     common = dict(activation=activation, precision=precision,
-                  apply_router_weight_on_input=apply_router_weight_on_input)
+                  apply_router_weight_on_input=apply_router_weight_on_input, magnitudes=magnitudes)
 
     if ep_size > 1:
         return _ep_forward(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, lora, ep_size,
@@ -396,8 +397,10 @@ def sharded_experts_forward(
                                    lora=lora_r, lora_collectives=coll, w2_lora_offset=offset, **common)
 
     outs = _run_ranks(tp_size, rank_fn)
-    return ExpertExpected(value=all_reduce_sum([o.value for o in outs], precision.dtype),
-                          scale=all_reduce_sum([o.scale for o in outs]),
+    value = all_reduce_sum([o.value for o in outs], precision.dtype)
+    if not magnitudes:
+        return ExpertExpected(value=value, scale=None)
+    return ExpertExpected(value=value, scale=all_reduce_sum([o.scale for o in outs]),
                           underflow=all_reduce_sum([o.underflow for o in outs]) + 1.0)   # + the reduce's rounding
 
 
@@ -430,6 +433,8 @@ def _ep_forward(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, lora
         outs.append(moe_experts_forward(g_hidden, w13_r, w2_r, g_w, g_ids, w13_bias=b13_r, w2_bias=b2_r,
                                         lora=lora_r, expert_map=emap, **common))
     value = torch.cat(ep_combine([o.value for o in outs], counts, common["precision"].dtype), dim=0)
+    if not common["magnitudes"]:
+        return ExpertExpected(value=value, scale=None)
     scale = torch.cat(ep_combine([o.scale for o in outs], counts), dim=0)
     under = torch.cat(ep_combine([o.underflow for o in outs], counts), dim=0) + 1.0   # + the combine's rounding
     return ExpertExpected(value=value, scale=scale, underflow=under)
