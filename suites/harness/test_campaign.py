@@ -135,3 +135,22 @@ def test_merged_jobs_keep_one_record_per_signature():
              "signature": "non-finite | needs add_inputs=False"}
     kept = distinct([partial, other, shrunk])
     assert [r["signature"] for r in kept] == [other["signature"], shrunk["signature"]]
+
+
+def test_a_routed_weight_bug_met_on_w2_or_on_w13_gets_one_signature():
+    """The planted wrong-x-row bug (mul_routed_weight reads the token's row) fails every w2 case and the w13
+    cases that multiply: shrunk to either, its signature is the same, so a campaign reports it once."""
+    from moe_lora_harness.harness.campaign import needed_axes
+    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.selftest import CORPORA
+    corpus = next(c for c in CORPORA if c.name == "op")
+    spec = next(s for s in load_ref(corpus.ref) if s.name == "mutant-wrong-x-row")
+    w2 = Case(T=5, H=32, I=24, E=4, top_k=2, which="w2", num_slices=1, mul_routed_weight=True, seed=3)
+    w13 = Case(T=5, H=32, I=24, E=4, top_k=2, mul_routed_weight=True, seed=3)
+    sigs = []
+    for case in (w2, w13):
+        o = run_case(spec, case, "cpu", reruns=0, diagnose=False)
+        assert o.failed, case.to_json()
+        sigs.append(Signature(failure_class(o), needed_axes(spec, o, "cpu", InProcess())))
+    assert sigs[0] == sigs[1] and ("mul_routed_weight", "True") in sigs[0].needs, [s.text for s in sigs]
+    assert run_case(spec, w13.replace(mul_routed_weight=False), "cpu", reruns=0).status == "pass"
