@@ -426,14 +426,30 @@ def records_table(records: list) -> str:
     if not records:
         return ""
     lines = [f"{len(records)} distinct failure(s):", ""]
-    for i, r in enumerate(records, 1):
+    for i, (r, fits) in enumerate(zip(records, also_fits(records)), 1):
         tags = ((" [regression]" if r.get("regression") else "") + ("" if r.get("shrunk", True) else " [partly shrunk]")
                 + (" [environment, not a kernel bug]" if r.get("kind") == "environment" else ""))
         job = f" (job {r['job']})" if "job" in r else ""
         lines.append(f"#{i} at {r['seconds']:.0f}s{job}{tags}: {r['signature']}")
         lines.append(f"   CASE: {Case.from_json(r['case']).to_json()}")
         lines.append(f"   REPRO: {r['repro']}")
+        if fits:
+            lines.append(f"   ALSO FITS the signature of #{', #'.join(map(str, fits))}: perhaps one bug met in two forms")
     return "\n".join(lines)
+
+
+def also_fits(records: list) -> list:
+    """For each record, the numbers (1-based) of the other records whose signature its minimal case matches.
+
+    Signatures are found in order, so a bug first met in a narrow form and later in a wider one can be two
+    records; they may also be two bugs (a case can fail for both), so both are kept and the overlap is said.
+    """
+    sigs = [Signature(r["class"], tuple(sorted(r["needs"].items()))) for r in records]
+    out = []
+    for i, r in enumerate(records):
+        axes = axes_of(Case.from_json(r["case"]))
+        out.append([j + 1 for j, sig in enumerate(sigs) if j != i and sig.matches(r["class"], axes)])
+    return out
 
 
 def summary_table(result: CampaignResult, device: str) -> str:
@@ -448,8 +464,9 @@ def write_reports(records: list, summary: dict, out: str | None, junit: str | No
     if out:
         o = pathlib.Path(out)
         o.mkdir(parents=True, exist_ok=True)
-        for i, r in enumerate(records, 1):
-            (o / f"failure-{i:02d}.json").write_text(json.dumps(r, indent=1, sort_keys=True))
+        for i, (r, fits) in enumerate(zip(records, also_fits(records)), 1):
+            rec = dict(r, also_fits=[records[j - 1]["signature"] for j in fits]) if fits else r
+            (o / f"failure-{i:02d}.json").write_text(json.dumps(rec, indent=1, sort_keys=True))
         (o / "campaign.json").write_text(json.dumps(dict(summary, distinct_failures=[r["signature"] for r in records]),
                                                     indent=1, sort_keys=True))
     if junit:

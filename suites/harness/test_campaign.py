@@ -154,3 +154,24 @@ def test_a_routed_weight_bug_met_on_w2_or_on_w13_gets_one_signature():
         sigs.append(Signature(failure_class(o), needed_axes(spec, o, "cpu", InProcess())))
     assert sigs[0] == sigs[1] and ("mul_routed_weight", "True") in sigs[0].needs, [s.text for s in sigs]
     assert run_case(spec, w13.replace(mul_routed_weight=False), "cpu", reruns=0).status == "pass"
+
+
+def test_a_record_whose_case_fits_another_signature_says_so(tmp_path):
+    """Two records that may be one bug met in two forms (the first's case matches the second's signature) are
+    both kept and the table and failure file name the overlap; unrelated records name none."""
+    from moe_lora_harness.harness.campaign import also_fits, records_table, write_reports
+    narrow = {"class": "per-element bound", "needs": {"which": "w2"}, "seconds": 5.0, "repro": "r1", "detail": "",
+              "case": json.loads(Case(which="w2", num_slices=1, mul_routed_weight=True).to_json()),
+              "signature": "per-element bound | needs which=w2"}
+    wide = {"class": "per-element bound", "needs": {"mul_routed_weight": "True"}, "seconds": 9.0, "repro": "r2",
+            "detail": "", "case": json.loads(Case(mul_routed_weight=True).to_json()),
+            "signature": "per-element bound | needs mul_routed_weight=True"}
+    other = {"class": "non-finite output", "needs": {"add_inputs": "False"}, "seconds": 12.0, "repro": "r3",
+             "detail": "", "case": json.loads(Case(add_inputs=False).to_json()),
+             "signature": "non-finite output | needs add_inputs=False"}
+    assert also_fits([narrow, wide, other]) == [[2], [], []]
+    table = records_table([narrow, wide, other])
+    assert table.count("ALSO FITS") == 1 and "ALSO FITS the signature of #2" in table
+    write_reports([narrow, wide, other], {}, str(tmp_path), None, name="x", level="op", seconds=1.0, claimed=True)
+    assert json.loads((tmp_path / "failure-01.json").read_text())["also_fits"] == [wide["signature"]]
+    assert "also_fits" not in json.loads((tmp_path / "failure-02.json").read_text())
