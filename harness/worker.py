@@ -3,7 +3,9 @@
 A backend may raise anything, exit, abort, segfault, hang or corrupt its device; none of that may end
 or stall the run. `Supervisor.execute` sends one case to the worker and waits at most `timeout`
 seconds: a death (exit code or signal) or a timeout becomes that case's `Failure` (with the worker's
-last output), the worker is killed and a fresh one starts for the next case. The worker runs in its
+last output), the worker is killed and a fresh one takes the next case (from the first death on, a spare
+started beforehand: a campaign against a backend that crashes or hangs often is not slowed by worker starts,
+about 1 s each on a CPU, more where a GPU context is made). The worker runs in its
 own session, so a Ctrl-C reaches only the harness, which then stops it. Messages are length-prefixed
 pickles on two pipes of their own; the backend's prints go to a third pipe, kept as a log tail.
 
@@ -81,76 +83,122 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-class Supervisor:
-    """One worker process at a time, started on first use and replaced after a death or a timeout."""
+class _Process:
+    """One worker process: its pipes, its output pump and log tail; spawned at once, ready when it says so."""
 
-    supervised = True
-
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None):
-        self.timeout = float(timeout)
-        self.env = dict(os.environ if env is None else env)
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-        self._log: collections.deque = collections.deque(maxlen=_LOG_LINES)
-        self._log_lock = threading.Lock()
-
-    # -- lifecycle ----------------------------------------------------------------------------------
-    @property
-    def restarts(self) -> int:
-        """Workers started after the first (each one replaced a dead, hung or poisoned worker)."""
-        return max(0, self.starts - 1)
-
-    def _start(self) -> None:
-        self.starts += 1
+    def __init__(self, env: dict):
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        env = child_env(self.env)
+        self.log: collections.deque = collections.deque(maxlen=_LOG_LINES)
+        self.log_lock = threading.Lock()
+        self.ready = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_lora_harness.harness.worker", str(to_child_r), str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=os.getcwd())
         os.close(to_child_r)
         os.close(from_child_w)
-        self._send_fd, self._recv_fd = to_child_w, from_child_r
+        self.send_fd, self.recv_fd = to_child_w, from_child_r
         threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
-        try:
-            msg = _read_msg(self._recv_fd, time.monotonic() + START_TIMEOUT)
-        except (EOFError, TimeoutError, OSError) as e:
-            log = self.log_tail()
-            self._kill()
-            raise RuntimeError(f"the backend worker did not start ({type(e).__name__}); its output:\n{log}") from None
-        if msg != "ready":
-            self._kill()
-            raise RuntimeError(f"the backend worker sent {msg!r} instead of 'ready'")
 
     def _pump(self, stream) -> None:
         for raw in iter(stream.readline, b""):
-            with self._log_lock:
-                self._log.append(raw.decode(errors="replace").rstrip("\n"))
+            with self.log_lock:
+                self.log.append(raw.decode(errors="replace").rstrip("\n"))
         stream.close()
 
     def log_tail(self) -> str:
-        with self._log_lock:
-            return "\n".join(self._log)
+        with self.log_lock:
+            return "\n".join(self.log)
 
-    def _kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
+    def wait_ready(self) -> None:
+        """Block until the worker has imported what it needs (or fail with its output)."""
+        if self.ready:
             return
         try:
-            os.killpg(proc.pid, signal.SIGKILL)   # the worker and anything its backend started
+            msg = _read_msg(self.recv_fd, time.monotonic() + START_TIMEOUT)
+        except (EOFError, TimeoutError, OSError) as e:
+            log = self.log_tail()
+            self.kill()
+            raise RuntimeError(f"the backend worker did not start ({type(e).__name__}); its output:\n{log}") from None
+        if msg != "ready":
+            self.kill()
+            raise RuntimeError(f"the backend worker sent {msg!r} instead of 'ready'")
+        self.ready = True
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # the worker and anything its backend started
         except (ProcessLookupError, PermissionError):
             pass
-        proc.wait()
-        for fd in (self._send_fd, self._recv_fd):
+        self.proc.wait()
+        for fd in (self.send_fd, self.recv_fd):
             try:
                 os.close(fd)
             except OSError:
                 pass
 
+
+class Supervisor:
+    """One worker process at a time, started on first use and replaced after a death or a timeout.
+
+    After the first death a spare worker is kept started beside it (`spare=True`), so a backend that crashes
+    or hangs often costs a worker start once, not at every death."""
+
+    supervised = True
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, spare: bool = True):
+        self.timeout = float(timeout)
+        self.env = dict(os.environ if env is None else env)
+        self.keep_spare = spare
+        self._w: _Process | None = None
+        self._spare: _Process | None = None
+        self._died = False
+        self.starts = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        """Workers that took over after the first (each one replaced a dead, hung or poisoned worker)."""
+        return max(0, self.starts - 1)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The worker process cases go to (None between a death and the next case)."""
+        return self._w.proc if self._w is not None else None
+
+    def _start(self) -> None:
+        """Make a worker the active one: the spare if one is started (a fresh spare then starts beside it)."""
+        w, self._spare = self._spare, None
+        if w is not None and w.proc.poll() is not None:
+            w.kill()
+            w = None
+        w = w or _Process(child_env(self.env))
+        self.starts += 1
+        try:
+            w.wait_ready()
+        except BaseException:
+            w.kill()
+            raise
+        self._w = w
+        if self.keep_spare and self._died:
+            self._spare = _Process(child_env(self.env))     # imports while the active worker works
+
+    def log_tail(self) -> str:
+        return self._w.log_tail() if self._w is not None else ""
+
+    def _kill(self) -> None:
+        w, self._w = self._w, None
+        if w is not None:
+            w.kill()
+            self._died = True
+
     def close(self) -> None:
-        """Stop the worker (also what a Ctrl-C in the harness does)."""
+        """Stop the worker and the spare (also what a Ctrl-C in the harness does)."""
         self._kill()
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.kill()
 
     def __enter__(self):
         return self
@@ -165,17 +213,18 @@ class Supervisor:
         if not spec.origin:
             raise ValueError(f"backend {spec.name!r} has no origin: a supervised run loads backends by reference "
                              f"(load it with harness.registry, or run in-process)")
-        if self.proc is not None and self.proc.poll() is not None:
+        if self._w is not None and self._w.proc.poll() is not None:
             self._kill()     # died between cases
-        if self.proc is None:
+        if self._w is None:
             self._start()
-        with self._log_lock:
-            self._log.clear()
+        w = self._w
+        with w.log_lock:
+            w.log.clear()
         t0 = time.monotonic()
         try:
             setup = spec.setup if isinstance(spec.setup, str) else None   # e.g. from --setup
-            _write_msg(self._send_fd, ("run", spec.origin, spec.name, case.to_json(), device, poison, setup))
-            ex = _read_msg(self._recv_fd, t0 + self.timeout)
+            _write_msg(w.send_fd, ("run", spec.origin, spec.name, case.to_json(), device, poison, setup))
+            ex = _read_msg(w.recv_fd, t0 + self.timeout)
         except TimeoutError:
             log = self.log_tail()
             self._kill()
@@ -183,7 +232,7 @@ class Supervisor:
                                                         f"killed; --timeout sets the limit)", fatal=True),
                              seconds=time.monotonic() - t0, log=log)
         except (EOFError, BrokenPipeError, OSError):
-            code = self.proc.wait() if self.proc is not None else None
+            code = w.proc.wait()
             time.sleep(0.05)   # let the log pump take the last lines
             log = self.log_tail()
             self._kill()
@@ -191,7 +240,7 @@ class Supervisor:
             return Execution(failure=Failure("crash", f"the worker {why} during the call", exc_type=why.split()[-1],
                                              fatal=True), seconds=time.monotonic() - t0, log=log)
         except BaseException:
-            self._kill()     # Ctrl-C or an error of ours: no worker is left behind
+            self.close()     # Ctrl-C or an error of ours: no worker is left behind, nor a spare
             raise
         ex.log = self.log_tail()
         if ex.failure is not None and ex.failure.fatal:

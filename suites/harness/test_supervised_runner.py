@@ -77,6 +77,29 @@ def test_a_hang_is_a_timeout_and_the_worker_is_replaced():
         assert s.restarts == 1
 
 
+def test_after_a_death_a_started_spare_takes_over_and_close_leaves_no_process():
+    """From the first death on, a spare worker is started beside the active one, so the next death costs no
+    worker start: the spare runs the next case; closing stops both."""
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    with Supervisor(timeout=60) as s:
+        assert run_case(SPECS["hostile-control"], W2, "cpu", executor=s).status == "pass"
+        assert s._spare is None                       # no death yet: one process
+        assert run_case(SPECS["hostile-os-exit"], W2, "cpu", executor=s, reruns=0).kind == "crash"
+        assert run_case(SPECS["hostile-control"], W2, "cpu", executor=s).status == "pass"
+        spare = s._spare.proc.pid
+        assert run_case(SPECS["hostile-segfault"], W2, "cpu", executor=s, reruns=0).kind == "crash"
+        assert run_case(SPECS["hostile-control"], W2, "cpu", executor=s).status == "pass"
+        assert s.proc.pid == spare and s.restarts == 2
+        pids = [s.proc.pid, s._spare.proc.pid]
+    assert not any(alive(p) for p in pids)
+
+
 def test_a_nondeterministic_backend_is_named_so_with_every_outcome(supervisor):
     spec = SPECS["hostile-nondeterministic"]
     seen = [run_case(spec, W13, "cpu", executor=supervisor) for _ in range(2)]
