@@ -196,7 +196,8 @@ def build_op_inputs(case: Case, device="cpu") -> OpInputs:
     x = scale_inputs(case, torch.randn(rows, case.K, generator=g), k if case.mul_routed_weight else 1).to(dt)
     output = torch.randn(T, k, case.width, generator=g).to(dt)
     lora_ids = ref_align.active_lora_ids(mapping, case.max_loras)
-    num_active = torch.tensor([case.max_loras + 1], dtype=torch.int32)
+    n_active = case.max_loras + 1 if case.active_loras == "all" else int(torch.unique(mapping).numel())
+    num_active = torch.tensor([n_active], dtype=torch.int32)
     expert_map = expert_map_for(case.E, case.ep_size, case.ep_rank) if case.ep_size > 1 else None
     if case.layout == "naive":
         sorted_ids = ntpp = None

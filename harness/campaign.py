@@ -58,7 +58,7 @@ def axes_of(case: Case, spec: BackendSpec | None = None) -> dict:
         a.update(which=case.which, layout=case.layout, slices=str(case.num_slices),
                  offset="0" if case.offset == 0 else "nonzero", add_inputs=str(case.add_inputs),
                  fully_sharded=str(case.fully_sharded), mul_routed_weight=str(case.mul_routed_weight),
-                 K=_align(case.K), N=_align(case.N), block=str(case.block_size_m))
+                 K=_align(case.K), N=_align(case.N), block=str(case.block_size_m), active_loras=case.active_loras)
     else:
         from moe_lora_harness.reference.activations import is_gated
         a.update(activation=case.activation, gated=str(is_gated(case.activation)), lora=str(case.lora),
@@ -118,7 +118,7 @@ FLIPS = {
     # w2 -> w13 keeps the routing-weight multiply (its own axis): a bug of mul_routed_weight found first on w2
     # and first on w13 gets one signature, not "needs which=w2" and "needs mul_routed_weight=True"
     "which": lambda c: c.replace(which="w13", num_slices=2, offset=0),
-    "layout": lambda c: c.replace(layout="sorted"),
+    "layout": lambda c: c.replace(layout="sorted", active_loras="all"),
     "slices": lambda c: c.replace(num_slices=2) if c.which == "w13" else c,
     "offset": lambda c: c.replace(offset=0),
     "add_inputs": lambda c: c.replace(add_inputs=True),
@@ -130,6 +130,7 @@ FLIPS = {
     "H": lambda c: c.replace(H=64),
     "I": lambda c: c.replace(I=32),
     "block": lambda c: c.replace(block_size_m=16),
+    "active_loras": lambda c: c.replace(active_loras="all"),
     "activation": lambda c: c.replace(activation="silu", bias=False),
     "gated": lambda c: c.replace(activation="silu"),
     "lora": lambda c: c.replace(lora=True),

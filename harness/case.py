@@ -17,6 +17,9 @@ ROUTINGS = ("uniform", "skewed")
 LAYOUTS = ("sorted", "naive")
 QUANTS = ("none", "int4_g128", "int8_channel")
 WHICH = ("w13", "w2")
+# num_active_loras (the sorted path's grid over lora_ids): "all" = L+1, vLLM's default; "unique" = the count of
+# distinct slots in the mapping (-1 included), what specialize_active_lora launches at its smallest
+ACTIVE_LORAS = ("all", "unique")
 EP_COMMS = ("simulated", "processes")
 # input scale: `magnitude` scales every token's hidden state (op level: the LoRA input x); `outliers` tokens
 # are scaled a further OUTLIER_SCALE, as the massive-activation tokens of real models are
@@ -55,6 +58,7 @@ class Case:
     layout: str = "sorted"     # sorted (align) or naive (one pair per program)
     block_size_m: int = 16
     fully_sharded: bool = False
+    active_loras: str = "all"  # num_active_loras: "all" (L+1) or "unique" (distinct slots; ACTIVE_LORAS)
     # expert level
     activation: str = "silu"
     bias: bool = False
@@ -134,6 +138,11 @@ class Case:
         if self.quant == "int4_g128":
             need(self.H % 128 == 0 and self.I % 128 == 0, "int4_g128 needs H and I divisible by 128")
         need(self.which in WHICH, f"which must be one of {WHICH}, got {self.which!r}")
+        need(self.active_loras in ACTIVE_LORAS, f"active_loras must be one of {ACTIVE_LORAS}, got {self.active_loras!r}")
+        if self.active_loras != "all":
+            need(self.level == "op" and self.layout == "sorted",
+                 "active_loras='unique' is an op-level, sorted-layout setting (the naive path does not read "
+                 "num_active_loras)")
         need(self.T >= 0, f"T must be >= 0, got {self.T}")
         for n in ("H", "I", "E", "top_k", "max_loras", "max_rank", "num_slices", "block_size_m",
                   "tp_size", "ep_size"):

@@ -111,6 +111,8 @@ OP_FEATURES = (
     Feature("tokens without adapter (-1)", "op", lambda s: dict(mapping="mixed")),
     Feature("all tokens -1", "op", lambda s: dict(mapping="none")),
     Feature("disabled slot", "op", lambda s: dict(mapping="disabled")),
+    Feature("num_active_loras = the distinct slots (specialize_active_lora)", "op",
+            lambda s: dict(active_loras="unique", mapping="mixed", max_loras=3, layout="sorted")),
     Feature("shared LoRA A", "op", lambda s: dict(shared_a=True)),
     Feature("shared LoRA B (w2)", "op", lambda s: dict(_w2(s), shared_b=True)),
     Feature("rank padding (adapter rank < max)", "op", lambda s: dict(ranks=(1, s.max_rank // 2, s.max_rank))),

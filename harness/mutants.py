@@ -86,6 +86,12 @@ def wrong_x_row(**kw):
     else:
         _call(kw)
 
+def skips_last_active_lora(**kw):
+    """Launches one LoRA fewer than num_active_loras (an off-by-one in the grid's LoRA axis): the last active
+    slot gets no delta. At vLLM's default (L+1) the last entry is usually -1 padding; specialized, it is a slot."""
+    n = int(kw["num_active_loras"].reshape(-1)[0])
+    _call(kw, num_active_loras=torch.tensor([max(0, n - 1)], dtype=torch.int32))
+
 
 MUTANT_FUNCTIONS = {
     "control": control,
@@ -98,6 +104,7 @@ MUTANT_FUNCTIONS = {
     "clobbers-offset": clobbers_offset_columns,
     "skips-write-add-inputs-false": skips_write_without_add_inputs,
     "wrong-x-row": wrong_x_row,
+    "skips-last-active-lora": skips_last_active_lora,
 }
 
 

@@ -25,6 +25,7 @@ EXPOSING = {
     "clobbers-offset": BASE.replace(**W2, offset=5),
     "skips-write-add-inputs-false": BASE.replace(add_inputs=False),
     "wrong-x-row": BASE.replace(**W2),
+    "skips-last-active-lora": BASE.replace(active_loras="unique"),
     "tp-w2-offset-zero": TP_FS,
     "tp-skips-lora-collectives": TP_FS,
 }
@@ -51,6 +52,15 @@ def test_expert_control_passes_on_simulated_tp_ranks(case):
     """One TP rank's reference forward per simulated rank, joined and all-reduced, matches the sharded reference."""
     out = run_case(BY_NAME["mutant-experts-control"], case, "cpu")
     assert out.status == "pass", out.detail
+
+
+def test_the_last_active_lora_bug_hides_at_the_default_count_and_shows_when_specialized():
+    """Why active_loras is drawn: at num_active_loras = L+1 the skipped last entry is -1 padding (BASE's
+    mapping uses each of its 3 slots and no -1), so the off-by-one passes; specialized, it drops a slot."""
+    spec = BY_NAME["mutant-skips-last-active-lora"]
+    assert run_case(spec, BASE, "cpu").status == "pass"
+    assert run_case(spec, BASE.replace(active_loras="unique"), "cpu").status == "fail"
+    assert run_case(BY_NAME["mutant-control"], BASE.replace(active_loras="unique"), "cpu").status == "pass"
 
 
 def test_every_mutant_has_an_exposing_case():
