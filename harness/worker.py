@@ -91,7 +91,7 @@ class _Process:
         from_child_r, from_child_w = os.pipe()
         self.log: collections.deque = collections.deque(maxlen=_LOG_LINES)
         self.log_lock = threading.Lock()
-        self.ready = False
+        self.ready = self.killed = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moe_lora_harness.harness.worker", str(to_child_r), str(from_child_w)],
             pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -127,6 +127,11 @@ class _Process:
         self.ready = True
 
     def kill(self) -> None:
+        """Kill the worker's process group and close its pipes; once (a second call must not close fds that
+        were reused meanwhile)."""
+        if self.killed:
+            return
+        self.killed = True
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)   # the worker and anything its backend started
         except (ProcessLookupError, PermissionError):
