@@ -218,8 +218,8 @@ def _summary(rows: list, doc: dict) -> list[str]:
         lines.append(f"gain (classes / free, warm cache): "
                      f"{warm['classes']['examples_per_min'] / warm['free']['examples_per_min']:.2f}x examples per minute")
     tl = [r for r in rows if r.get("job") == "throughput" and "error" not in r and r.get("timeline")]
-    if tl:
-        marks = sorted({p[0] for r in tl for p in r["timeline"] if p[0] % 60 == 0 or p[0] == 150})
+    marks = sorted({p[0] for r in tl for p in r["timeline"] if p[0] % 60 == 0 or p[0] == 150})
+    if marks:       # (campaigns shorter than a minute have no mark: no table)
         lines += ["", "Examples per minute over the first t seconds of each campaign (its timeline: the rate a "
                       "campaign of that budget would have had)", "",
                   "| palette | Triton cache | " + " | ".join(f"{m:g} s" for m in marks) + " |",
