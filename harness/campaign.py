@@ -439,23 +439,24 @@ def records_table(records: list) -> str:
     return "\n".join(lines)
 
 
+def record_signature(record: dict) -> Signature:
+    """The Signature a `Found.record` dict was written from."""
+    return Signature(record["class"], tuple(sorted(record["needs"].items())))
+
+
+def record_matches(record: dict, sig: Signature) -> bool:
+    """Whether a record's failure (its class, the axes of its minimal case) matches `sig`."""
+    return sig.matches(record["class"], axes_of(Case.from_json(record["case"])))
+
+
 def also_fits(records: list) -> list:
     """For each record, the numbers (1-based) of the other records whose signature its minimal case matches.
 
     Signatures are found in order, so a bug first met in a narrow form and later in a wider one can be two
     records; they may also be two bugs (a case can fail for both), so both are kept and the overlap is said.
     """
-    sigs = [Signature(r["class"], tuple(sorted(r["needs"].items()))) for r in records]
-    out = []
-    for i, r in enumerate(records):
-        axes = axes_of(Case.from_json(r["case"]))
-        out.append([j + 1 for j, sig in enumerate(sigs) if j != i and sig.matches(r["class"], axes)])
-    return out
-
-
-def summary_table(result: CampaignResult, device: str) -> str:
-    """The distinct failures of one campaign as a text table (records_table)."""
-    return records_table([f.record(device) for f in result.found])
+    sigs = [record_signature(r) for r in records]
+    return [[j + 1 for j, sig in enumerate(sigs) if j != i and record_matches(r, sig)] for i, r in enumerate(records)]
 
 
 def write_reports(records: list, summary: dict, out: str | None, junit: str | None, *, name: str, level: str,

@@ -25,6 +25,11 @@ EP_COMMS = ("simulated", "processes")
 # are scaled a further OUTLIER_SCALE, as the massive-activation tokens of real models are
 OUTLIER_SCALE = 30.0
 MAX_MAGNITUDE = 64.0
+# magnitudes so small that float16 values go subnormal (below its smallest normal 2^-14), where a flush-to-zero
+# kernel shows: an op's deltas from x times 2^-20; a gated expert's activations, products of two pre-activations
+# near 2^-10
+SUBNORMAL_OP_MAGNITUDE = 2.0 ** -20
+SUBNORMAL_EXPERT_MAGNITUDE = 2.0 ** -10
 # float16 expert cases: magnitude x (OUTLIER_SCALE if outliers) at most this; a gated or relu2 activation
 # multiplies two pre-activations (~5 sigma = 5 x this), which beyond it leaves float16's 65504 range
 FP16_MAX_PEAK = 30.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.case import SUBNORMAL_EXPERT_MAGNITUDE, SUBNORMAL_OP_MAGNITUDE, Case
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
 
 
@@ -133,7 +133,7 @@ OP_FEATURES = (
     Feature("op: many experts, few tokens (E=64, T=5)", "op", lambda s: dict(E=64, T=5), small_cases=1),
     Feature("op: K, N multiples of 8, not of 16", "op", lambda s: dict(H=s.H - 24, I=s.I - 24), small_cases=1),
     Feature("op: subnormal deltas (float16, x times 2^-20, add_inputs=False)", "op",
-            lambda s: dict(dtype="float16", magnitude=2.0 ** -20, add_inputs=False), small_cases=1,
+            lambda s: dict(dtype="float16", magnitude=SUBNORMAL_OP_MAGNITUDE, add_inputs=False), small_cases=1,
             note="deltas near 1e-6, below float16's smallest normal: gradual underflow, where flush-to-zero shows"),
 )
 
@@ -216,7 +216,7 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
             note="pre-activations ~ N(0, 8^2): about half pass swigluoai's limit 7"),
     Feature("experts: outlier tokens (2 tokens x30)", "expert", lambda s: dict(outliers=2), small_cases=1),
     Feature("experts: subnormal activations (float16, hidden states times 2^-10)", "expert",
-            lambda s: dict(dtype="float16", magnitude=2.0 ** -10), small_cases=1,
+            lambda s: dict(dtype="float16", magnitude=SUBNORMAL_EXPERT_MAGNITUDE), small_cases=1,
             note="a gated activation multiplies two pre-activations near 1e-3: products below float16's smallest "
                  "normal"),
 )

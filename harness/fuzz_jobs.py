@@ -37,15 +37,13 @@ def distinct(records: list) -> list:
     """The records one campaign would have kept: fully shrunk first, then by time found, a record is dropped
     when its class and case match a kept one's signature (its class, and the values its minimal case needs),
     as a campaign stops hunting a signature once found. Two jobs' partly shrunk finds of one bug merge so."""
-    from moe_lora_harness.harness.campaign import Signature, axes_of
-    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.campaign import record_matches, record_signature
     kept, sigs = [], []
     for r in sorted(records, key=lambda r: (not r.get("shrunk", True), r["seconds"])):
-        axes = axes_of(Case.from_json(r["case"]))
-        if any(sig.matches(r["class"], axes) for sig in sigs):
+        if any(record_matches(r, sig) for sig in sigs):
             continue
         kept.append(r)
-        sigs.append(Signature(r["class"], tuple(sorted(r["needs"].items()))))
+        sigs.append(record_signature(r))
     return sorted(kept, key=lambda r: r["seconds"])
 
 

@@ -86,6 +86,7 @@ def wrong_x_row(**kw):
     else:
         _call(kw)
 
+
 def skips_last_active_lora(**kw):
     """Launches one LoRA fewer than num_active_loras (an off-by-one in the grid's LoRA axis): the last active
     slot gets no delta. At vLLM's default (L+1) the last entry is usually -1 padding; specialized, it is a slot."""

@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 
+from moe_lora_harness.harness.case import SUBNORMAL_OP_MAGNITUDE
 from moe_lora_harness.harness.registry import BUILTIN_REF, load_ref
 
 BASE = "triton"
 PAST_TOKENS = 16        # a token loop that stops at the first block
 WIDE_N = 32
-SUBNORMAL_INPUT = 2.0 ** -20   # hidden states this small give float16 deltas below its smallest normal
 
 
 def _base():
@@ -109,7 +109,7 @@ DEFECTS = {
     "slice-2-without-add-inputs": (skips_slice_2_without_add_inputs, lambda c: not c.add_inputs and c.num_slices == 2),
     # float16 deltas written alone from hidden states scaled into its subnormal range (strategies.MAGNITUDES)
     "subnormal-flush": (flushes_subnormals,
-                        lambda c: c.dtype == "float16" and not c.add_inputs and c.magnitude <= SUBNORMAL_INPUT),
+                        lambda c: c.dtype == "float16" and not c.add_inputs and c.magnitude <= SUBNORMAL_OP_MAGNITUDE),
 }
 
 

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from moe_lora_harness.harness.case import LAYOUTS, QUANTS, Case
+from moe_lora_harness.harness.case import (ACTIVE_LORAS, LAYOUTS, QUANTS, SUBNORMAL_EXPERT_MAGNITUDE,
+                                           SUBNORMAL_OP_MAGNITUDE, Case)
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
 
 PROFILE_ENV = "MOE_LORA_HARNESS_PROFILE"
@@ -81,9 +82,8 @@ ALIGNED_DIMS = (16, 32, 64)
 AWKWARD_DIMS = (7, 15, 17, 24, 40, 48, 63, 65, 72, 80, 88, 127, 129)
 MANY_EXPERTS = (32, 48, 64)
 # input scale: hidden states times a magnitude past the activations' clamps (swigluoai's 7), or so small that
-# float16 values go subnormal, below its smallest normal 2^-14, where a flush-to-zero kernel shows (2^-10: a
-# gated expert's activations, products of two pre-activations; 2^-20: an op's deltas), or outlier tokens
-TINY_MAGNITUDES = (2.0 ** -10, 2.0 ** -20)
+# float16 values go subnormal (harness.case), or outlier tokens
+TINY_MAGNITUDES = (SUBNORMAL_EXPERT_MAGNITUDE, SUBNORMAL_OP_MAGNITUDE)
 MAGNITUDES = (4.0, 8.0, 12.0) + TINY_MAGNITUDES
 _SCALES = ("plain",) * 8 + ("magnitude", "outliers")   # one example in five (each adds draws to shrink)
 
@@ -230,7 +230,7 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), **_input_scale(draw, T, False))
     # drawn last, so the draws before it are those of earlier versions; the grid size only (no compile key)
     if layout == "sorted":
-        case = case.replace(active_loras=draw(st.sampled_from(("all", "unique"))))
+        case = case.replace(active_loras=draw(st.sampled_from(ACTIVE_LORAS)))
     return case
 
 

@@ -155,22 +155,19 @@ def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
     re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor).
     """
     u = lora_shrink(x, stacked_a, layout, k, mul_routed_weight, prec)
-    if x_scale is None:
-        if collective is not None:
-            u = collective(u.to(_F64))
-            if prec.round_rank_intermediate:
-                u = prec.r(u)
-        return u, None, None
-    absolute = [a.abs() for a in stacked_a]
-    u_abs = lora_shrink(x_scale, absolute, layout, k, mul_routed_weight, _EXACT)
-    u_under = lora_shrink(x_under, absolute, layout, k, mul_routed_weight, _EXACT) + 1.0
+    parts = [u]
+    if x_scale is not None:
+        absolute = [a.abs() for a in stacked_a]
+        parts += [lora_shrink(x_scale, absolute, layout, k, mul_routed_weight, _EXACT),
+                  lora_shrink(x_under, absolute, layout, k, mul_routed_weight, _EXACT) + 1.0]
     if collective is not None:
-        S = u.shape[0]
-        joined = collective(torch.cat([u.to(_F64), u_abs.to(_F64), u_under], dim=0))
-        u, u_abs, u_under = joined[:S], joined[S:2 * S], joined[2 * S:] + 1.0
+        parts = list(collective(torch.cat([p.to(_F64) for p in parts], dim=0)).split(u.shape[0], dim=0))
         if prec.round_rank_intermediate:
-            u = prec.r(u)
-    return u, u_abs, u_under
+            parts[0] = prec.r(parts[0])
+        if x_scale is not None:
+            parts[2] = parts[2] + 1.0       # the join's own rounding
+    u_abs, u_under = parts[1:] if x_scale is not None else (None, None)
+    return parts[0], u_abs, u_under
 
 
 def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32, layout, k, mul_routed_weight,
@@ -183,12 +180,10 @@ def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32
     """
     u, u_abs, u_under = _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec,
                                        collective)
-    if x_scale is None:
-        got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
-                          magnitudes=False)
-        return got.value, None, None
     got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
-                      cache_underflow=u_under, prev_underflow=prev_under)
+                      cache_underflow=u_under, prev_underflow=prev_under, magnitudes=x_scale is not None)
+    if x_scale is None:
+        return got.value, None, None
     mag = lora_expand(torch.zeros_like(prev), u_abs, [b.abs() for b in stacked_b], w32.abs(), layout, k,
                       mul_routed_weight, offset, False, _EXACT).value
     return got.value, mag, got.underflow
