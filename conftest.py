@@ -1,6 +1,6 @@
 """Repository shim: the suites' options and hooks come from the pytest plugin
 (`moe_lora_harness.harness.pytest_plugin`, entry point `pytest11`), which `pip install -e .` registers.
-From a source tree that is not installed (PYTHONPATH=. on a GPU box) it is loaded from here."""
+From a source tree that is not installed (PYTHONPATH=src on a GPU box) it is loaded from here."""
 from importlib import metadata
 
 

@@ -4,6 +4,9 @@ This package is the only place that imports both kernels/ and the harness contra
 list of our backends; pyproject registers it under the entry-point group `moe_lora_harness.backends`, the
 way a third-party package registers its own.
 """
+if __name__ != "moe_lora_harness.backends":   # one name per module (a checkout's folder is not a second package)
+    raise ImportError(f"{__name__!r} is the package moe_lora_harness.backends: import it by that name")
+
 from moe_lora_harness.backends.dual_stream import BACKEND as _DUAL_STREAM
 from moe_lora_harness.backends.eager import BACKEND as _EAGER
 from moe_lora_harness.backends.experts import ALL as _EXPERTS

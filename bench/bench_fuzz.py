@@ -27,8 +27,6 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PALETTES = ("free", "classes")
 

@@ -16,12 +16,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import pathlib
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"      # before any kernel module imports triton
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 H200_SMS = 132
 

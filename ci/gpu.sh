@@ -25,7 +25,7 @@ for t in "${targets[@]}"; do
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2   # the package, uninstalled (src/ links the folders)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu_env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu_env.txt"
 ANCHORS=bench/anchors/vllm-0.33.0-fused_moe_lora-h200.json
@@ -36,7 +36,7 @@ for t in "${targets[@]}"; do
     tests)
       MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-3} timeout ${TEST_TIMEOUT:-330} \
         python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-12} --moe-lora-device cuda \
-        --moe-lora-cases-per-feature ${CASES_PER_FEATURE:-1} suites --durations=12 --junitxml="$OUT/gpu_suites.junit.xml" \
+        --moe-lora-cases-per-feature ${CASES_PER_FEATURE:-1} --durations=12 --junitxml="$OUT/gpu_suites.junit.xml" \
         > "$OUT/gpu_suites.log" 2>&1 || rc=1
       tail -3 "$OUT/gpu_suites.log" ;;
     bench)

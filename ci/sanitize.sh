@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1   # the package, uninstalled
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1     # every buffer is its own allocation: out-of-range use cannot hide
 PY=${PYTHON:-python3}
 MARKER="DUAL_STREAM_SANITIZE_FORWARD_DONE"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness import BackendSpec, Capabilities
 
 MAX_RANK = 64
 

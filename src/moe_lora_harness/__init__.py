@@ -1,0 +1,20 @@
+"""moe-lora-harness: a conformance harness for Mixture-of-Experts + LoRA kernels (vLLM 0.33.0 semantics).
+
+The public surface, for a third party declaring a backend, is what this module exports (`__all__`):
+
+    from moe_lora_harness import BackendSpec, Capabilities, Case, ExpertCall, KnownBug, Rule
+
+Subpackages (one import name each): `moe_lora_harness.reference` (the float64 truth),
+`moe_lora_harness.kernels` (our kernels), `moe_lora_harness.harness` (cases, contract, runner, CLI),
+`moe_lora_harness.backends` (our backends' declarations), `moe_lora_harness.suites` (the pytest suites).
+In the repository they are the top-level folders; `src/moe_lora_harness/` links them into this package,
+so an editable install is one static path entry (docs/architecture.md, "Layout").
+"""
+from __future__ import annotations
+
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities, ExpertCall, KnownBug, Rule
+
+__version__ = "0.2.0"
+
+__all__ = ["BackendSpec", "Capabilities", "Case", "ExpertCall", "KnownBug", "Rule", "__version__"]

@@ -1,0 +1,123 @@
+"""One name per module: the package's modules are importable as `moe_lora_harness.*` only, the repository's
+folders are never a second package, and a static tool (jedi, as an editor runs it) resolves every import in
+the repository after a plain editable install."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import moe_lora_harness
+
+PKG = "moe_lora_harness"
+PARTS = ("backends", "harness", "kernels", "reference", "suites")
+ROOT = pathlib.Path(moe_lora_harness.__file__).resolve().parents[2]     # the checkout (src/moe_lora_harness/..)
+IN_SOURCE_TREE = (ROOT / "pyproject.toml").is_file() and (ROOT / "src" / PKG).is_dir()
+needs_source = pytest.mark.skipif(not IN_SOURCE_TREE, reason="a checkout only: an installed wheel has no "
+                                                             "repository folders to shadow it")
+
+
+@pytest.mark.parametrize("name", ["moe_lora_harness.moe_lora_harness", "moe_lora_harness.bench",
+                                  "moe_lora_harness.examples", "moe_lora_harness.conftest", "moe_lora_harness.src",
+                                  "moe_lora_harness.ci", "moe_lora_harness.docs"])
+def test_no_second_name_inside_the_package(name):
+    assert importlib.util.find_spec(name) is None, f"{name} is importable: a module has two names"
+
+
+@needs_source
+@pytest.mark.parametrize("part", PARTS)
+def test_a_folder_of_the_checkout_is_not_a_package_of_its_own(part):
+    """From the repository root (on sys.path as the working directory), `import harness` names the folder
+    moe_lora_harness.harness already has: it refuses, naming the one name."""
+    r = subprocess.run([sys.executable, "-c", f"import {part}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and f"is the package moe_lora_harness.{part}" in r.stderr, r.stderr[-2000:]
+
+
+def test_every_module_has_one_name():
+    """Import every module of the package (tests and helpers included) in a fresh interpreter: no file is
+    loaded under two names."""
+    code = (
+        "import importlib, pkgutil, sys, os\n"
+        "import moe_lora_harness as p\n"
+        "names = [m.name for m in pkgutil.walk_packages(p.__path__, 'moe_lora_harness.')\n"
+        "         if not m.name.endswith('__main__')]\n"
+        "for n in names:\n"
+        "    importlib.import_module(n)\n"
+        "seen = {}\n"
+        "for n, m in list(sys.modules.items()):\n"
+        "    f = getattr(m, '__file__', None)\n"
+        "    if f and 'moe_lora_harness' in n or (f and os.path.realpath(f).startswith(sys.argv[1])):\n"
+        "        seen.setdefault(os.path.realpath(f), set()).add(n)\n"
+        "dups = {f: sorted(ns) for f, ns in seen.items() if len(ns) > 1}\n"
+        "print(len(names), 'modules'); print(dups)\n"
+        "sys.exit(1 if dups else 0)\n")
+    root = str(pathlib.Path(moe_lora_harness.__file__).resolve().parents[2 if IN_SOURCE_TREE else 1])
+    r = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def _repository_files() -> list[pathlib.Path]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode:
+        return sorted(p for p in ROOT.rglob("*.py") if not any(s.startswith(".") for s in p.relative_to(ROOT).parts))
+    return sorted(ROOT / f for f in out.stdout.split() if (ROOT / f).is_file() and not (ROOT / f).is_symlink())
+
+
+def _imports(path: pathlib.Path):
+    """(line, column of the module's last dotted part, module text) of every import statement's module."""
+    src = path.read_text()
+    lines = src.splitlines()
+    for node in ast.walk(ast.parse(src, filename=str(path))):
+        if isinstance(node, ast.Import):
+            mods = [(a.name, 0) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mods = [(node.module or "", node.level)]
+        else:
+            continue
+        line = lines[node.lineno - 1]
+        for mod, level in mods:
+            text = "." * level + mod
+            col = line.find(text, node.col_offset)
+            if col < 0 or not mod:
+                continue          # `from . import x`: x is checked where it is used
+            yield node.lineno, col + len(text) - len(mod.rsplit(".", 1)[-1]), text
+
+
+def _ours_or_installed(text: str, path: pathlib.Path) -> bool:
+    """Checked: relative imports, ours, modules beside a script, and third-party ones this environment has
+    (an optional dependency that is not installed cannot be resolved by anyone)."""
+    if text.startswith(".") or text.split(".")[0] == PKG or (path.parent / f"{text.split('.')[0]}.py").exists():
+        return True
+    try:
+        return importlib.util.find_spec(text.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@needs_source
+def test_static_tools_resolve_every_import_of_the_repository():
+    try:
+        import jedi
+    except ImportError:
+        pytest.fail("this test runs jedi, as an editor does: pip install -e '.[test]'")
+    project = jedi.Project(str(ROOT), environment_path=sys.prefix)
+    unresolved = []
+    files = _repository_files()
+    for path in files:
+        script = None
+        for line, col, text in _imports(path):
+            if not _ours_or_installed(text, path):
+                continue
+            script = script or jedi.Script(path=str(path), project=project)
+            if not [d for d in script.goto(line, col, follow_imports=True) if d.module_path]:
+                unresolved.append(f"{path.relative_to(ROOT)}:{line}: {text}")
+    assert len(files) > 100
+    assert not unresolved, "jedi cannot resolve:\n" + "\n".join(unresolved)
