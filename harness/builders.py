@@ -48,6 +48,24 @@ def scale_inputs(case: Case, x: torch.Tensor, rows_per_token: int = 1) -> torch.
     return x * scale
 
 
+def scale_prior(case: Case, out: torch.Tensor) -> torch.Tensor:
+    """The op's output buffer (its prior values) times `case.magnitude`; itself at magnitude 1."""
+    return out if case.magnitude == 1 else out * float(case.magnitude)
+
+
+NEGATIVE_ZERO_SHARE = 1 / 16
+
+
+def with_negative_zeros(case: Case, t: torch.Tensor, salt: int) -> torch.Tensor:
+    """`t` with about one element in NEGATIVE_ZERO_SHARE set to -0.0, chosen from a generator of its own (no
+    other tensor changes): a kernel that rewrites an element it must leave alone (adding a zero to it) turns
+    -0.0 into +0.0, which the bit-for-bit comparison of untouched elements sees."""
+    if t.numel() == 0:
+        return t
+    pick = torch.rand(t.shape, generator=_gen(case, salt)) < NEGATIVE_ZERO_SHARE
+    return torch.where(pick, torch.full_like(t, -0.0), t)
+
+
 def make_routing(case: Case, g: torch.Generator):
     """(topk_weights fp32 (T,k), topk_ids int32 (T,k)) with k distinct global experts per token."""
     T, E, k = case.T, case.E, case.top_k
@@ -193,8 +211,11 @@ def build_op_inputs(case: Case, device="cpu") -> OpInputs:
                            E_local=case.local_experts, dtype=dt)
     g = _gen(case, 4)
     rows = T * k if case.mul_routed_weight else T
-    x = scale_inputs(case, torch.randn(rows, case.K, generator=g), k if case.mul_routed_weight else 1).to(dt)
-    output = torch.randn(T, k, case.width, generator=g).to(dt)
+    x = with_negative_zeros(case, scale_inputs(case, torch.randn(rows, case.K, generator=g),
+                                               k if case.mul_routed_weight else 1).to(dt), 6)
+    # the buffer's prior values at the inputs' scale, so the delta stays about as large as what it is added to
+    # (with add_inputs and subnormal inputs, the sum is subnormal too: where a flush-to-zero kernel shows)
+    output = with_negative_zeros(case, scale_prior(case, torch.randn(T, k, case.width, generator=g)).to(dt), 7)
     lora_ids = ref_align.active_lora_ids(mapping, case.max_loras)
     n_active = case.max_loras + 1 if case.active_loras == "all" else int(torch.unique(mapping).numel())
     num_active = torch.tensor([n_active], dtype=torch.int32)
@@ -269,7 +290,7 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
     El = case.E if case.dispatched else case.local_experts   # dispatched EP: the global layer (ranks slice it)
     N1 = 2 * I if gated else I
     g = _gen(case, 11)
-    hidden = scale_inputs(case, torch.randn(T, H, generator=g)).to(dt)
+    hidden = with_negative_zeros(case, scale_inputs(case, torch.randn(T, H, generator=g)).to(dt), 13)
     w13 = (torch.randn(El, N1, H, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dt)
     w2 = (torch.randn(El, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)).to(dt)
     quantized = ()

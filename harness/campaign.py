@@ -42,7 +42,7 @@ def _align(n: int) -> str:
     return "64k" if n % 64 == 0 else "8k" if n % 8 == 0 else "odd"
 
 
-def axes_of(case: Case, spec: BackendSpec | None = None) -> dict:
+def axes_of(case: Case, spec: BackendSpec | None = None, device: str = "cpu") -> dict:
     """The axes a failure's signature is made of (values as short strings)."""
     a = {"level": case.level, "dtype": case.dtype, "tokens": _bucket(case.T, (0, 16, 64, 128)),
          "top_k": _bucket(case.top_k, (1, 4)), "rank": _bucket(case.max_rank, (1, 16, 64)),
@@ -51,7 +51,7 @@ def axes_of(case: Case, spec: BackendSpec | None = None) -> dict:
          "ep": "dispatch" if case.dispatched else "map" if case.ep_size > 1 else "none"}
     if spec is not None:
         try:
-            a["path"] = spec.precision_for(case)
+            a["path"] = spec.precision_for(case, device)
         except Exception:  # noqa: BLE001 - a declaration that raises is its own failure, not an axis
             a["path"] = "?"
     if case.level == "op":
@@ -149,7 +149,7 @@ def needed_axes(spec: BackendSpec, o: Outcome, device: str, executor, reruns: in
     flipped case is malformed or not claimed) counts as needed."""
     from moe_lora_harness.harness.contract import support_for
     case, klass = o.case, failure_class(o)
-    axes = axes_of(case, spec)
+    axes = axes_of(case, spec, device)
     plain = PLAIN_EXPERT if case.level == "expert" else PLAIN
     needs = []
     for axis, value in sorted(axes.items()):
@@ -250,13 +250,13 @@ class Campaign:
         axes = None
         for f in self.result.found:
             if f.signature.klass == "hang" or f.signature.klass.startswith("crash"):
-                axes = axes or axes_of(case, self.spec)
+                axes = axes or axes_of(case, self.spec, self.device)
                 if all(axes.get(k) == v for k, v in f.signature.needs):
                     return True
         return False
 
     def _known(self, o: Outcome) -> bool:
-        klass, axes = failure_class(o), axes_of(o.case, self.spec)
+        klass, axes = failure_class(o), axes_of(o.case, self.spec, self.device)
         return any(f.signature.matches(klass, axes) for f in self.result.found)
 
     def _show(self, force: bool = False) -> None:
@@ -296,7 +296,7 @@ class Campaign:
             self.result.found.append(f)
             return f
         needs = needed_axes(self.spec, o, self.device, self.executor) if self._left() > 0 else tuple(
-            sorted((k, v) for k, v in axes_of(o.case, self.spec).items() if k != "path"))
+            sorted((k, v) for k, v in axes_of(o.case, self.spec, self.device).items() if k != "path"))
         f = Found(Signature(failure_class(o), needs), o, time.monotonic() - self._t0, **kw)
         self.result.found.append(f)
         if self.progress:
@@ -325,7 +325,7 @@ class Campaign:
             self.result.examples += 1
             if o.failed and not self._known(o):
                 self._add(o, regression=True)
-            elif not o.failed and o.status != "unsupported":
+            elif not o.failed and o.judged:
                 self.result.fixed.append(case)
                 path.unlink()       # fixed: it no longer belongs in the corpus of failures
 

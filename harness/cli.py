@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 
+from moe_lora_harness.harness.cache import cache_dir
 from moe_lora_harness.harness.device import DEVICE_FORMS, parse_device, prepare_device
 from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
 
@@ -101,10 +102,13 @@ def cmd_check(args) -> int:
     from moe_lora_harness.harness.runner import run_case
     specs = _backends(args)
     n = args.cases_per_feature or (6 if args.more else 2)
-    features = [f for f in FEATURES if not args.feature or any(want in f.name for want in args.feature)]
+    levels = {lv for s in specs.values() for lv in s.capabilities.levels}   # rows only at levels a backend has
+    features = [f for f in FEATURES if f.level in levels
+                and (not args.feature or any(want in f.name for want in args.feature))]
     if not features:
-        raise UsageError(f"--feature {args.feature}: no feature name contains it; features: "
-                         f"{', '.join(f.name for f in FEATURES)}")
+        raise UsageError(f"--feature {args.feature}: no feature name at the levels of these backends "
+                         f"({', '.join(sorted(levels))}) contains it; features: "
+                         f"{', '.join(f.name for f in FEATURES if f.level in levels)}")
     cases = feature_cases(features, device, n)
     plan = [(name, spec, feat, case) for name, spec in specs.items() for feat, _, case in cases
             if case.level in spec.capabilities.levels]   # a backend is asked only at the levels it has
@@ -148,13 +152,13 @@ def cmd_check(args) -> int:
     for o in failures:
         print("\n" + o.detail)
     untested = [name for name in specs
-                if not any(o.backend == name and o.status != "unsupported" for o in outcomes)]
+                if not any(o.backend == name and o.judged for o in outcomes)]
     if not interrupted:
         for name in untested:
             print(f"\nNOTHING TESTED: {name} declined every case it was offered on {device} (see its declared "
                   f"reasons above); a backend that claims nothing cannot pass")
     counts = {s: sum(o.status == s for o in outcomes)
-              for s in ("pass", "fail", "xpass", "xfail", "unsupported", "works-unclaimed")}
+              for s in ("pass", "fail", "xpass", "xfail", "unsupported", "not-runnable", "works-unclaimed")}
     restarts = getattr(executor, "restarts", 0)
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
@@ -322,7 +326,7 @@ def cmd_fuzz(args) -> int:
         seed = None if seed is None else seed + args.job_index * SEED_STRIDE
         args.junit, args.quiet = None, True
     max_examples = args.max_examples or (10**9 if args.budget else 300)
-    corpus = None if args.no_db else (args.corpus or os.path.join(".moe-lora-harness", "corpus", f"{name}-{level}"))
+    corpus = None if args.no_db else (args.corpus or str(cache_dir() / "corpus" / f"{name}-{level}"))
     executor = _executor(args)
     campaign = Campaign(spec, device, level, executor, budget_s=args.budget, max_examples=max_examples,
                         seed=seed, reruns=args.reruns, database=None if args.no_db else profile("fuzz").database,
@@ -464,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", metavar="DIR", help="write each distinct failure (minimal case, signature, REPRO) "
                                                 "as DIR/failure-NN.json and DIR/campaign.json")
     f.add_argument("--corpus", metavar="DIR", help="failures found before, replayed first (default "
-                                                   ".moe-lora-harness/corpus/NAME-LEVEL; --no-db disables it)")
+                                                   "~/.cache/moe-lora-harness/corpus/NAME-LEVEL, or under "
+                                                   "$MOE_LORA_HARNESS_CACHE; --no-db disables it)")
     f.add_argument("--junit", metavar="PATH", help="write JUnit XML (one test case per distinct failure)")
     f.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
                                                               "terminal, or when $CI is set)")

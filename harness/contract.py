@@ -49,6 +49,9 @@ class Capabilities:
         "cuda": frozenset({"float16", "bfloat16", "float32"})})
     dtype_reasons: Mapping = field(default_factory=dict)
     layouts: frozenset = frozenset({"sorted", "naive"})
+    # why a value of a set-valued declaration (layouts, activations, quant) is missing: {("layout", "sorted"):
+    # "..."}; the reason a case is declined with, as dtype_reasons is for a dtype
+    reasons: Mapping = field(default_factory=dict)
     max_rank: int | None = None
     fully_sharded: bool = True
     expert_map: bool = True
@@ -127,7 +130,9 @@ class BackendSpec:
 
     `op`: a callable with vLLM 0.33.0's `fused_moe_lora` signature (in place).
     `experts`: a callable taking an `ExpertCall` and writing `call.output`.
-    `precision`: a reference precision preset name, or `case -> name` when the path depends on the case.
+    `precision`: a reference precision preset name, or `case -> name` when the path depends on the case, or a
+    mapping from device kind ("cpu", "cuda") to either, when it depends on the device (fp32 `tl.dot` is TF32 on
+    a GPU by default, IEEE fp32 in the CPU interpreter).
     """
 
     name: str
@@ -135,7 +140,7 @@ class BackendSpec:
     capabilities: Capabilities
     op: Callable | None = None
     experts: Callable | None = None
-    precision: str | Callable[[Case], str] = "one_shot"
+    precision: str | Callable[[Case], str] | Mapping = "one_shot"
     known_bugs: tuple = ()
     origin: str = ""
     # the backend's environment: `setup` (a callable, or a "module:attr" reference to one) runs once per
@@ -145,8 +150,21 @@ class BackendSpec:
     setup: Callable | str | None = None
     environment_errors: tuple = ()
 
-    def precision_for(self, case: Case) -> str:
-        return self.precision(case) if callable(self.precision) else self.precision
+    def precision_for(self, case: Case, device: str) -> str:
+        """The rounding model of the path this backend takes for `case` on `device`."""
+        p = self.precision
+        if isinstance(p, Mapping):
+            kind = device_kind(device)
+            if kind not in p:
+                raise ValueError(f"precision declares no rounding model for device {kind} (it declares "
+                                 f"{sorted(p)})")
+            p = p[kind]
+        return p(case) if callable(p) else p
+
+
+def device_kind(device: str) -> str:
+    """'cpu' or 'cuda' (any cuda:N): what declarations are keyed by."""
+    return "cuda" if str(device).startswith("cuda") else str(device)
 
 
 @dataclass(frozen=True)
@@ -182,7 +200,7 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
     if rejection is not None:
         case = rejection.nearest
     cap = spec.capabilities
-    dev = "cuda" if str(device).startswith("cuda") else str(device)
+    dev = device_kind(device)
     if case.level not in cap.levels:
         return False, f"{case.level}-level runs are not provided (levels: {sorted(cap.levels)})"
     if case.level == "op" and spec.op is None:
@@ -196,7 +214,8 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
         return False, f"{case.dtype} on {dev}: {why}"
     if case.level == "op":
         if case.layout not in cap.layouts:
-            return False, f"{case.layout} block assignment not supported (layouts: {sorted(cap.layouts)})"
+            return False, _missing(cap, "layout", case.layout,
+                                   f"{case.layout} block assignment not supported (layouts: {sorted(cap.layouts)})")
         if case.fully_sharded and not cap.fully_sharded:
             return False, "fully_sharded not supported"
     if cap.max_rank is not None and case.max_rank > cap.max_rank:
@@ -210,7 +229,8 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
     if case.level == "expert":
         from moe_lora_harness.reference.activations import is_gated
         if cap.activations is not None and case.activation not in cap.activations:
-            return False, f"activation {case.activation} not supported (supported: {sorted(cap.activations)})"
+            return False, _missing(cap, "activation", case.activation, f"activation {case.activation} not supported "
+                                                                        f"(supported: {sorted(cap.activations)})")
         if not is_gated(case.activation) and not cap.non_gated:
             return False, f"non-gated activation {case.activation} not supported (gated only)"
         if case.bias and not cap.bias:
@@ -220,7 +240,8 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
         if not case.lora and not cap.base_only:
             return False, "runs only with LoRA"
         if case.quant not in cap.quant:
-            return False, f"quant scheme {case.quant} not supported (supported: {sorted(cap.quant)})"
+            return False, _missing(cap, "quant", case.quant,
+                                   f"quant scheme {case.quant} not supported (supported: {sorted(cap.quant)})")
         if case.tp_size > 1 and not cap.tensor_parallel:
             return False, "tensor-parallel ranks not supported"
         if case.fully_sharded and case.lora and not cap.fully_sharded:
@@ -229,6 +250,12 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
         if not rule.holds(case):
             return False, f"{rule.name}: {rule.reason}"
     return True, ""
+
+
+def _missing(cap: Capabilities, axis: str, value: str, what: str) -> str:
+    """What a declined value says: the declared reason after what is missing, when there is one."""
+    why = cap.reasons.get((axis, value))
+    return f"{what}: {why}" if why else what
 
 
 def known_bug_for(spec: BackendSpec, case: Case) -> KnownBug | None:

@@ -21,6 +21,7 @@ from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inpu
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import _int_view
 from moe_lora_harness.harness.contract import BackendSpec
+from moe_lora_harness.harness.interpreter import LaunchWatch
 
 # An error after which the device context cannot be trusted: the worker is restarted.
 _FATAL_DEVICE_ERROR = re.compile(r"CUDA error|illegal memory access|device-side assert|unspecified launch failure"
@@ -64,6 +65,7 @@ class Execution:
     inputs_written: list = field(default_factory=list)     # names of input tensors the backend changed
     seconds: float = 0.0
     log: str = ""                                          # the worker's output during the call (tail)
+    launches: list = field(default_factory=list)           # (kernel, tensor dtypes) run in Triton's interpreter
 
 
 def _tensors(obj, prefix: str = ""):
@@ -202,11 +204,13 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
     setup_failure = run_setup(spec)
     if setup_failure is not None:
         return Execution(failure=setup_failure, seconds=time.perf_counter() - t0)
+    launches = LaunchWatch()
     try:
-        if case.level == "op":
-            digest, out = _run_op(spec, case, device, poison, watch)
-        else:
-            digest, out = _run_expert(spec, case, device, watch)
+        with launches:
+            if case.level == "op":
+                digest, out = _run_op(spec, case, device, poison, watch)
+            else:
+                digest, out = _run_expert(spec, case, device, watch)
     except ExecutionFailure as e:   # a driver's own classification (an EP rank that died, hung or raised)
         failure = e.failure
     except BaseException as e:  # noqa: BLE001 - whatever a backend raises is its failure, never our exit
@@ -222,7 +226,7 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
     seconds = time.perf_counter() - t0
     written = watch.written() if failure is None else []
     cpu_out = out.detach().cpu().clone() if (out is not None and failure is None) else None
-    return Execution(cpu_out, failure, digest, written, seconds)
+    return Execution(cpu_out, failure, digest, written, seconds, launches=launches.launches)
 
 
 class InProcess:

@@ -135,6 +135,10 @@ OP_FEATURES = (
     Feature("op: subnormal deltas (float16, x times 2^-20, add_inputs=False)", "op",
             lambda s: dict(dtype="float16", magnitude=SUBNORMAL_OP_MAGNITUDE, add_inputs=False), small_cases=1,
             note="deltas near 1e-6, below float16's smallest normal: gradual underflow, where flush-to-zero shows"),
+    Feature("op: subnormal sums (float16, x and the output buffer times 2^-20, add_inputs=True)", "op",
+            lambda s: dict(dtype="float16", magnitude=SUBNORMAL_OP_MAGNITUDE, add_inputs=True), small_cases=1,
+            note="the prior values and the deltas both subnormal: an op that always accumulates gets a subnormal "
+                 "check too"),
 )
 
 ACTIVATION_NAMES = SUPPORTED_ACTIVATIONS   # the reference's list: one feature row each

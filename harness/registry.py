@@ -14,6 +14,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -212,11 +213,38 @@ def import_root(ref: str) -> str | None:
     return os.path.dirname(path) if os.path.basename(file) == "__init__.py" else path
 
 
+@functools.lru_cache(maxsize=None)
+def fresh_shell_path() -> frozenset:
+    """The sys.path entries (resolved) of a fresh interpreter of this environment: no PYTHONPATH, another
+    directory."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import json, sys; print(json.dumps(sys.path))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True,
+                             timeout=60)
+        return frozenset(os.path.realpath(p) for p in json.loads(out.stdout) if p)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return frozenset()
+
+
+def replay_path(spec: BackendSpec) -> list[str]:
+    """The folders a fresh shell must put on PYTHONPATH to load `spec`: the one its module came from, then every
+    entry of this process's PYTHONPATH (the backend's module may import from any of them), less those a fresh
+    interpreter of this environment has anyway."""
+    entries = [import_root(spec.origin)] if spec.origin else []
+    entries += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    fresh, out = fresh_shell_path(), []
+    for e in entries:
+        if e and os.path.isdir(e) and os.path.realpath(e) not in fresh and e not in out:
+            out.append(e)
+    return out
+
+
 def replay_prefix(spec: BackendSpec) -> tuple[str, str]:
     """(environment prefix, --backend arguments) a REPRO needs to load `spec` in a fresh shell."""
     if not spec.origin or is_registered(spec):
         return "", ""
     import shlex
-    root = import_root(spec.origin)
-    env = f"PYTHONPATH={shlex.quote(root)} " if root else ""
+    path = replay_path(spec)
+    env = f"PYTHONPATH={shlex.quote(os.pathsep.join(path))} " if path else ""
     return env, f" --backend {shlex.quote(spec.origin)}"

@@ -6,7 +6,8 @@ from collections import defaultdict
 
 from moe_lora_harness.harness.runner import Outcome
 
-_ORDER = ("fail", "xpass", "pass", "xfail", "works-unclaimed", "unsupported")
+_ORDER = ("fail", "xpass", "pass", "xfail", "works-unclaimed", "not-runnable", "unsupported")
+_NO_VERDICT = ("unsupported", "not-runnable")     # declined by the backend / not runnable on this machine
 
 
 def cell(outcomes: list[Outcome]) -> dict:
@@ -20,8 +21,13 @@ def cell(outcomes: list[Outcome]) -> dict:
     for o in outcomes:
         if o.failed:
             kinds[o.kind] += 1
+    probed = defaultdict(int)        # declined cases run anyway (--probe-unsupported) that failed, by kind
+    for o in outcomes:
+        if o.probed:
+            probed[o.kind] += 1
     return {"status": status, "counts": dict(counts), "reason": reason, "kinds": dict(kinds),
-            "failures": [o.detail for o in outcomes if o.failed]}
+            "failures": [o.detail for o in outcomes if o.failed], "probed_failing": dict(probed),
+            "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}" for o in outcomes if o.probed]}
 
 
 def build_matrix(outcomes: list[Outcome], feature_of) -> dict:
@@ -37,9 +43,11 @@ def _short(c: dict) -> str:
     n = sum(c["counts"].values())
     if s == "pass":
         extra = c["counts"].get("unsupported", 0)
-        return f"pass {c['counts']['pass']}/{n}" + (f" ({extra} unsup.)" if extra else "")
-    if s == "unsupported":
-        return "unsupported"
+        here = c["counts"].get("not-runnable", 0)
+        return (f"pass {c['counts']['pass']}/{n}" + (f" ({extra} unsup.)" if extra else "")
+                + (f" ({here} not runnable here)" if here else ""))
+    if s in _NO_VERDICT:
+        return s
     if s in ("fail", "xpass"):
         return f"{s.upper()} {c['counts'][s]}/{n}"
     return s
@@ -54,11 +62,17 @@ def to_text(matrix: dict, features: list[str]) -> str:
     for f in features:
         row = [_short(matrix[b][f]) if f in matrix[b] else "-" for b in backends]
         lines.append(f"{f:<{w0}}  " + "  ".join(f"{r:<{w}}" for r, w in zip(row, ws)))
-    reasons = sorted({(b, matrix[b][f]["reason"]) for b in backends for f in features
-                      if f in matrix[b] and matrix[b][f]["status"] == "unsupported"})
-    if reasons:
-        lines.append("\nunsupported, as declared:")
-        lines += [f"  {b}: {r}" for b, r in reasons]
+    for status, title in (("unsupported", "unsupported, as declared"), ("not-runnable", "not runnable on this machine")):
+        reasons = sorted({(b, matrix[b][f]["reason"]) for b in backends for f in features
+                          if f in matrix[b] and matrix[b][f]["status"] == status})
+        if reasons:
+            lines.append(f"\n{title}:")
+            lines += [f"  {b}: {r}" for b, r in reasons]
+    probed = [(b, f, matrix[b][f]["probed_failing"]) for b in backends for f in features
+              if f in matrix[b] and matrix[b][f].get("probed_failing")]
+    if probed:
+        lines.append("\ndeclined, run anyway (--probe-unsupported), and failing as declared:")
+        lines += [f"  {b} / {f}: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) for b, f, kinds in probed]
     return "\n".join(lines)
 
 
@@ -73,8 +87,8 @@ def to_markdown(matrix: dict, features: list[str], header: str = "") -> str:
             c = matrix[b].get(f)
             if c is None:
                 cells.append("")
-            elif c["status"] == "unsupported":
-                cells.append(f"unsupported: {c['reason']}")
+            elif c["status"] in _NO_VERDICT:
+                cells.append(f"{c['status']}: {c['reason']}")
             else:
                 cells.append(_short(c))
         out.append(f"| {f} | " + " | ".join(cells) + " |")
@@ -114,7 +128,7 @@ def matrix_junit_cases(matrix: dict, suite: str = "check") -> list[dict]:
     cases = []
     for backend, feats in matrix.items():
         for feature, c in feats.items():
-            status = {"fail": "fail", "xpass": "fail", "unsupported": "skip"}.get(c["status"], "pass")
+            status = {"fail": "fail", "xpass": "fail", "unsupported": "skip", "not-runnable": "skip"}.get(c["status"], "pass")
             cases.append(dict(classname=f"{suite}.{backend}", name=feature, status=status,
                               message=c["reason"] or ", ".join(f"{k}={v}" for k, v in c["kinds"].items()),
                               detail="\n\n".join(c["failures"])))

@@ -19,10 +19,12 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
 from moe_lora_harness.harness.contract import OP_TUNING_PARAMS, BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
+from moe_lora_harness.harness.interpreter import cannot_run_here
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import precision as make_precision
 
-STATUSES = ("pass", "fail", "unsupported", "xfail", "xpass", "works-unclaimed")
+# not-runnable: the case ran where its result says nothing about the kernel (harness.interpreter); no verdict
+STATUSES = ("pass", "fail", "unsupported", "not-runnable", "xfail", "xpass", "works-unclaimed")
 DEFAULT_RERUNS = 2
 
 
@@ -45,10 +47,17 @@ class Outcome:
     runs: list = field(default_factory=list)    # each run's signature, when the case was run more than once
     seconds: float = 0.0
     message: str = ""                           # a failure's one-line message (exception type and text, bound)
+    probed: bool = False                        # a declined case run anyway (--probe-unsupported): `kind` is how
+                                                # it failed, as declared
 
     @property
     def failed(self) -> bool:
         return self.status in ("fail", "xpass")
+
+    @property
+    def judged(self) -> bool:
+        """A verdict was reached: the case was neither declined nor unrunnable on this machine."""
+        return self.status not in ("unsupported", "not-runnable")
 
 
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
@@ -80,6 +89,7 @@ class Expectation:
     poison: torch.Tensor | None = None
     before: torch.Tensor | None = None
     bound_dtype: torch.dtype | None = None     # the dtype whose epsilon the bound uses (the declared model's)
+    precision: str = ""                        # the rounding model the backend declares for the case here
 
 
 def _ref_kwargs(inp) -> dict:
@@ -106,18 +116,20 @@ def op_expectations(case: Case, backend_precision: str):
     return cpu, op_reference(case, cpu), op_reference(case, cpu, backend_precision)
 
 
-def expectations(spec: BackendSpec, case: Case) -> Expectation:
-    """Everything the judge needs before the backend runs (computed once for all reruns)."""
-    exp = _expectations(spec, case)
+def expectations(spec: BackendSpec, case: Case, device: str) -> Expectation:
+    """Everything the judge needs before the backend runs on `device` (computed once for all reruns)."""
+    precision = spec.precision_for(case, device)
+    exp = _expectations(case, precision)
+    exp.precision = precision
     if exp.truth is not None:
         from moe_lora_harness.reference.precision import bound_dtype
-        exp.bound_dtype = bound_dtype(spec.precision_for(case), torch_dtype(case))
+        exp.bound_dtype = bound_dtype(precision, torch_dtype(case))
     return exp
 
 
-def _expectations(spec: BackendSpec, case: Case) -> Expectation:
+def _expectations(case: Case, precision: str) -> Expectation:
     if case.level == "op":
-        cpu, truth, emu = op_expectations(case, spec.precision_for(case))
+        cpu, truth, emu = op_expectations(case, precision)
         digest = inputs_digest(cpu)   # before poisoning: the worker digests its inputs as built, too
         poison = None
         before = cpu.output.clone()
@@ -130,7 +142,7 @@ def _expectations(spec: BackendSpec, case: Case) -> Expectation:
         inp = build_expert_inputs(case)
         return Expectation(inp, inputs_digest(inp), None, None)
     from moe_lora_harness.harness.expert_runner import expert_expectations
-    inp, truth, emu = expert_expectations(case, spec.precision_for(case))
+    inp, truth, emu = expert_expectations(case, precision)
     return Expectation(inp, inputs_digest(inp), truth, emu)
 
 
@@ -212,7 +224,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         raise MalformedCase(f"malformed case {case.to_json()}: " + "; ".join(problems))
     try:   # the backend's own declarations (rules, precision function) run here: their errors are its failures
         ok, reason = support_for(spec, case, device)
-        exp = expectations(spec, case) if (ok or probe) else None
+        exp = expectations(spec, case, device) if (ok or probe) else None
     except Exception as e:  # noqa: BLE001
         import traceback
         message = f"the backend's declaration raised {type(e).__name__}: {e} (a Rule or its precision function)"
@@ -227,9 +239,12 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         from moe_lora_harness.harness.ep_ranks import driver_problem
         problem = driver_problem(case, device)
         if problem:   # the machine, not the backend: declared as a skip with its reason
-            return Outcome(spec.name, case, device, "unsupported", f"this machine: {problem}")
+            return Outcome(spec.name, case, device, "not-runnable", f"not runnable on this machine: {problem}")
     executor = executor or InProcess()
     ex = executor.execute(spec, case, device, exp.poison)
+    not_here = cannot_run_here(ex.launches) if must_reject(case) is None else ""
+    if not_here:   # the machine cannot compute what the kernel computes: neither a pass nor a failure
+        return Outcome(spec.name, case, device, "not-runnable", not_here, seconds=ex.seconds)
     kind, message, verdict = _judge_execution(case, exp, ex, spec)
     seconds = ex.seconds
     runs = []
@@ -250,7 +265,8 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         if passed:
             return Outcome(spec.name, case, device, "works-unclaimed",
                            f"declared unsupported ({reason}) but passes", verdict, seconds=seconds)
-        return Outcome(spec.name, case, device, "unsupported", reason, verdict, seconds=seconds)
+        return Outcome(spec.name, case, device, "unsupported", reason, verdict, seconds=seconds, kind=kind,
+                       message=message, probed=True)
     bug = known_bug_for(spec, case)
     if bug is not None:
         if passed:
@@ -291,7 +307,7 @@ def _precision_diagnosis(spec, case, ex: Execution, exp: Expectation) -> str:
     """Which rounding model (TF32 operands, bf16 operands, ...) the failing output follows, if any."""
     from moe_lora_harness.harness.diagnose import diagnose
     try:
-        d = diagnose(case, spec.precision_for(case), ex.output, exp.truth)
+        d = diagnose(case, exp.precision, ex.output, exp.truth)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict
         return f"(no diagnosis: {type(e).__name__}: {e})"
     return d.text if d is not None else "the error is too large for any rounding model (a semantic bug)"

@@ -82,7 +82,7 @@ def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: 
     for feat, _, case in feature_cases([f for f in FEATURES if corpus.features(f)], device, 1):
         o = run_case(spec, case, device, executor=executor, reruns=0, diagnose=False)
         runs += 1
-        claimed += o.status != "unsupported"
+        claimed += o.judged
         if o.failed:
             failures.append(f"{feat.name}: {o.kind} {o.message[:120]}")
             if stop_at_first:

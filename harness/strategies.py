@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from moe_lora_harness.harness.cache import cache_dir
 from moe_lora_harness.harness.case import (ACTIVE_LORAS, LAYOUTS, QUANTS, SUBNORMAL_EXPERT_MAGNITUDE,
                                            SUBNORMAL_OP_MAGNITUDE, Case)
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
@@ -35,7 +36,8 @@ def profile(name: str | None = None) -> settings:
     elif name == "dev":
         s = settings(max_examples=40, **common)
     elif name == "fuzz":
-        s = settings(max_examples=2000, database=DirectoryBasedExampleDatabase(".hypothesis/moe-lora-fuzz"), **common)
+        s = settings(max_examples=2000, database=DirectoryBasedExampleDatabase(str(cache_dir() / "examples")),
+                     **common)
     else:
         raise ValueError(f"hypothesis profile must be one of {PROFILES}; got {name!r} (from {PROFILE_ENV})")
     n = os.environ.get(MAX_EXAMPLES_ENV)

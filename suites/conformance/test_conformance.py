@@ -63,6 +63,8 @@ def judge(outcome):
     """Turn an Outcome into a pytest result."""
     if outcome.status == "unsupported":
         pytest.skip(f"unsupported by {outcome.backend}: {outcome.reason}")
+    if outcome.status == "not-runnable":
+        pytest.skip(f"{outcome.backend}: {outcome.reason}")
     if outcome.status == "works-unclaimed":
         warnings.warn(UnclaimedCapabilityWarning(f"{outcome.backend}: {outcome.reason}: {outcome.case.to_json()}"))
         return

@@ -304,7 +304,7 @@ def test_sparse_batch_takes_the_naive_small_batch_path_and_conforms(device, acti
     from moe_lora_harness.backends.experts import TRITON_EXPERTS
     from moe_lora_harness.harness.runner import run_case
     case = _case(device, T=1, E=16, activation=activation, mapping="uniform")
-    assert TRITON_EXPERTS.precision_for(case) == "small_batch"
+    assert TRITON_EXPERTS.precision_for(case, "cpu") == "small_batch"
     out = run_case(TRITON_EXPERTS, case, device)
     assert out.status == "pass", out.detail or out.reason
 
@@ -315,6 +315,6 @@ def test_fully_sharded_single_rank_takes_the_two_kernel_path(device, activation)
     from moe_lora_harness.backends.experts import TRITON_EXPERTS
     from moe_lora_harness.harness.runner import run_case
     case = _case(device, activation=activation, fully_sharded=True)
-    assert TRITON_EXPERTS.precision_for(case) == "two_kernel"
+    assert TRITON_EXPERTS.precision_for(case, "cpu") == "two_kernel"
     out = run_case(TRITON_EXPERTS, case, device)
     assert out.status == "pass", out.detail or out.reason

@@ -81,9 +81,9 @@ def _expert_backend(computes: str, declared: str) -> BackendSpec:
 def _run_and_diagnose(spec: BackendSpec, case: Case):
     """run_case's outcome, and diagnose() on the output the judge saw (as the runner would call it)."""
     outcome = run_case(spec, case, "cpu", executor=InProcess(), reruns=0)
-    exp = expectations(spec, case)
+    exp = expectations(spec, case, "cpu")
     ex = InProcess().execute(spec, case, "cpu", exp.poison)
-    return outcome, diagnose(case, spec.precision_for(case), ex.output, exp.truth), (ex, exp)
+    return outcome, diagnose(case, exp.precision, ex.output, exp.truth), (ex, exp)
 
 
 # ------------------------------------------------------------------------------- the models themselves
@@ -168,7 +168,7 @@ def test_tf32_expert_backend_is_diagnosed_as_tf32():
 def test_backend_declaring_tf32_passes_its_judge_and_gets_no_diagnosis():
     """Declared TF32, the same kernel is judged against the TF32 emulation at TF32's bound and passes."""
     spec = _op_backend("tf32-declared", "one_shot_tf32", inputs=_tf32_bits)
-    exp = expectations(spec, FP32)
+    exp = expectations(spec, FP32, "cpu")
     ex = InProcess().execute(spec, FP32, "cpu", exp.poison)
     v = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, exp.truth.written,
                         dtype=bound_dtype("one_shot_tf32", torch.float32), k_plus_r=FP32.K + FP32.max_rank,
@@ -179,7 +179,7 @@ def test_backend_declaring_tf32_passes_its_judge_and_gets_no_diagnosis():
 
 @pytest.mark.xfail("bound_dtype" not in inspect.getsource(runner), strict=True,
                    reason="harness.runner._judge_execution still judges at the case dtype: it must pass "
-                          "dtype=reference.precision.bound_dtype(spec.precision_for(case), torch_dtype(case))")
+                          "dtype=reference.precision.bound_dtype(spec.precision_for(case, device), torch_dtype(case))")
 def test_backend_declaring_tf32_passes_run_case():
     spec = _op_backend("tf32-declared", "one_shot_tf32", inputs=_tf32_bits)
     outcome = run_case(spec, FP32, "cpu", executor=InProcess(), reruns=0)
@@ -213,6 +213,6 @@ def test_small_error_no_model_explains_is_said_so():
 
 def test_a_passing_output_gets_no_diagnosis():
     spec = BY_NAME["mutant-control"]
-    exp = expectations(spec, BASE)
+    exp = expectations(spec, BASE, "cpu")
     ex = InProcess().execute(spec, BASE, "cpu", exp.poison)
     assert diagnose(BASE, "one_shot", ex.output, exp.truth) is None

@@ -29,7 +29,7 @@ TINY_EXPERT = [Case(level="expert", T=5, H=32, I=32, E=4, top_k=2, max_loras=2, 
 
 def _verdicts(spec, case, device):
     """(verdict with the underflow allowance, verdict without it) of `spec`'s output on `case`."""
-    exp = expectations(spec, case)
+    exp = expectations(spec, case, device)
     ex = InProcess().execute(spec, case, device, exp.poison)
     assert ex.failure is None, ex.failure
     written, kr, _ = judging(case, exp.truth)
@@ -72,7 +72,7 @@ def test_flush_to_zero_still_fails(case, device):
 def test_exposure_counts_every_rounding_and_stays_far_below_an_ulp_at_normal_values(case):
     """Every written element carries an exposure >= 2 (at least two roundings produce it), and at normal
     magnitudes the allowance is far below one ulp of the values (it cannot hide a real error there)."""
-    exp = expectations(_correct(case), case)
+    exp = expectations(_correct(case), case, "cpu")
     written = judging(case, exp.truth)[0]
     u = exp.truth.underflow[written]
     assert bool((u >= 2).all())

@@ -1,0 +1,16 @@
+"""Where the harness keeps what outlives a run (the fuzz corpus of failures, hypothesis' example database): a
+user cache folder, never the working directory. MOE_LORA_HARNESS_CACHE overrides it."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+CACHE_ENV = "MOE_LORA_HARNESS_CACHE"
+
+
+def cache_dir() -> pathlib.Path:
+    """$MOE_LORA_HARNESS_CACHE, else $XDG_CACHE_HOME/moe-lora-harness, else ~/.cache/moe-lora-harness."""
+    if os.environ.get(CACHE_ENV):
+        return pathlib.Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "moe-lora-harness"

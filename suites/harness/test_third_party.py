@@ -1,0 +1,194 @@
+"""A stranger's kernel gets a true verdict: what the CPU interpreter cannot compute is reported as not runnable
+(never a pass or a failure), precision may depend on the device, a REPRO carries every path entry the backend
+needs, probing leaves a trace, the matrix shows only the levels a backend has, the corpus lives in the cache,
+-0.0 and subnormal sums reach the kernels, and a declared layout limit carries its reason."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moe_lora_harness import BackendSpec, Capabilities, Case
+from moe_lora_harness.harness import cli
+from moe_lora_harness.harness.builders import build_op_inputs
+from moe_lora_harness.harness.contract import support_for
+from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.features import FEATURES
+from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.report import build_matrix, to_text
+from moe_lora_harness.harness.runner import expectations, run_case
+
+SIG = ("output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids, "
+       "num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras, "
+       "adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m, "
+       "shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n, "
+       "expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k, "
+       "mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True")
+# a third party's module: plain functions with vLLM's signature, loaded by file as `--backend file.py:attr`
+STRANGER = textwrap.dedent(f"""
+    import torch
+    import triton
+    import triton.language as tl
+    from moe_lora_harness.kernels.eager import fused_moe_lora as _eager
+    from moe_lora_harness.kernels.triton.lora_op import fused_moe_lora as triton_op
+
+
+    @triton.jit
+    def _copy_ids(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+    def ids_in_triton_math_in_torch({SIG}):
+        # a Triton kernel that only moves int32 ids; the arithmetic is torch's, right in every dtype
+        ids = torch.empty_like(token_lora_mapping)
+        _copy_ids[(1,)](token_lora_mapping, ids, ids.numel(), BLOCK=max(16, triton.next_power_of_2(ids.numel())))
+        kw = dict(locals())
+        kw.pop("ids")
+        kw["token_lora_mapping"] = ids
+        _eager(**kw)
+
+
+    def adds_zero_everywhere({SIG}):
+        # right where it writes, but it also adds 0 to every element it must leave alone: -0.0 becomes +0.0
+        _eager(**dict(locals()))
+        output.add_(0.0)
+""")
+
+
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stranger") / "stranger_ops.py"
+    path.write_text(STRANGER)
+    return {name: load_ref(f"{path}:{name}")[0] for name in ("triton_op", "ids_in_triton_math_in_torch",
+                                                              "adds_zero_everywhere")}
+
+
+def test_a_wrapped_triton_op_in_bf16_on_the_interpreter_is_not_runnable_never_a_verdict(stranger):
+    spec = stranger["triton_op"]
+    assert spec.capabilities.dtypes["cpu"] >= {"bfloat16"}          # a plain function claims everything
+    o = run_case(spec, Case(T=5, dtype="bfloat16"), "cpu", executor=InProcess())
+    assert o.status == "not-runnable" and not o.failed and "11584" in o.reason and "_one_shot_kernel" in o.reason
+    assert run_case(spec, Case(T=5, dtype="float16"), "cpu", executor=InProcess()).status == "pass"
+    assert run_case(spec, Case(T=5, dtype="float32"), "cpu", executor=InProcess()).status == "pass"
+
+
+def test_a_declared_backend_probed_in_bf16_is_not_runnable_either():
+    [spec] = [s for s in load_ref("moe_lora_harness.backends:BUILTINS") if s.name == "triton_one_shot"]
+    case = Case(T=5, dtype="bfloat16")
+    assert run_case(spec, case, "cpu").status == "unsupported"            # declared
+    assert run_case(spec, case, "cpu", probe=True, executor=InProcess()).status == "not-runnable"
+
+
+def test_kernels_that_compute_nothing_in_the_dtype_are_judged(stranger):
+    """Only an interpreted launch on a bf16 tensor withholds the verdict: int32-only kernels do not."""
+    o = run_case(stranger["ids_in_triton_math_in_torch"], Case(T=5, dtype="bfloat16"), "cpu", executor=InProcess())
+    assert o.status == "pass", o.detail
+
+
+def test_precision_may_depend_on_the_device():
+    spec = BackendSpec("dev", "d", Capabilities(), op=lambda **kw: None,
+                       precision={"cpu": "one_shot", "cuda": lambda case: "one_shot_tf32"})
+    case = Case(dtype="float32")
+    assert spec.precision_for(case, "cpu") == "one_shot"
+    assert spec.precision_for(case, "cuda:1") == "one_shot_tf32"
+    assert expectations(spec, case, "cpu").precision == "one_shot"
+    only_gpu = BackendSpec("g", "d", Capabilities(), op=lambda **kw: None, precision={"cuda": "one_shot"})
+    with pytest.raises(ValueError, match="no rounding model for device cpu"):
+        only_gpu.precision_for(case, "cpu")
+    assert run_case(only_gpu, case, "cpu").kind == "declaration"        # the declaration's fault, said so
+
+
+def test_a_repro_carries_every_path_entry_the_backend_module_imports_from(tmp_path):
+    """mymod (on one PYTHONPATH entry) imports helper (on another): the REPRO names both and replays the failure
+    from a fresh shell elsewhere."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "helper.py").write_text("FACTOR = 1.5\n")
+    (tmp_path / "a" / "mymod.py").write_text(textwrap.dedent(f"""
+        from helper import FACTOR
+        from moe_lora_harness.kernels.eager import fused_moe_lora as _eager
+
+        def my_op({SIG}):
+            kw = dict(locals())
+            kw["lora_b_stacked"] = [b * FACTOR for b in lora_b_stacked]
+            _eager(**kw)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")]))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    first = subprocess.run([sys.executable, "-m", "moe_lora_harness", "replay", "--backend", "mymod:my_op",
+                            "--device", "cpu", "--repeat", "1", "--in-process", "--case", '{"T": 3}'],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 1, first.stdout[-2000:] + first.stderr[-2000:]
+    repro = next(l for l in first.stdout.splitlines() if l.startswith("REPRO: ")).removeprefix("REPRO: ")
+    assert str(tmp_path / "a") in repro and str(tmp_path / "b") in repro, repro
+    (tmp_path / "elsewhere").mkdir()
+    fresh = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    again = subprocess.run(["bash", "-c", repro + " --in-process"], cwd=tmp_path / "elsewhere", env=fresh,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 1 and "FAIL backend=my_op" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+
+
+def test_probing_keeps_a_trace_of_declined_cases_that_fail():
+    [spec] = [s for s in load_ref("moe_lora_harness.backends:BUILTINS") if s.name == "triton_small_batch"]
+    case = Case(T=3, layout="sorted")                    # declined: the small-batch kernel takes the naive layout
+    o = run_case(spec, case, "cpu", probe=True, executor=InProcess(), reruns=0)
+    assert o.status == "unsupported" and o.probed and o.kind == "raised" and o.message
+    matrix = build_matrix([o], lambda _: "sorted layout")
+    cell = matrix["triton_small_batch"]["sorted layout"]
+    assert cell["probed_failing"] == {"raised": 1} and case.to_json() in cell["probed_messages"][0]
+    assert "failing as declared" in to_text(matrix, ["sorted layout"])
+
+
+def test_an_op_only_backend_gets_no_expert_rows(capsys):
+    rc = cli.main(["check", "--backend", "moe_lora_harness.kernels.eager:fused_moe_lora", "--only", "fused_moe_lora",
+                   "--feature", "bf16", "--cases-per-feature", "1", "--in-process"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "experts: bf16" not in out and "\nbf16 " in out
+
+
+def test_the_fuzz_corpus_lives_in_the_cache_not_the_working_directory(tmp_path, monkeypatch):
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("MOE_LORA_HARNESS_CACHE", str(cache))
+    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+                   "--max-examples", "20", "--seed", "2", "--in-process", "--reruns", "0", "-q"])
+    assert rc == 1
+    assert list(work.iterdir()) == [], list(work.iterdir())
+    corpus = cache / "corpus" / "mutant-drops-slice-op"
+    assert [json.loads(p.read_text())["case"] for p in corpus.glob("*.json")]
+
+
+def test_inputs_hold_negative_zeros_and_untouched_ones_must_keep_their_sign(stranger):
+    case = Case(T=6, mapping="mixed", offset=5, which="w2", num_slices=1, mul_routed_weight=True)
+    inp = build_op_inputs(case)
+    for t in (inp.output, inp.x):
+        negzero = (t == 0) & torch.signbit(t)
+        assert 0 < int(negzero.sum()) < t.numel()
+    o = run_case(stranger["adds_zero_everywhere"], case, "cpu", executor=InProcess(), reruns=0)
+    assert o.failed and o.kind == "untouched", o.detail
+
+
+def test_subnormal_sums_row_catches_a_flush_to_zero_op_that_accumulates():
+    [row] = [f for f in FEATURES if f.name.startswith("op: subnormal sums")]
+    [case] = row.cases("cpu", 1)
+    assert case.add_inputs and case.magnitude < 2.0 ** -14
+    inp = build_op_inputs(case)
+    assert float(inp.output.abs().max()) < 2.0 ** -14            # the prior values are subnormal-scale too
+    mutants = {s.name: s for s in load_ref("moe_lora_harness.harness.reach_mutants:REACH_MUTANTS")}
+    assert run_case(mutants["reach-subnormal-flush"], case, "cpu", executor=InProcess(), reruns=0).kind == "element"
+    assert run_case(mutants["reach-control"], case, "cpu", executor=InProcess()).status == "pass"
+
+
+def test_a_declared_layout_limit_says_why():
+    caps = Capabilities(layouts=frozenset({"naive"}), reasons={("layout", "sorted"): "one program per pair"})
+    spec = BackendSpec("n", "d", caps, op=lambda **kw: None)
+    ok, why = support_for(spec, Case(layout="sorted"), "cpu")
+    assert not ok and why.endswith("one program per pair") and "sorted block assignment" in why
