@@ -60,6 +60,8 @@ TRITON_ONE_SHOT = BackendSpec(
 TRITON_SMALL_BATCH = BackendSpec(
     name="triton_small_batch", description="small-batch GEMV kernel (naive layout, rank <= 64, fp32, one rounding)",
     capabilities=_caps(max_rank=64, layouts=frozenset({"naive"}), fully_sharded=False,
+                       reasons={("layout", "sorted"): "the small-batch kernel runs one program per (token, slot) "
+                                                      "pair of the naive layout and reads no align"},
                        rules=(_NOT_FS, _SB_SIZE)) if _ops else _caps(),
     op=_fn("fused_moe_lora_small_batch"), precision="small_batch")
 TRITON_TWO_KERNEL = BackendSpec(

@@ -259,6 +259,8 @@ def cmd_list(args) -> int:
               f"origin={spec.origin}")
         for (dev, dt), why in sorted(cap.dtype_reasons.items()):
             print(f"    no {dt} on {dev}: {why}")
+        for (axis, value), why in sorted(cap.reasons.items()):
+            print(f"    no {axis} {value}: {why}")
         for r in cap.rules:
             print(f"    rule {r.name}: {r.reason}")
         for b in spec.known_bugs:
