@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
 from moe_lora_harness.kernels.triton.platform import device_info
+from moe_lora_harness.op_contract.call import MoELoRAArgumentError, OpCall
 
 MAX_RANK = 128  # the (SUB_M, BLOCK_R) fp32 accumulators live in registers
 

@@ -14,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
 from moe_lora_harness.kernels.triton.one_shot import (
     _bucket_stats, block_k_for, block_tokens, launch, next_pow2, resolve_lora_expert, slice_pairs,
 )
+from moe_lora_harness.op_contract.call import MoELoRAArgumentError, OpCall
 
 
 def choose_sub_m(call: OpCall) -> int:
