@@ -115,8 +115,8 @@ class ExpertCall:
 class BackendSpec:
     """One backend: name, capabilities, entry points, and the rounding model its path follows.
 
-    `op`: a callable with vLLM 0.33.0's `fused_moe_lora` signature (in place; op_contract.validate, whose
-    names the harness passes as keywords).
+    `op`: a callable with vLLM 0.33.0's `fused_moe_lora` signature (op_contract.validate.validate_call's),
+    in place; the harness passes it keywords.
     `experts`: a callable taking an `ExpertCall` and writing `call.output`.
     `precision`: a reference precision preset name, or `case -> name` when the path depends on the case.
     """

@@ -9,7 +9,7 @@ magnitude (`scale`) that the comparison uses for its per-element ulp bound.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -223,7 +223,7 @@ def forward_steps(
     w2_lora_offset: int = 0,
     return_intermediates: bool = False,
     magnitudes: bool = True,
-) -> ExpertExpected:
+) -> Generator[tuple[str, Tensor], Tensor, ExpertExpected]:
     """Expected MoE expert output (T, H) with LoRA, rounded where vLLM's Triton path rounds (spec 5).
 
     hidden (T, H); w13 (E, N1, H) with N1 = 2I gated / I; w2 (E, H, I); topk_weights (T, k)
@@ -399,7 +399,7 @@ def moe_experts_forward(*args, **kwargs) -> ExpertExpected:
         return done.value
 
 
-moe_experts_forward.__signature__ = inspect.signature(forward_steps)
+moe_experts_forward.__signature__ = inspect.signature(forward_steps).replace(return_annotation=ExpertExpected)
 
 
 def _layout(lora: LoRAInputs, local: Tensor, T: int, k: int) -> PairLayout:

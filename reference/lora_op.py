@@ -333,6 +333,8 @@ def fused_moe_lora_expected(
     scale after a collective is |joined cache| (too tight if the partial caches cancel).
     magnitudes=False skips the magnitudes (an emulation is judged with the truth's).
     """
+    if not isinstance(call, OpCall):
+        raise TypeError(f"call must be an OpCall (op_contract.validate.validate_call(...)); got {type(call).__name__}")
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a reference.precision.Precision; got {type(precision).__name__}")
     k, mul = call.top_k, call.mul_routed_weight
