@@ -26,12 +26,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 import torch  # noqa: E402
 
+from moe_lora_harness.op_contract.validate import default_tuning  # noqa: E402
 from shapes import MODELS, T_ALL  # noqa: E402
 R_ALL = (16, 64)
 NUM_LORAS = 4
 ALIGN_BLOCK = 64
 ANCHOR_DEFAULT = ROOT.parent / "shared" / "anchors" / "vllm-0.33.0-fused_moe_lora-h200.json"
-TUNING = (ALIGN_BLOCK, 64, 32, 8, 4, 3, 1, ALIGN_BLOCK, 64, 32, 8, 4, 3, 1)  # vLLM's default config ints
+TUNING = tuple(default_tuning(ALIGN_BLOCK).values())  # vLLM's default config ints, positionally
 
 
 def build_case(model: str, which: str, T: int, R: int, seed: int = 0) -> dict:
@@ -79,11 +80,10 @@ def op_args(c: dict, layout: str, out: torch.Tensor) -> tuple[tuple, dict]:
 
 def op_call(c: dict, layout: str, out: torch.Tensor):
     """The validated OpCall of one case on `out` (for driving a path's launcher with an explicit config)."""
-    from moe_lora_harness.kernels.validate import TUNING_PARAMS, validate_call
+    from moe_lora_harness.op_contract.validate import validate_call
 
     args, kw = op_args(c, layout, out)
-    return validate_call(*args[:14], dict(zip(TUNING_PARAMS, args[14:])), fully_sharded=False, add_inputs=True,
-                         offset=0, **kw)
+    return validate_call(*args, fully_sharded=False, add_inputs=True, offset=0, **kw)
 
 
 def floor_bytes(c: dict) -> int:
@@ -157,6 +157,7 @@ def plan(c: dict) -> dict:
 def verify(c: dict, runs: dict) -> dict:
     """Max error of each path vs the float64 reference emulating its rounding, in scaled bf16 ulps."""
     from moe_lora_harness.kernels.triton import lora_op
+    from moe_lora_harness.op_contract.validate import validate_call
     from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
     from moe_lora_harness.reference.precision import precision
 
@@ -167,8 +168,7 @@ def verify(c: dict, runs: dict) -> dict:
             naive=layout == "naive", max_lora_rank=c["R"], num_pairs=c["T"] * c["k"])
         out = c["out"].clone()
         args, kw = op_args(c, layout, out)
-        exp = fused_moe_lora_expected(*args[:14], block_size_m=ALIGN_BLOCK, precision=precision(path, torch.bfloat16),
-                                      **kw)
+        exp = fused_moe_lora_expected(validate_call(*args, **kw), precision=precision(path, torch.bfloat16))
         fn(*args, **kw)
         torch.cuda.synchronize()
         wr = exp.written

@@ -12,13 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from moe_lora_harness.harness.case import OUTLIER_SCALE, Case
-from moe_lora_harness.harness.contract import OP_TUNING_PARAMS
+from moe_lora_harness.op_contract.validate import default_tuning
 from moe_lora_harness.reference import align as ref_align
 
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-# The tuning ints of vLLM's signature (shrink then expand): BLOCK_M is the align block size.
-_TUNING_N_K_G_W_S_SPLIT = (64, 32, 8, 4, 3, 1)
 
 
 def torch_dtype(case: Case) -> torch.dtype:
@@ -167,7 +164,7 @@ class OpInputs:
             token_lora_mapping=self.token_lora_mapping, max_lora_rank=c.max_rank,
             top_k_num=c.top_k, lora_ids=self.lora_ids, num_active_loras=self.num_active_loras,
             adapter_enabled=self.adapter_enabled,
-            **dict(zip(OP_TUNING_PARAMS, (c.block_size_m, *_TUNING_N_K_G_W_S_SPLIT) * 2)),
+            **default_tuning(c.block_size_m),   # BLOCK_M is the align block size
             mul_routed_weight=c.mul_routed_weight, fully_sharded=c.fully_sharded,
             offset=c.offset, add_inputs=c.add_inputs,
         )

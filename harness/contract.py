@@ -12,16 +12,6 @@ from typing import Callable, Mapping
 from moe_lora_harness.harness.case import Case
 
 
-# vLLM 0.33.0's fused_moe_lora signature, which an op entry point must take (the harness passes keywords):
-OP_ARGS = ("output", "qcurr_hidden_states", "lora_a_stacked", "lora_b_stacked", "topk_weights",
-           "sorted_token_ids", "expert_ids", "num_tokens_post_padded", "token_lora_mapping",
-           "max_lora_rank", "top_k_num", "lora_ids", "num_active_loras", "adapter_enabled")
-OP_TUNING_PARAMS = ("shrink_block_size_m", "shrink_block_size_n", "shrink_block_size_k", "shrink_group_size_m",
-                    "shrink_num_warps", "shrink_num_stages", "shrink_split_k", "expand_block_size_m",
-                    "expand_block_size_n", "expand_block_size_k", "expand_group_size_m", "expand_num_warps",
-                    "expand_num_stages", "expand_split_k")
-OP_FLAGS = ("mul_routed_weight", "fully_sharded", "offset", "add_inputs")
-
 # Messages of a backend's own environment checks (a framework's distributed state missing): such a raise is
 # an environment failure of the run, not a defect of the kernel (every backend; a spec adds its own).
 ENVIRONMENT_ERRORS = (r"parallel group is not initiali[sz]ed", r"default process group has not been initiali[sz]ed",
@@ -128,7 +118,8 @@ class ExpertCall:
 class BackendSpec:
     """One backend: name, capabilities, entry points, and the rounding model its path follows.
 
-    `op`: a callable with vLLM 0.33.0's `fused_moe_lora` signature (in place).
+    `op`: a callable with vLLM 0.33.0's `fused_moe_lora` signature (op_contract.validate.validate_call's),
+    in place; the harness passes it keywords.
     `experts`: a callable taking an `ExpertCall` and writing `call.output`.
     `precision`: a reference precision preset name, or `case -> name` when the path depends on the case, or a
     mapping from device kind ("cpu", "cuda") to either, when it depends on the device (fp32 `tl.dot` is TF32 on

@@ -21,7 +21,8 @@ import sys
 from importlib import metadata
 
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import OP_ARGS, OP_FLAGS, OP_TUNING_PARAMS, BackendSpec, Capabilities
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.op_contract.validate import ARGS, SIGNATURE
 
 ENTRY_POINT_GROUP = "moe_lora_harness.backends"
 BUILTIN_REF = "moe_lora_harness.backends:BUILTINS"
@@ -45,7 +46,7 @@ def takes_fused_moe_lora_args(fn) -> bool:
     if inspect.isclass(fn):
         return False
     try:
-        inspect.signature(fn).bind(**dict.fromkeys(OP_ARGS + OP_TUNING_PARAMS + OP_FLAGS))
+        inspect.signature(fn).bind(**dict.fromkeys(SIGNATURE.parameters))
     except (TypeError, ValueError):
         return False
     return True
@@ -129,7 +130,7 @@ def _as_specs(obj, attr: str, ref: str) -> list[BackendSpec]:
     what = "a class" if inspect.isclass(obj) else type(obj).__name__
     raise BackendLoadError(
         f"--backend {ref!r}: expected a BackendSpec, a non-empty list of them, or a function taking "
-        f"fused_moe_lora's arguments ({', '.join(OP_ARGS[:3])}, ...); got {what}"
+        f"fused_moe_lora's arguments ({', '.join(ARGS[:3])}, ...); got {what}"
         + (" (an experts class needs a BackendSpec: see moe_lora_harness.backends.experts.spec_for)"
            if inspect.isclass(obj) else ""))
 

@@ -17,9 +17,10 @@ import torch
 from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
-from moe_lora_harness.harness.contract import OP_TUNING_PARAMS, BackendSpec, known_bug_for, must_reject, support_for
+from moe_lora_harness.harness.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.interpreter import cannot_run_here
+from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import precision as make_precision
 
@@ -92,21 +93,12 @@ class Expectation:
     precision: str = ""                        # the rounding model the backend declares for the case here
 
 
-def _ref_kwargs(inp) -> dict:
-    kw = inp.call_kwargs()
-    block = kw["shrink_block_size_m"]
-    for name in OP_TUNING_PARAMS:
-        kw.pop(name)
-    kw.pop("fully_sharded")
-    return dict(kw, block_size_m=block)
-
-
 def op_reference(case: Case, cpu, precision_name: str | None = None):
     """The float64 truth with its magnitudes (precision_name None), or the emulation of `precision_name`
     (its value only: every emulation is judged with the truth's magnitudes)."""
     prec = (make_precision("exact", None) if precision_name is None
             else make_precision(precision_name, torch_dtype(case)))
-    return fused_moe_lora_expected(**_ref_kwargs(cpu), fully_sharded=case.fully_sharded, precision=prec,
+    return fused_moe_lora_expected(validate_call(**cpu.call_kwargs()), precision=prec,
                                    magnitudes=precision_name is None)
 
 

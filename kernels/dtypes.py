@@ -2,11 +2,10 @@
 and which of them our Triton kernels compute in on each device kind."""
 from __future__ import annotations
 
-import torch
+from moe_lora_harness.op_contract.validate import FLOAT_DTYPES   # the op's working dtypes (vLLM's contract)
 
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in FLOAT_DTYPES}   # float16, bfloat16, float32
 DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}   # name -> torch dtype
-FLOAT_DTYPES = tuple(DTYPE_NAMES)
 
 # On the CPU our Triton kernels run in Triton's interpreter, which cannot do bf16 arithmetic.
 CPU_BF16 = "the Triton interpreter cannot do bf16 arithmetic (computes on bit patterns; Triton issue 11584)"

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lora_harness.kernels.eager import fused_moe_lora
+from moe_lora_harness.op_contract.validate import default_tuning
 
 OAI_ALPHA, OAI_LIMIT = 1.702, 7.0
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0
@@ -100,7 +101,7 @@ def moe_experts_forward(output, hidden_states, w13, w2, topk_weights, topk_ids, 
         args = dict(topk_weights=topk_weights, sorted_token_ids=None, expert_ids=eids,
                     num_tokens_post_padded=None, token_lora_mapping=token_lora_mapping,
                     top_k_num=k, lora_ids=lora_ids, num_active_loras=num_active, adapter_enabled=adapter_enabled,
-                    fully_sharded=fully_sharded)
+                    **default_tuning(16), fully_sharded=fully_sharded)
 
         r13 = int(w13_lora_a[0].shape[2])   # fully_sharded: w13 A holds R/tp rank rows, w2 A all R
 

@@ -8,7 +8,8 @@ magnitude (`scale`) that the comparison uses for its per-element ulp bound.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
 from moe_lora_harness.reference.precision import Precision, precision as make_precision
 
-__all__ = ["LoRAInputs", "LoRACollectives", "ExpertExpected", "moe_experts_forward"]
+__all__ = ["LoRAInputs", "LoRACollectives", "ExpertExpected", "forward_steps", "moe_experts_forward"]
 
 _F64 = torch.float64
 _EXACT = make_precision("exact", None)
@@ -42,9 +43,12 @@ class LoRAInputs:
 class LoRACollectives:
     """Fully-sharded joins between LoRA shrink and expand: w13 all-gather (rank dim), w2 all-reduce.
 
-    Each callable maps a float64 (S', P, R_local) tensor to this rank's joined (S', P, R) tensor;
-    S' stacks several caches (value and error magnitude), so it must act along the last dim
-    (gather) or elementwise (sum). Rounding of the joined value is applied by the caller.
+    Each callable joins float64 (S', P, R_local) partials into the (S', P, R) tensor every rank gets:
+    `moe_experts_forward` calls it with this rank's partial (the callable reaches the other ranks);
+    reference.sharding's simulated ranks, run in lockstep, with every rank's, in rank order
+    (all_gather_last, all_reduce_sum). S' stacks several caches (value and error magnitude), so it must
+    act along the last dim (gather) or elementwise (sum). Rounding of the joined value is applied by the
+    caller. None: no join.
     """
 
     w13: Callable[[Tensor], Tensor] | None = None
@@ -147,9 +151,11 @@ def _check_lora(stacked: StackedMoELoRA, E: int, H: int, I: int, gated: bool, sh
         raise ValueError(f"lora.stacked.adapter_enabled must have shape (L+1={L + 1},)")
 
 
-def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec, collective):
+def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec, join):
     """Shrink u = A x (rounded per `prec`), its magnitude |A| x_scale and its underflow exposure
-    |A| x_under + 1, joined by `collective` (x_scale None: the value only, magnitudes None).
+    |A| x_under + 1, joined across the TP ranks when `join` names the collective ("w13" or "w2"; None: no
+    join; x_scale None: the value only, magnitudes None). A generator: it yields (join, the partial) and
+    resumes with the joined tensor.
 
     The three travel through one collective call (stacked on the slice dim); the joined value is
     re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor).
@@ -160,8 +166,9 @@ def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
         absolute = [a.abs() for a in stacked_a]
         parts += [lora_shrink(x_scale, absolute, layout, k, mul_routed_weight, _EXACT),
                   lora_shrink(x_under, absolute, layout, k, mul_routed_weight, _EXACT) + 1.0]
-    if collective is not None:
-        parts = list(collective(torch.cat([p.to(_F64) for p in parts], dim=0)).split(u.shape[0], dim=0))
+    if join is not None:
+        joined = yield join, torch.cat([p.to(_F64) for p in parts], dim=0)
+        parts = list(joined.split(u.shape[0], dim=0))
         if prec.round_rank_intermediate:
             parts[0] = prec.r(parts[0])
         if x_scale is not None:
@@ -171,15 +178,16 @@ def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
 
 
 def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32, layout, k, mul_routed_weight,
-                offset, prec, collective, add_inputs=True):
+                offset, prec, join, add_inputs=True):
     """(value, magnitude, underflow exposure) of one LoRA GEMM written into `prev` (T, k, W), float64.
 
     value: lora_expand's r(prev + r?(w B u)) (or r(w B u) without add_inputs); magnitude:
     |w| |B| (|A| x_scale) at written elements, 0 elsewhere, computed exactly on absolute values;
     underflow: lora_expand's, from `prev_under` and the intermediate's. x_scale None: the value only.
+    A generator, as `_shrink_joined` (`join`).
     """
-    u, u_abs, u_under = _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec,
-                                       collective)
+    u, u_abs, u_under = yield from _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
+                                                  prec, join)
     got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
                       cache_underflow=u_under, prev_underflow=prev_under, magnitudes=x_scale is not None)
     if x_scale is None:
@@ -197,7 +205,7 @@ def _interleave(split: Tensor, I: int) -> Tensor:
     return out
 
 
-def moe_experts_forward(
+def forward_steps(
     hidden: Tensor,
     w13: Tensor,
     w2: Tensor,
@@ -215,7 +223,7 @@ def moe_experts_forward(
     w2_lora_offset: int = 0,
     return_intermediates: bool = False,
     magnitudes: bool = True,
-) -> ExpertExpected:
+) -> Generator[tuple[str, Tensor], Tensor, ExpertExpected]:
     """Expected MoE expert output (T, H) with LoRA, rounded where vLLM's Triton path rounds (spec 5).
 
     hidden (T, H); w13 (E, N1, H) with N1 = 2I gated / I; w2 (E, H, I); topk_weights (T, k)
@@ -225,6 +233,11 @@ def moe_experts_forward(
     activation dtype first), w2 GEMM unweighted; the LoRA still reads the unweighted x and still
     weights the w2 delta. `lora_collectives`/`w2_lora_offset` serve fully-sharded TP ranks.
     magnitudes=False computes the value only (an emulation: the judge reads the truth's magnitudes).
+
+    A generator: at each fully-sharded LoRA join that `lora_collectives` sets (w13 all-gather, w2 all-reduce)
+    it yields (which, this rank's partial) and resumes with the joined tensor; it returns the ExpertExpected.
+    `moe_experts_forward` answers each join with the rank's own callable; reference.sharding runs every
+    simulated rank to the join, then joins (one thread).
     """
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a reference.precision.Precision, got {type(precision).__name__}")
@@ -300,6 +313,8 @@ def moe_experts_forward(
 
     layout = None
     coll = lora_collectives or LoRACollectives()
+    w13_join = "w13" if coll.w13 is not None else None     # the joins this forward pauses at
+    w2_join = "w2" if coll.w2 is not None else None
     if lora is not None:
         if not isinstance(lora, LoRAInputs):
             raise TypeError(f"lora must be a LoRAInputs, got {type(lora).__name__}")
@@ -314,15 +329,15 @@ def moe_experts_forward(
         if spec.interleaved and st.num_slices == 2:
             # delta computed in split layout into a zeroed dt buffer, then added interleaved: r(c + r(d))
             zeros = torch.zeros(T, k, 2 * I, dtype=_F64)
-            d, m, du = _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32, layout,
-                                   k, False, 0, prec, coll.w13, add_inputs=False)
+            d, m, du = yield from _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32, layout,
+                                              k, False, 0, prec, w13_join, add_inputs=False)
             cache1 = prec.r(cache1 + _interleave(d, I))
             if magnitudes:
                 scale1 = scale1 + _interleave(m, I)
                 under1 = under1 + _interleave(du, I) + 1.0
         else:
-            cache1, m, under1 = _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, cache1, under1,
-                                            w32, layout, k, False, 0, prec, coll.w13)
+            cache1, m, under1 = yield from _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, cache1, under1,
+                                                       w32, layout, k, False, 0, prec, w13_join)
             if magnitudes:
                 scale1 = scale1 + m
 
@@ -355,8 +370,8 @@ def moe_experts_forward(
     # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
     if lora is not None:
         st = lora.stacked
-        cache3, m, under3 = _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3, w32, layout, k, True,
-                                        w2_lora_offset, prec, coll.w2)
+        cache3, m, under3 = yield from _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3, w32, layout,
+                                                   k, True, w2_lora_offset, prec, w2_join)
         if magnitudes:
             scale3 = scale3 + m
 
@@ -369,6 +384,22 @@ def moe_experts_forward(
         return ExpertExpected(value=out, scale=scale, underflow=under)
     return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),
                           cache3=cache3)
+
+
+def moe_experts_forward(*args, **kwargs) -> ExpertExpected:
+    """The expert forward of one process (`forward_steps`' arguments): the layer, or one fully-sharded TP rank
+    whose `lora_collectives` callables reach the other ranks, each join answered by its callable."""
+    steps = forward_steps(*args, **kwargs)
+    collectives = kwargs.get("lora_collectives")   # keyword-only
+    try:
+        which, partial = next(steps)
+        while True:
+            which, partial = steps.send(getattr(collectives, which)(partial))
+    except StopIteration as done:
+        return done.value
+
+
+moe_experts_forward.__signature__ = inspect.signature(forward_steps).replace(return_annotation=ExpertExpected)
 
 
 def _layout(lora: LoRAInputs, local: Tensor, T: int, k: int) -> PairLayout:

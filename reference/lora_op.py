@@ -2,7 +2,9 @@
 
 The op is split the way the kernels are: `qualifying_pairs` reproduces the launch grid's early exits,
 `lora_shrink` / `lora_expand` compute u = A x and out = prev + w (B u) in float64, rounding where a
-`Precision` says the production path rounds. `fused_moe_lora` is the in-place, vLLM-signature wrapper.
+`Precision` says the production path rounds. `fused_moe_lora_expected` computes the op on a validated call
+(op_contract: the reference checks no argument itself); `fused_moe_lora` is the in-place entry point with
+vLLM's signature.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .precision import Precision, precision as make_precision, rnd
+from moe_lora_harness.op_contract.call import OpCall
+from moe_lora_harness.op_contract.entry import vllm_op
+from moe_lora_harness.reference.precision import Precision, precision as make_precision, rnd
 
 _CHUNK_ELEMS = 1 << 22  # gathered weight elements per chunk (float64: 32 MiB)
 
@@ -44,30 +48,6 @@ class OpExpected:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def _int_scalar(v, arg: str) -> int:
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1 or v.is_floating_point():
-            raise ValueError(f"{arg} must be an int or a one-element integer tensor; got shape {tuple(v.shape)}")
-        return int(v.reshape(-1)[0].item())
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{arg} must be an int; got {type(v).__name__}")
-    return v
-
-
-def _int_tensor(t, arg: str, dims: int | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{arg} must be an integer torch.Tensor (int32 in production); got {_describe(t)}")
-    if dims is not None and t.dim() != dims:
-        raise ValueError(f"{arg} must be {dims}-D; got shape {tuple(t.shape)}")
-    return t
-
-
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"tensor of dtype {t.dtype} and shape {tuple(t.shape)}"
-    return type(t).__name__
 
 
 def _expert_index(weight: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -140,13 +120,12 @@ def qualifying_pairs(
     Naive mode (sorted_token_ids None): p in [0, T*k), lora = mapping[p // k], expert = expert_ids[p].
     Sorted mode: lora = lora_ids[i] for i < num_active_loras; blocks b with b*BM < ntpp[lora] and
     b*BM < EM; expert = expert_ids[lora, b] (-1 past its end); entries of the block that are < T*k.
-    Both skip lora < 0, lora >= L, adapter_enabled[lora] == 0 and expert < 0.
+    Both skip lora < 0, lora >= L, adapter_enabled[lora] == 0 and expert < 0. Takes validated arguments
+    (op_contract): integer id tensors of any dtype; num_active_loras an int or a one-element tensor.
     """
-    k = _int_scalar(top_k_num, "top_k_num")
-    num_pairs = _int_scalar(num_pairs, "num_pairs")
-    L = _int_scalar(max_loras, "max_loras")
-    mapping = _int_tensor(token_lora_mapping, "token_lora_mapping", 1).long()
-    enabled = _int_tensor(adapter_enabled, "adapter_enabled", 1).long()
+    k, num_pairs, L = int(top_k_num), int(num_pairs), int(max_loras)
+    mapping = token_lora_mapping.long()
+    enabled = adapter_enabled.long()
     dev = mapping.device
 
     def lora_ok(l: torch.Tensor) -> torch.Tensor:
@@ -155,23 +134,23 @@ def qualifying_pairs(
         return ok & (enabled[safe] != 0)
 
     if sorted_token_ids is None:
-        eids = _int_tensor(expert_ids, "expert_ids", 1).long()
+        eids = expert_ids.long()
         p = torch.arange(num_pairs, device=dev)
         l = mapping[torch.div(p, k, rounding_mode="floor")]
         e = eids[:num_pairs]
         keep = lora_ok(l) & (e >= 0)
         return PairLayout(pair=p[keep], lora=l[keep], expert=e[keep])
 
-    sti = _int_tensor(sorted_token_ids, "sorted_token_ids", 2).long()
-    eids = _int_tensor(expert_ids, "expert_ids", 2).long()
-    ntpp = _int_tensor(num_tokens_post_padded, "num_tokens_post_padded", 1).long()
-    ids = _int_tensor(lora_ids, "lora_ids", 1).long()
-    bm = _int_scalar(block_size_m, "block_size_m")
+    sti = sorted_token_ids.long()
+    eids = expert_ids.long()
+    ntpp = num_tokens_post_padded.long()
+    ids = lora_ids.long()
+    bm = int(block_size_m)
     EM = sti.shape[1]
     nb = -(-EM // bm)
     b = torch.arange(nb, device=dev)
     pairs, loras, experts = [], [], []
-    for i in range(_int_scalar(num_active_loras, "num_active_loras")):
+    for i in range(int(num_active_loras)):
         l = ids[i]
         if not bool(lora_ok(l.reshape(1))[0]):
             continue
@@ -322,120 +301,7 @@ def lora_expand(
     return OpExpected(value, written, scale, under)
 
 
-# ------------------------------------------------------------------------------------ validation
-
-
-def _check_float(t, arg: str, dims: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        raise TypeError(f"{arg} must be a floating-point torch.Tensor; got {_describe(t)}")
-    if t.dim() != dims:
-        raise ValueError(f"{arg} must be {dims}-D; got shape {tuple(t.shape)}")
-    return t
-
-
-def _check_stacked(ws, arg: str, out_dtype) -> list:
-    if not isinstance(ws, (list, tuple)) or len(ws) == 0:
-        raise ValueError(f"{arg} must be a non-empty list of S tensors; got {_describe(ws)}")
-    for i, w in enumerate(ws):
-        _check_float(w, f"{arg}[{i}]", 4)
-        if w.shape != ws[0].shape:
-            raise ValueError(f"{arg}[{i}] has shape {tuple(w.shape)}; every slice must match {tuple(ws[0].shape)}")
-        if w.dtype != out_dtype:
-            raise TypeError(
-                f"{arg}[{i}] has dtype {w.dtype}; LoRA weights must have output's dtype {out_dtype} "
-                "(the kernels reinterpret them as the output dtype)"
-            )
-    return list(ws)
-
-
-def _check_devices(output, **named) -> None:
-    """Every tensor argument must live on output's device (num_active_loras may stay on the CPU)."""
-    for arg, t in named.items():
-        for i, v in enumerate(t if isinstance(t, (list, tuple)) else [t]):
-            if isinstance(v, torch.Tensor) and v.device != output.device:
-                where = f"{arg}[{i}]" if isinstance(t, (list, tuple)) else arg
-                name = "qcurr_hidden_states" if arg == "x" else where
-                raise ValueError(f"{name} is on {v.device}; every tensor must be on the output's device {output.device}")
-
-
-def _validate(
-    output, x, A, B, topk_weights, sorted_token_ids, expert_ids, ntpp, mapping, max_lora_rank,
-    top_k_num, lora_ids, num_active_loras, adapter_enabled, block_size_m, mul_routed_weight, offset,
-    add_inputs, fully_sharded,
-):
-    """Check the op's arguments like vLLM's asserts, with messages naming argument and expectation."""
-    _check_float(output, "output", 3)
-    _check_float(x, "qcurr_hidden_states", 2)
-    _check_float(topk_weights, "topk_weights", 2)
-    A = _check_stacked(A, "lora_a_stacked", output.dtype)
-    B = _check_stacked(B, "lora_b_stacked", output.dtype)
-    _check_devices(output, x=x, topk_weights=topk_weights, lora_a_stacked=A, lora_b_stacked=B,
-                   sorted_token_ids=sorted_token_ids, expert_ids=expert_ids, num_tokens_post_padded=ntpp,
-                   token_lora_mapping=mapping, lora_ids=lora_ids, adapter_enabled=adapter_enabled)
-    if len(A) != len(B):
-        raise ValueError(f"lora_a_stacked and lora_b_stacked must have the same length S; got {len(A)} and {len(B)}")
-    T, k = topk_weights.shape
-    if output.shape[0] != T:
-        raise ValueError(f"output.shape[0] must equal topk_weights.shape[0]={T}; got {output.shape[0]}")
-    top_k = _int_scalar(top_k_num, "top_k_num")
-    if top_k != k or output.shape[1] != k:
-        raise ValueError(
-            f"top_k_num ({top_k}) must equal topk_weights.shape[1] ({k}) and output.shape[1] ({output.shape[1]})"
-        )
-    L, Ea, R, K = A[0].shape
-    Lb, Eb, N, Rb = B[0].shape
-    if Lb != L:
-        raise ValueError(f"lora_b_stacked[0].shape[0] must equal max_loras L={L}; got {Lb}")
-    E = max(Ea, Eb)
-    for arg, e in (("lora_a_stacked", Ea), ("lora_b_stacked", Eb)):
-        if e not in (1, E):
-            raise ValueError(f"{arg} expert dim must be 1 (shared) or E={E}; got {e}")
-    if x.dtype != output.dtype:
-        raise TypeError(f"qcurr_hidden_states must have output's dtype {output.dtype}; got {x.dtype}")
-    rows = T * k if mul_routed_weight else T
-    if tuple(x.shape) != (rows, K):
-        what = "(T*k, K) with mul_routed_weight" if mul_routed_weight else "(T, K) without mul_routed_weight"
-        raise ValueError(f"qcurr_hidden_states must have shape {what} = {(rows, K)}; got {tuple(x.shape)}")
-    if _int_scalar(max_lora_rank, "max_lora_rank") != R:
-        raise ValueError(f"max_lora_rank must equal lora_a_stacked[0].shape[2]={R}; got {max_lora_rank}")
-    if not fully_sharded and Rb != R:
-        raise ValueError(f"lora_b_stacked[0].shape[3] must equal the rank R={R}; got {Rb}")
-    if fully_sharded and not add_inputs:
-        raise ValueError("add_inputs must be True when fully_sharded (vLLM asserts add_inputs or not fully_sharded)")
-    off = _int_scalar(offset, "offset")
-    if off < 0 or output.shape[2] < off + len(B) * N:
-        raise ValueError(
-            f"output.shape[2] must be >= offset + S*N = {off} + {len(B)}*{N}; got {output.shape[2]} (offset >= 0)"
-        )
-    m = _int_tensor(mapping, "token_lora_mapping", 1)
-    if m.numel() != T:
-        raise ValueError(f"token_lora_mapping must have shape (T,)=({T},); got {tuple(m.shape)}")
-    en = _int_tensor(adapter_enabled, "adapter_enabled", 1)
-    if en.numel() < L:
-        raise ValueError(f"adapter_enabled must have shape (L+1,)=({L + 1},); got {tuple(en.shape)}")
-    ids = _int_tensor(lora_ids, "lora_ids", 1)
-    if sorted_token_ids is None:
-        if ntpp is not None:
-            raise ValueError("num_tokens_post_padded must be None in naive mode (sorted_token_ids is None)")
-        e = _int_tensor(expert_ids, "expert_ids", 1)
-        if e.numel() != T * k:
-            raise ValueError(f"expert_ids must have shape (T*k,)=({T * k},) in naive mode; got {tuple(e.shape)}")
-    else:
-        for arg, t in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
-            _int_tensor(t, arg, 2)
-            if t.shape[0] != L:
-                raise ValueError(f"{arg} must have shape (L={L}, ...) in sorted mode; got {tuple(t.shape)}")
-        if ntpp is None:
-            raise ValueError("num_tokens_post_padded must be given (shape (L,)) when sorted_token_ids is given")
-        if _int_tensor(ntpp, "num_tokens_post_padded", 1).numel() != L:
-            raise ValueError(f"num_tokens_post_padded must have shape (L,)=({L},); got {tuple(ntpp.shape)}")
-        bm = _int_scalar(block_size_m, "block_size_m")
-        if bm < 16 or bm & (bm - 1):
-            raise ValueError(f"block_size_m (shrink_block_size_m) must be a power of two >= 16; got {bm}")
-        nal = _int_scalar(num_active_loras, "num_active_loras")
-        if not 0 <= nal <= ids.numel():
-            raise ValueError(f"num_active_loras must be in [0, lora_ids.numel()={ids.numel()}]; got {nal}")
-    return A, B, T, k, L, E, off
+# ------------------------------------------------------------------------------------ the op
 
 
 def _check_layout(layout: PairLayout, E: int, Ea: int, Eb: int) -> None:
@@ -450,36 +316,16 @@ def _check_layout(layout: PairLayout, E: int, Ea: int, Eb: int) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------- the op
-
-
 def fused_moe_lora_expected(
-    output: torch.Tensor,
-    qcurr_hidden_states: torch.Tensor,
-    lora_a_stacked: Sequence[torch.Tensor],
-    lora_b_stacked: Sequence[torch.Tensor],
-    topk_weights: torch.Tensor,
-    sorted_token_ids: torch.Tensor | None,
-    expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor | None,
-    token_lora_mapping: torch.Tensor,
-    max_lora_rank: int,
-    top_k_num: int,
-    lora_ids: torch.Tensor,
-    num_active_loras,
-    adapter_enabled: torch.Tensor,
+    call: OpCall,
     *,
-    block_size_m: int = 16,
-    mul_routed_weight: bool = False,
-    offset: int = 0,
-    add_inputs: bool = True,
-    fully_sharded: bool = False,
     precision: Precision,
     collective: Callable[[torch.Tensor], torch.Tensor] | None = None,
     collective_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     magnitudes: bool = True,
 ) -> OpExpected:
-    """Expected result of `fused_moe_lora` on `output` (read as prev, not modified).
+    """Expected result of `fused_moe_lora` on a validated call (op_contract.validate.validate_call): its
+    output read as prev, not modified.
 
     fully_sharded: `collective(cache (S, P, R_local) float64) -> joined cache` simulates vLLM's
     all_gather / all_reduce (None = identity); the joined cache is re-rounded when the path rounds
@@ -487,22 +333,20 @@ def fused_moe_lora_expected(
     scale after a collective is |joined cache| (too tight if the partial caches cancel).
     magnitudes=False skips the magnitudes (an emulation is judged with the truth's).
     """
+    if not isinstance(call, OpCall):
+        raise TypeError(f"call must be an OpCall (op_contract.validate.validate_call(...)); got {type(call).__name__}")
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a reference.precision.Precision; got {type(precision).__name__}")
-    A, B, T, k, L, E, off = _validate(
-        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
-        expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
-        num_active_loras, adapter_enabled, block_size_m, mul_routed_weight, offset, add_inputs, fully_sharded,
-    )
+    k, mul = call.top_k, call.mul_routed_weight
     layout = qualifying_pairs(
-        sorted_token_ids, expert_ids, num_tokens_post_padded, token_lora_mapping, k, lora_ids,
-        num_active_loras, adapter_enabled, T * k, L, block_size_m,
+        call.sorted_token_ids, call.expert_ids, call.num_tokens_post_padded, call.token_lora_mapping, k,
+        call.lora_ids, call.num_active, call.adapter_enabled, call.num_pairs, call.max_loras, call.block_m,
     )
-    _check_layout(layout, E, A[0].shape[1], B[0].shape[1])
-    cache = lora_shrink(qcurr_hidden_states, A, layout, k, mul_routed_weight, precision)
-    cache_scale = lora_shrink_scale(qcurr_hidden_states, A, layout, k, mul_routed_weight) if magnitudes else None
+    _check_layout(layout, call.num_experts, call.experts_a, call.experts_b)
+    cache = lora_shrink(call.x, call.lora_a, layout, k, mul, precision)
+    cache_scale = lora_shrink_scale(call.x, call.lora_a, layout, k, mul) if magnitudes else None
     cache_underflow = None       # u rounded once
-    if fully_sharded and collective is not None:
+    if call.fully_sharded and collective is not None:
         # each rank's partial u rounded once (an all-reduce sums them), the joined u rounded again; without
         # collective_scale the number of partials is unknown: counted once
         partials = (collective_scale(torch.ones_like(cache_scale))
@@ -513,87 +357,24 @@ def fused_moe_lora_expected(
         if magnitudes:
             cache_scale = collective_scale(cache_scale) if collective_scale is not None else cache.abs()
             cache_underflow = (partials if partials is not None else torch.ones_like(cache)) + 1.0
-    if cache.shape[-1] != B[0].shape[3]:
+    if cache.shape[-1] != call.rank_b:
         raise ValueError(
-            f"lora_b_stacked rank dim ({B[0].shape[3]}) must equal the (joined) shrink rank ({cache.shape[-1]})"
+            f"lora_b_stacked rank dim ({call.rank_b}) must equal the (joined) shrink rank ({cache.shape[-1]})"
         )
     return lora_expand(
-        output, cache, B, topk_weights, layout, k, mul_routed_weight, off, add_inputs, precision,
+        call.output, cache, call.lora_b, call.weights, layout, k, mul, call.offset, call.add_inputs, precision,
         cache_scale=cache_scale, cache_underflow=cache_underflow, magnitudes=magnitudes,
     )
 
 
-def fused_moe_lora(
-    output: torch.Tensor,
-    qcurr_hidden_states: torch.Tensor,
-    lora_a_stacked: list[torch.Tensor],
-    lora_b_stacked: list[torch.Tensor],
-    topk_weights: torch.Tensor,
-    sorted_token_ids: torch.Tensor | None,
-    expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor | None,
-    token_lora_mapping: torch.Tensor,
-    max_lora_rank: int,
-    top_k_num: int,
-    lora_ids: torch.Tensor,
-    num_active_loras: torch.Tensor,
-    adapter_enabled: torch.Tensor,
-    shrink_block_size_m: int,
-    shrink_block_size_n: int,
-    shrink_block_size_k: int,
-    shrink_group_size_m: int,
-    shrink_num_warps: int,
-    shrink_num_stages: int,
-    shrink_split_k: int,
-    expand_block_size_m: int,
-    expand_block_size_n: int,
-    expand_block_size_k: int,
-    expand_group_size_m: int,
-    expand_num_warps: int,
-    expand_num_stages: int,
-    expand_split_k: int,
-    mul_routed_weight: bool = False,
-    fully_sharded: bool = False,
-    offset: int = 0,
-    add_inputs: bool = True,
-    *,
-    precision: str | Precision = "exact",
-) -> None:
+@vllm_op
+def fused_moe_lora(call: OpCall, *, precision: str | Precision = "exact") -> None:
     """vLLM 0.33.0 `fused_moe_lora` contract in place: writes rnd_dt(expected) at written elements only.
 
-    `precision` is a preset name (built at output.dtype) or a Precision; launch-tuning ints are
-    validated as positive ints and otherwise ignored (they do not change the contract).
+    `precision` is a preset name (built at output.dtype) or a Precision; the launch-tuning ints are
+    checked by the contract and otherwise ignored (they do not change the result).
     """
-    tuning = dict(
-        shrink_block_size_n=shrink_block_size_n, shrink_block_size_k=shrink_block_size_k,
-        shrink_group_size_m=shrink_group_size_m, shrink_num_warps=shrink_num_warps,
-        shrink_num_stages=shrink_num_stages, shrink_split_k=shrink_split_k,
-        expand_block_size_m=expand_block_size_m, expand_block_size_n=expand_block_size_n,
-        expand_block_size_k=expand_block_size_k, expand_group_size_m=expand_group_size_m,
-        expand_num_warps=expand_num_warps, expand_num_stages=expand_num_stages, expand_split_k=expand_split_k,
-    )
-    for arg, v in tuning.items():
-        if _int_scalar(v, arg) <= 0:
-            raise ValueError(f"{arg} must be a positive int; got {v}")
-    if _int_scalar(shrink_block_size_m, "shrink_block_size_m") <= 0:
-        raise ValueError(f"shrink_block_size_m must be a positive int; got {shrink_block_size_m}")
-    if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dtype not in (
-        torch.float16, torch.bfloat16, torch.float32, torch.float64
-    ):
-        raise TypeError(f"output dtype must be float16, bfloat16, float32 or float64; got {output.dtype}")
-    prec = precision if isinstance(precision, Precision) else make_precision(precision, _dtype_of(output))
-    exp = fused_moe_lora_expected(
-        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
-        expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
-        num_active_loras, adapter_enabled, block_size_m=shrink_block_size_m,
-        mul_routed_weight=mul_routed_weight, offset=offset, add_inputs=add_inputs,
-        fully_sharded=fully_sharded, precision=prec,
-    )
-    vals = rnd(exp.value[exp.written], output.dtype).to(output.dtype)
-    output[exp.written] = vals
-
-
-def _dtype_of(output) -> torch.dtype:
-    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
-        raise TypeError(f"output must be a floating-point torch.Tensor; got {_describe(output)}")
-    return output.dtype
+    prec = precision if isinstance(precision, Precision) else make_precision(precision, call.output.dtype)
+    exp = fused_moe_lora_expected(call, precision=prec)
+    output = call.output
+    output[exp.written] = rnd(exp.value[exp.written], output.dtype).to(output.dtype)

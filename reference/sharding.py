@@ -7,7 +7,6 @@ and `sharded_experts_forward`, which runs the expert reference per simulated ran
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -16,7 +15,9 @@ from torch import Tensor
 
 from moe_lora_harness.reference.activations import lookup_activation
 from moe_lora_harness.reference.adapters import StackedMoELoRA
-from moe_lora_harness.reference.experts import ExpertExpected, LoRACollectives, LoRAInputs, moe_experts_forward
+from moe_lora_harness.reference.experts import (
+    ExpertExpected, LoRACollectives, LoRAInputs, forward_steps, moe_experts_forward,
+)
 from moe_lora_harness.reference.precision import Precision, rnd
 
 __all__ = [
@@ -273,52 +274,27 @@ def ep_combine(per_rank_outputs: Sequence[Tensor], tokens_per_rank: Sequence[int
 # Sharded forward
 # ----------------------------------------------------------------------------------------------
 
-class _Group:
-    """A simulated process group: ranks run in threads and meet at each collective, in call order."""
-
-    def __init__(self, size: int, timeout_s: float = 120.0):
-        self.size = size
-        self.timeout_s = timeout_s
-        self._barrier = threading.Barrier(size)
-        self._slots: list[Tensor | None] = [None] * size
-
-    def exchange(self, rank: int, value: Tensor, combine: Callable[[list[Tensor]], Tensor]) -> Tensor:
-        """Deposit this rank's value, wait for all ranks, return `combine(values in rank order)`."""
-        self._slots[rank] = value
-        self._barrier.wait(self.timeout_s)
-        out = combine(list(self._slots))  # type: ignore[arg-type]
-        self._barrier.wait(self.timeout_s)  # everyone read the slots before anyone overwrites them
-        return out
-
-    def abort(self) -> None:
-        """Release ranks waiting for a rank that failed."""
-        self._barrier.abort()
-
-
-def _run_ranks(size: int, fn: Callable[[int, _Group], object]) -> list:
-    """Run fn(rank, group) for every rank in its own thread; re-raise the first rank's error."""
-    group = _Group(size)
-    results: list = [None] * size
-    errors: list[BaseException | None] = [None] * size
-
-    def body(r: int) -> None:
-        try:
-            results[r] = fn(r, group)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller thread
-            errors[r] = e
-            group.abort()
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
-    if first is None:
-        first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    return results
+def _in_lockstep(ranks: list, collectives: LoRACollectives) -> list:
+    """Run the simulated ranks' `forward_steps` generators phase by phase, in one thread: every rank to its
+    next join, then that join's collective over the ranks' partials (in rank order) sent back to each; the
+    ranks' results."""
+    results: list = [None] * len(ranks)
+    sends: list = [None] * len(ranks)
+    while True:
+        asks = []
+        for r, steps in enumerate(ranks):
+            try:
+                asks.append(steps.send(sends[r]))
+            except StopIteration as done:
+                asks.append(None)
+                results[r] = done.value
+        if all(a is None for a in asks):
+            return results
+        which = {a[0] if a is not None else None for a in asks}
+        if len(which) != 1:
+            raise RuntimeError(f"the simulated TP ranks reached different joins: {[a and a[0] for a in asks]}")
+        joined = getattr(collectives, which.pop())([a[1] for a in asks])
+        sends = [joined] * len(ranks)
 
 
 def sharded_experts_forward(
@@ -379,7 +355,9 @@ def sharded_experts_forward(
         return moe_experts_forward(hidden, w13, w2, topk_weights, topk_ids, w13_bias=w13_bias, w2_bias=w2_bias,
                                    lora=lora, **common)
 
-    def rank_fn(rank: int, group: _Group):
+    group = LoRACollectives(w13=w13_gather, w2=all_reduce_sum)   # over every rank's partial
+
+    def rank_steps(rank: int):
         w13_r, w2_r, b13_r, b2_r = tp_slice_base(w13, w2, tp_size, rank, gated, w13_bias, w2_bias,
                                                  interleaved=interleaved)
         lora_r = None
@@ -388,15 +366,12 @@ def sharded_experts_forward(
         if lora is not None:
             lora_r = replace(lora, stacked=tp_slice_lora(lora.stacked, tp_size, rank, fully_sharded))
             if fully_sharded:
-                coll = LoRACollectives(
-                    w13=lambda c: group.exchange(rank, c, w13_gather),
-                    w2=lambda c: group.exchange(rank, c, all_reduce_sum),
-                )
+                coll = group
                 offset = rank * int(lora_r.stacked.w2_b[0].shape[2])
-        return moe_experts_forward(hidden, w13_r, w2_r, topk_weights, topk_ids, w13_bias=b13_r, w2_bias=b2_r,
-                                   lora=lora_r, lora_collectives=coll, w2_lora_offset=offset, **common)
+        return forward_steps(hidden, w13_r, w2_r, topk_weights, topk_ids, w13_bias=b13_r, w2_bias=b2_r,
+                             lora=lora_r, lora_collectives=coll, w2_lora_offset=offset, **common)
 
-    outs = _run_ranks(tp_size, rank_fn)
+    outs = _in_lockstep([rank_steps(r) for r in range(tp_size)], group)
     value = all_reduce_sum([o.value for o in outs], precision.dtype)
     if not magnitudes:
         return ExpertExpected(value=value, scale=None)

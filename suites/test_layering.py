@@ -1,18 +1,21 @@
-"""The layout is the architecture: reference/ never imports kernels/ or harness/, kernels/ never imports
-the harness (or the reference), and the harness knows backends only through declared contracts.
+"""The layout is the architecture: op_contract/ (vLLM's op contract) imports nothing of ours, reference/ never
+imports kernels/ or harness/, kernels/ never imports the harness (or the reference), and the harness knows
+backends only through declared contracts; reference/, kernels/ and harness/ may all read op_contract/.
 Everything is imported through the one package, `moe_lora_harness`: a bare `import harness` would find
 whatever generic package a user's environment has under that name."""
 from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
 
 PKG = "moe_lora_harness"
-PARTS = ("reference", "kernels", "harness", "backends", "suites")
+PARTS = ("op_contract", "reference", "kernels", "harness", "backends", "suites")
 FORBIDDEN = {
+    "op_contract": {p for p in PARTS if p != "op_contract"} | {"triton"},
     "reference": {"kernels", "harness", "backends", "triton"},
     "kernels": {"harness", "reference", "backends"},
     "harness": {"kernels", "backends"},
@@ -59,6 +62,14 @@ def test_layering(package):
     bad = {str(f): sorted(imported_parts(f) & FORBIDDEN[package]) for f in files}
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"layering violated (module -> forbidden imports): {bad}"
+
+
+def test_op_contract_imports_only_torch():
+    """op_contract/ is the leaf every layer reads: torch and the standard library only."""
+    allowed = set(sys.stdlib_module_names) | {"torch", "op_contract"}
+    bad = {str(f): sorted(imported_parts(f) - allowed) for f in sorted(part_dir("op_contract").rglob("*.py"))}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"op_contract imports beyond torch: {bad}"
 
 
 @pytest.mark.parametrize("package", PARTS)

@@ -15,7 +15,7 @@ import pytest
 import moe_lora_harness
 
 PKG = "moe_lora_harness"
-PARTS = ("backends", "harness", "kernels", "reference", "suites")
+PARTS = ("backends", "harness", "kernels", "op_contract", "reference", "suites")
 ROOT = pathlib.Path(moe_lora_harness.__file__).resolve().parents[2]     # the checkout (src/moe_lora_harness/..)
 IN_SOURCE_TREE = (ROOT / "pyproject.toml").is_file() and (ROOT / "src" / PKG).is_dir()
 needs_source = pytest.mark.skipif(not IN_SOURCE_TREE, reason="a checkout only: an installed wheel has no "

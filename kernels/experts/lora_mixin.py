@@ -14,13 +14,9 @@ import torch
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.triton import lora_op
 from moe_lora_harness.kernels.triton.align import moe_lora_align_block_size
-from moe_lora_harness.kernels.validate import TUNING_PARAMS
+from moe_lora_harness.op_contract.validate import default_tuning
 
 SPARSITY_FACTOR = 8      # naive block assignment when T*k*8 <= E_local * max_loras (vLLM's rule)
-# Tuning ints the op validates but does not honour (it has its own launch heuristics); the block_size_m
-# pair is the align block, passed per call.
-_TUNING_VALUES = dict(block_size_n=64, block_size_k=32, group_size_m=8, num_warps=4, num_stages=3, split_k=1)
-_TUNING = {n: _TUNING_VALUES[n.split("_", 1)[1]] for n in TUNING_PARAMS if not n.endswith("_block_size_m")}
 
 
 @dataclass(frozen=True)
@@ -114,8 +110,8 @@ def run_lora_op(y: torch.Tensor, x: torch.Tensor, lora_a: list, lora_b: list, to
     extra = {"collective": collective} if (collective is not None and align.path == "two_kernel") else {}
     lora_op.ENTRY_POINTS[align.path](y, x, lora_a, lora_b, topk_weights, align.sorted_token_ids, align.expert_ids,
        align.num_tokens_post_padded, align.token_lora_mapping, int(lora_a[0].shape[2]), top_k, align.lora_ids,
-       align.num_active_loras, align.adapter_enabled, shrink_block_size_m=align.block_size,
-       expand_block_size_m=align.block_size, **_TUNING, mul_routed_weight=mul_routed_weight,
+       align.num_active_loras, align.adapter_enabled, **default_tuning(align.block_size),
+       mul_routed_weight=mul_routed_weight,
        fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs, **extra)
 
 

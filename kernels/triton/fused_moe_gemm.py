@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
-from moe_lora_harness.kernels.triton.one_shot import launch, next_pow2
+from moe_lora_harness.kernels.triton.launch import launch, next_pow2
 from moe_lora_harness.kernels.triton.platform import device_info
 from moe_lora_harness.kernels.triton.quant_gemm import check_quant, load_weight_tile
 from moe_lora_harness.kernels.validate import checks_enabled, UNCHECKED_ENV

@@ -1,12 +1,13 @@
-"""Public entry points of our Triton MoE-LoRA op, with vLLM 0.33.0's `fused_moe_lora` signature.
+"""Public entry points of our Triton MoE-LoRA op, with vLLM 0.33.0's `fused_moe_lora` signature (op_contract).
 
-`fused_moe_lora` validates, checks id ranges (one sync; see kernels/validate.py, MOE_LORA_UNCHECKED),
-and dispatches like vLLM (spec 1.3): small-batch for a naive layout with rank <= 64 and
-T*k*rank <= 1024, else one-shot for rank <= 128 when not fully sharded, else two-kernel (any rank,
-fully_sharded collectives). `fused_moe_lora_{one_shot,small_batch,two_kernel}` force a path. An argument
-error (a call a path cannot take included) raises MoELoRAArgumentError, a ValueError and an AssertionError
-(vLLM asserts), naming the condition; a wrong type raises TypeError. vLLM's tuning ints are validated, not
-honoured, except shrink_block_size_m, which must be the align block size in sorted mode.
+`fused_moe_lora` validates (vLLM's contract, op_contract.validate; then our kernels' layout needs and id
+ranges, one sync: kernels/validate.py, MOE_LORA_UNCHECKED) and dispatches like vLLM (spec 1.3): small-batch
+for a naive layout with rank <= 64 and T*k*rank <= 1024, else one-shot for rank <= 128 when not fully
+sharded, else two-kernel (any rank, fully_sharded collectives). `fused_moe_lora_{one_shot,small_batch,
+two_kernel}` force a path. An argument error (a call a path cannot take included) raises
+MoELoRAArgumentError, a ValueError and an AssertionError (vLLM asserts), naming the condition; a wrong type
+raises TypeError. vLLM's tuning ints are validated, not honoured, except shrink_block_size_m, which must be
+the align block size in sorted mode.
 """
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from typing import Callable
 
 import torch
 
-from moe_lora_harness.kernels.validate import (
-    TUNING_PARAMS, MoELoRAArgumentError, OpCall, check_value_ranges, validate_call,
-)
+from moe_lora_harness.kernels.validate import check_launchable, check_value_ranges
 from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, one_shot_unsupported, run_one_shot
 from moe_lora_harness.kernels.triton.small_batch import run_small_batch, small_batch_unsupported
 from moe_lora_harness.kernels.triton.two_kernel import run_two_kernel
+from moe_lora_harness.op_contract.call import MoELoRAArgumentError, OpCall
+from moe_lora_harness.op_contract.entry import vllm_op
 
 PATHS = ("one_shot", "small_batch", "two_kernel")
 
@@ -35,6 +36,7 @@ def select_path(*, naive: bool, max_lora_rank: int, num_pairs: int, fully_sharde
 
 
 def _run(path: str, call: OpCall, collective: Callable | None, one_shot_config=None) -> None:
+    check_launchable(call)
     if path == "small_batch":
         why = small_batch_unsupported(call.naive, call.rank, call.num_pairs, call.fully_sharded)
     elif path == "one_shot":
@@ -67,77 +69,38 @@ def _launch(path: str, call: OpCall, collective: Callable | None, one_shot_confi
         run_two_kernel(call, collective)
 
 
-def fused_moe_lora(
-    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
-    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
-    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
-    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
-    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
-    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, collective=None,
-) -> None:
+@vllm_op
+def fused_moe_lora(call: OpCall, *, collective=None) -> None:
     """Add the MoE-LoRA delta into `output` in place (vLLM 0.33.0 contract), dispatching like spec 1.3.
 
     `collective` (keyword-only, fully_sharded only): a callable taking the (S, T, k, R_local) rank cache
     and returning the joined cache; default torch.distributed's group, or identity on one rank.
     """
-    call = _prepare_from(locals())
     path = select_path(naive=call.naive, max_lora_rank=call.rank, num_pairs=call.num_pairs,
                        fully_sharded=call.fully_sharded)
     _run(path, call, collective)
 
 
-def fused_moe_lora_one_shot(
-    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
-    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
-    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
-    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
-    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
-    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, config=None,
-) -> None:
+@vllm_op
+def fused_moe_lora_one_shot(call: OpCall, *, config=None) -> None:
     """`fused_moe_lora` forced onto the one-shot kernel (rank <= 128, not fully_sharded; else MoELoRAArgumentError).
 
     `config` (keyword-only): a OneShotConfig, or a callable OpCall -> OneShotConfig, replacing the launch
     heuristic (tests and sweeps use it to force split-K, N splits, tiles)."""
-    _run("one_shot", _prepare_from(locals()), None, config)
+    _run("one_shot", call, None, config)
 
 
-def fused_moe_lora_small_batch(
-    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
-    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
-    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
-    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
-    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
-    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True,
-) -> None:
+@vllm_op
+def fused_moe_lora_small_batch(call: OpCall) -> None:
     """`fused_moe_lora` forced onto the small-batch kernel (naive, rank <= 64, T*k*rank <= 1024; else
     MoELoRAArgumentError)."""
-    _run("small_batch", _prepare_from(locals()), None)
+    _run("small_batch", call, None)
 
 
-def fused_moe_lora_two_kernel(
-    output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
-    num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
-    adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
-    shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
-    expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
-    mul_routed_weight=False, fully_sharded=False, offset=0, add_inputs=True, *, collective=None,
-) -> None:
+@vllm_op
+def fused_moe_lora_two_kernel(call: OpCall, *, collective=None) -> None:
     """`fused_moe_lora` forced onto the two-kernel path (any rank; fully_sharded with `collective` as above)."""
-    _run("two_kernel", _prepare_from(locals()), collective)
-
-
-_ARG_NAMES = (
-    "output", "qcurr_hidden_states", "lora_a_stacked", "lora_b_stacked", "topk_weights", "sorted_token_ids",
-    "expert_ids", "num_tokens_post_padded", "token_lora_mapping", "max_lora_rank", "top_k_num", "lora_ids",
-    "num_active_loras", "adapter_enabled",
-)
-_FLAGS = ("mul_routed_weight", "fully_sharded", "offset", "add_inputs")
-
-
-def _prepare_from(loc: dict) -> OpCall:
-    """Validate an entry point's arguments (its `locals()`) into an OpCall."""
-    return validate_call(*(loc[n] for n in _ARG_NAMES), {n: loc[n] for n in TUNING_PARAMS},
-                         **{f: loc[f] for f in _FLAGS})
+    _run("two_kernel", call, collective)
 
 
 ENTRY_POINTS = {

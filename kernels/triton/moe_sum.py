@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
-from moe_lora_harness.kernels.triton.one_shot import next_pow2
+from moe_lora_harness.kernels.triton.launch import next_pow2
 
 
 @triton.jit

@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
+from moe_lora_harness.kernels.triton.launch import CostModel, bucket_stats, launch, next_pow2, slice_pairs
 from moe_lora_harness.kernels.triton.platform import device_info
+from moe_lora_harness.kernels.triton.program_pairs import block_tokens, resolve_lora_expert
+from moe_lora_harness.op_contract.call import MoELoRAArgumentError, OpCall
 
 MAX_RANK = 128  # the (SUB_M, BLOCK_R) fp32 accumulators live in registers
 
@@ -34,41 +35,6 @@ def one_shot_unsupported(rank: int, fully_sharded: bool) -> str | None:
     if rank > MAX_RANK:
         return f"one-shot needs max_lora_rank <= {MAX_RANK}; got {rank}"
     return None
-
-
-@triton.jit
-def resolve_lora_expert(m_id, lora_idx, sub_start, top_k, max_loras, map_ptr, lora_ids_ptr, enabled_ptr,
-                        ntpp_ptr, expert_ptr, stride_el, NAIVE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(lora slot, local expert, valid) for a program: naive = pair m_id, sorted = lora_ids[lora_idx]."""
-    if NAIVE:
-        lora = tl.load(map_ptr + m_id // top_k)
-    else:
-        lora = tl.load(lora_ids_ptr + lora_idx)
-    in_range = (lora >= 0) & (lora < max_loras)
-    lora = tl.where(in_range, lora, 0).to(tl.int64)
-    valid = in_range & (tl.load(enabled_ptr + lora) != 0)
-    if NAIVE:
-        expert = tl.load(expert_ptr + m_id)
-    else:
-        blk = sub_start // BLOCK_M
-        valid = valid & (blk * BLOCK_M < tl.load(ntpp_ptr + lora))
-        expert = tl.load(expert_ptr + lora * stride_el + blk)
-    valid = valid & (expert >= 0)
-    return lora, tl.where(valid, expert, 0).to(tl.int64), valid
-
-
-@triton.jit
-def block_tokens(m_id, lora, sub_start, num_pairs, em, sorted_ptr, stride_sl,
-                 NAIVE: tl.constexpr, SUB_M: tl.constexpr):
-    """Flat pair ids of a program's rows (int64, invalid rows clamped to 0) and their mask."""
-    offs = tl.arange(0, SUB_M)
-    if NAIVE:
-        tok = tl.where(offs == 0, m_id, num_pairs).to(tl.int64)
-    else:
-        pos = sub_start + offs
-        tok = tl.load(sorted_ptr + lora * stride_sl + pos, mask=pos < em, other=num_pairs).to(tl.int64)
-    mask = (tok >= 0) & (tok < num_pairs)
-    return tl.where(mask, tok, 0), mask
 
 
 @triton.jit
@@ -280,43 +246,6 @@ class OneShotConfig:
     maxnreg: int = 0  # register cap per thread (0: the compiler's choice)
 
 
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1)."""
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _bucket_stats(call: OpCall) -> tuple[float, float]:
-    """(expected non-empty (LoRA, expert) buckets, mean pairs per non-empty bucket), uniform routing."""
-    P = call.num_pairs
-    buckets = max(1, call.num_experts) * max(1, min(call.max_loras, call.num_active))
-    nonempty = buckets * (1.0 - (1.0 - 1.0 / buckets) ** P) if buckets > 1 else 1.0
-    nonempty = max(1.0, min(nonempty, float(P)))
-    return nonempty, P / nonempty
-
-
-def block_k_for(K: int) -> int:
-    """K tile: 128 when K is large, else the smallest power of two covering K (>= 16)."""
-    return 128 if K >= 128 else max(16, next_pow2(K))
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """The N-split cost model's constants (each kernel fits its own to H200 sweeps): a program streams its
-    bytes at `program_bw`; `slots_per_sm` programs run at once per SM; the shrinks, repeated once per N
-    split, are bounded by `l2_bw`."""
-
-    program_bw: float
-    slots_per_sm: int
-    l2_bw: float
-
-    def time(self, shrink: float, expand: float, n_split: int, progs: float, sm: int, split_k: int = 1) -> float:
-        """Modelled launch time: each program streams shrink / split_k + expand / n_split (in waves of
-        slots_per_sm * sm programs), or the L2 bound on all programs' shrink reads, whichever is slower."""
-        waves = max(1.0, progs / (self.slots_per_sm * sm))
-        return max((shrink / split_k + expand / n_split) / self.program_bw * waves,
-                   progs / split_k * shrink / self.l2_bw)
-
-
 # One-shot constants, fit to H200 sweeps (bench/bench_lora_op.py --sweep; the 2026-11-29 sweeps are
 # bench/results/2026-11-29-h200-s2/lora_op_sweep*.json).
 ONE_SHOT_COST = CostModel(program_bw=20e9, slots_per_sm=6, l2_bw=6e12)
@@ -366,7 +295,7 @@ def choose_config(call: OpCall) -> OneShotConfig:
     if call.naive:
         sub_m, live, rows, per_bucket = 16, float(call.num_pairs), 1.0, 1.0
     else:
-        nonempty, per_bucket = _bucket_stats(call)
+        nonempty, per_bucket = bucket_stats(call)
         pb = round(per_bucket, 3)  # an exact 32 pairs per bucket must not flip on float noise
         sub_m = 16 if pb < 12 else 32 if (pb < 32 or (pb == 32 and rank_pad <= 32)) else 64
         sub_m = min(sub_m, call.block_m)
@@ -393,29 +322,6 @@ def choose_config(call: OpCall) -> OneShotConfig:
     maxnreg = 0 if call.naive else expand_maxnreg(sub_m, rank_pad, num_warps, two, call.output.element_size())
     return OneShotConfig(sub_m, npid, block_n, block_k, two, num_warps, stages, prefetch, split_k, expand_stages,
                          maxnreg)
-
-
-_FALLBACK_STAGES: dict = {}
-
-
-def launch(kernel, grid, args, meta: dict, num_warps: int, num_stages: int, key, maxnreg: int = 0) -> None:
-    """Launch; if the compiled config does not fit the device (OutOfResources), retry with fewer stages."""
-    stages = _FALLBACK_STAGES.get(key, num_stages)
-    extra = dict(maxnreg=maxnreg) if maxnreg else {}
-    while True:
-        try:
-            kernel[grid](*args, **meta, num_warps=num_warps, num_stages=stages, **extra)
-            return
-        except OutOfResources:
-            if stages <= 1:
-                raise
-            stages -= 1
-            _FALLBACK_STAGES[key] = stages
-
-
-def slice_pairs(n: int):
-    """Split slice indices 0..n-1 into launches of at most two slices: [(first, count), ...]."""
-    return [(s, min(2, n - s)) for s in range(0, n, 2)]
 
 
 def run_one_shot(call: OpCall, config: OneShotConfig | None = None) -> None:

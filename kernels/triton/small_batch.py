@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
-from moe_lora_harness.kernels.triton.one_shot import CostModel, launch, next_pow2, slice_pairs
+from moe_lora_harness.kernels.triton.launch import CostModel, launch, next_pow2, slice_pairs
+from moe_lora_harness.op_contract.call import MoELoRAArgumentError, OpCall
 from moe_lora_harness.kernels.triton.platform import device_info
 
 MAX_RANK = 64

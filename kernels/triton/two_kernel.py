@@ -14,10 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.kernels.validate import MoELoRAArgumentError, OpCall
-from moe_lora_harness.kernels.triton.one_shot import (
-    _bucket_stats, block_k_for, block_tokens, launch, next_pow2, resolve_lora_expert, slice_pairs,
-)
+from moe_lora_harness.kernels.triton.launch import block_k_for, bucket_stats, launch, next_pow2, slice_pairs
+from moe_lora_harness.kernels.triton.program_pairs import block_tokens, resolve_lora_expert
+from moe_lora_harness.op_contract.call import MoELoRAArgumentError, OpCall
 
 
 def choose_sub_m(call: OpCall) -> int:
@@ -25,7 +24,7 @@ def choose_sub_m(call: OpCall) -> int:
     session). Its own rule: the one-shot kernel's refit, when shared, made this path up to 24% slower."""
     if call.naive:
         return 16
-    _, per_bucket = _bucket_stats(call)
+    _, per_bucket = bucket_stats(call)
     if per_bucket < 4:
         sub_m = 16
     elif per_bucket < 32:

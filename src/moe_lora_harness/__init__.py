@@ -4,9 +4,10 @@ The public surface, for a third party declaring a backend, is what this module e
 
     from moe_lora_harness import BackendSpec, Capabilities, Case, ExpertCall, KnownBug, Rule
 
-Subpackages (one import name each): `moe_lora_harness.reference` (the float64 truth),
-`moe_lora_harness.kernels` (our kernels), `moe_lora_harness.harness` (cases, contract, runner, CLI),
-`moe_lora_harness.backends` (our backends' declarations), `moe_lora_harness.suites` (the pytest suites).
+Subpackages (one import name each): `moe_lora_harness.op_contract` (vLLM's op signature and argument
+checks), `moe_lora_harness.reference` (the float64 truth), `moe_lora_harness.kernels` (our kernels),
+`moe_lora_harness.harness` (cases, contract, runner, CLI), `moe_lora_harness.backends` (our backends'
+declarations), `moe_lora_harness.suites` (the pytest suites).
 In the repository they are the top-level folders; `src/moe_lora_harness/` links them into this package,
 so an editable install is one static path entry (docs/architecture.md, "Layout").
 """

@@ -9,8 +9,9 @@ import torch
 from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.expert_runner import expert_expectations
-from moe_lora_harness.harness.runner import _ref_kwargs, op_reference
+from moe_lora_harness.harness.runner import op_reference
 from moe_lora_harness.harness.strategies import ep_cases, examples, expert_cases, op_cases
+from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.experts import moe_experts_forward
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import precision
@@ -20,8 +21,7 @@ OP_PATHS = ("one_shot", "two_kernel", "small_batch")
 
 
 def _full_emulation_op(case, cpu, name):
-    return fused_moe_lora_expected(**_ref_kwargs(cpu), fully_sharded=case.fully_sharded,
-                                   precision=precision(name, torch_dtype(case)))
+    return fused_moe_lora_expected(validate_call(**cpu.call_kwargs()), precision=precision(name, torch_dtype(case)))
 
 
 @pytest.mark.parametrize("path", OP_PATHS)

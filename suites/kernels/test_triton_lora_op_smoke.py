@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from moe_lora_harness.kernels.triton import align as talign  # noqa: E402
 from moe_lora_harness.kernels.triton import lora_op  # noqa: E402
 from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, run_one_shot  # noqa: E402
-from moe_lora_harness.kernels.validate import TUNING_PARAMS as TUNING_NAMES, validate_call  # noqa: E402
+from moe_lora_harness.op_contract.validate import validate_call  # noqa: E402
 from moe_lora_harness.reference import align as ralign  # noqa: E402
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected  # noqa: E402
 from moe_lora_harness.reference.precision import precision  # noqa: E402
@@ -69,8 +69,8 @@ def check_against_reference(path, args, kw, prec_name=None, fully_sharded=False,
     prev = out.clone()
     prec = precision(prec_name or path, out.dtype)
     ref_coll = None if collective is None else (lambda c: collective(c.to(out.dtype)).double())
-    exp = fused_moe_lora_expected(*args[:14], block_size_m=args[14], precision=prec, fully_sharded=fully_sharded,
-                                  collective=ref_coll, **kw)
+    exp = fused_moe_lora_expected(validate_call(*args, fully_sharded=fully_sharded, **kw), precision=prec,
+                                  collective=ref_coll)
     if run is not None:
         run()
     elif collective is not None:
@@ -133,7 +133,7 @@ def test_one_shot_configs_sub_block_npid_and_slices(dev):
                 OneShotConfig(32, 2, 16, 32, False, 4, 3, expand_stages=2, maxnreg=128),
                 OneShotConfig(64, 1, 32, 16, True, 8, 3, prefetch=True, expand_stages=3, maxnreg=168)):
         args, kw = make_case(dev, torch.float32, T=9, k=3, E=3, K=70, N=50, S=3, bm=64, mul=True, seed=11)
-        call = validate_call(*args[:14], dict(zip(TUNING_NAMES, args[14:])), fully_sharded=False, **kw)
+        call = validate_call(*args, fully_sharded=False, **kw)
         ulps = check_against_reference("one_shot", args, kw, run=lambda: run_one_shot(call, cfg))
         assert ulps <= ULPS, cfg
 
@@ -244,7 +244,7 @@ def test_split_k_is_bit_identical_across_runs():
     """The split-K join sums the K chunks in a fixed order, so whichever program arrives last the output
     is the same bits: 30 launches of 8 chunks over many groups must agree exactly."""
     args, kw = make_case("cuda", torch.bfloat16, T=64, k=4, E=4, K=512, N=96, R=32, S=2, bm=16, seed=21)
-    call = validate_call(*args[:14], dict(zip(TUNING_NAMES, args[14:])), fully_sharded=False, **kw)
+    call = validate_call(*args, fully_sharded=False, **kw)
     cfg = OneShotConfig(16, 2, 32, 16, False, 4, 2, split_k=8)
     before = args[0].clone()
     outs = []

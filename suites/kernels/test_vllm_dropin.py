@@ -1,5 +1,5 @@
 """Our op as a drop-in for vLLM 0.33.0's fused_moe_lora: the tuning ints of its signature are the one
-tuple kernels.validate.TUNING_PARAMS names, at vLLM's positions, in every entry point we ship; and its
+tuple op_contract.validate.TUNING_PARAMS names, at vLLM's positions, in every entry point we ship; and its
 argument errors are AssertionErrors (what vLLM's asserts raise, and its tests expect) as well as ValueErrors."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from moe_lora_harness.harness.builders import build_op_inputs  # noqa: E402
 from moe_lora_harness.harness.case import Case  # noqa: E402
 from moe_lora_harness.kernels import eager  # noqa: E402
 from moe_lora_harness.kernels.triton import lora_op  # noqa: E402
-from moe_lora_harness.kernels.validate import TUNING_PARAMS, MoELoRAArgumentError  # noqa: E402
+from moe_lora_harness.op_contract.call import MoELoRAArgumentError  # noqa: E402
+from moe_lora_harness.op_contract.validate import TUNING_PARAMS  # noqa: E402
 
 ENTRY_POINTS = {"eager": eager.fused_moe_lora, "triton": lora_op.fused_moe_lora,
                 **{f"triton_{p}": fn for p, fn in lora_op.ENTRY_POINTS.items()}}

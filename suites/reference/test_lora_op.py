@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from moe_lora_harness.op_contract.validate import default_tuning, validate_call
 from moe_lora_harness.reference.align import active_lora_ids, align_alloc, moe_lora_align_block_size
 from moe_lora_harness.reference.lora_op import (
     PairLayout,
@@ -110,10 +111,10 @@ def _expected(c, prec, sorted_mode=True, add_inputs=True, **kw):
         s, e, n, ids = _sorted_args(c)
     else:
         s, e, n = None, c["topk"].reshape(-1), None
-    return fused_moe_lora_expected(
+    return fused_moe_lora_expected(validate_call(
         c["out"], c["x"], c["A"], c["B"], c["w"], s, e, n, c["mapping"], c["R"], c["k"], ids,
-        torch.tensor([c["L"] + 1], dtype=torch.int32), c["enabled"], block_size_m=16,
-        mul_routed_weight=c["mul"], offset=c["offset"], add_inputs=add_inputs, precision=prec, **kw)
+        torch.tensor([c["L"] + 1], dtype=torch.int32), c["enabled"], **default_tuning(16),
+        mul_routed_weight=c["mul"], offset=c["offset"], add_inputs=add_inputs), precision=prec, **kw)
 
 
 def _direct(c, prec, add_inputs=True):
@@ -301,10 +302,10 @@ def test_fully_sharded_all_gather_matches_unsharded():
     layout = qualifying_pairs(s, e, n, c["mapping"], c["k"], ids, torch.tensor([c["L"] + 1]), c["enabled"],
                               c["T"] * c["k"], c["L"], 16)
     other = lora_shrink(c["x"], halves[1], layout, c["k"], False, prec)
-    got = fused_moe_lora_expected(
+    got = fused_moe_lora_expected(validate_call(
         c["out"], c["x"], halves[0], c["B"], c["w"], s, e, n, c["mapping"], 4, c["k"], ids,
-        torch.tensor([c["L"] + 1]), c["enabled"], offset=c["offset"], fully_sharded=True, precision=prec,
-        collective=lambda u: torch.cat([u, other], dim=-1))
+        torch.tensor([c["L"] + 1]), c["enabled"], **default_tuning(16), offset=c["offset"], fully_sharded=True),
+        precision=prec, collective=lambda u: torch.cat([u, other], dim=-1))
     assert torch.equal(got.value, full.value)
 
 
@@ -329,10 +330,10 @@ def _call(c, **over):
               k=c["k"], ids=ids, nal=torch.tensor([c["L"] + 1]), en=c["enabled"], bm=16, mul=c["mul"],
               add=True, fs=False, prec=precision("exact", None))
     kw.update(over)
-    return fused_moe_lora_expected(
+    return fused_moe_lora_expected(validate_call(
         kw["output"], kw["x"], kw["A"], kw["B"], kw["w"], kw["s"], kw["e"], kw["n"], kw["m"], kw["R"], kw["k"],
-        kw["ids"], kw["nal"], kw["en"], block_size_m=kw["bm"], mul_routed_weight=kw["mul"], add_inputs=kw["add"],
-        fully_sharded=kw["fs"], precision=kw["prec"])
+        kw["ids"], kw["nal"], kw["en"], **default_tuning(kw["bm"]), mul_routed_weight=kw["mul"],
+        add_inputs=kw["add"], fully_sharded=kw["fs"]), precision=kw["prec"])
 
 
 @pytest.mark.parametrize("over, exc, text", [
@@ -364,8 +365,9 @@ def test_naive_expert_out_of_range_is_rejected():
     e = c["topk"].reshape(-1).clone()
     e[2] = c["E"]  # token 1 has an adapter, so pair 2 qualifies
     with pytest.raises(ValueError, match="local expert ids must be < E"):
-        fused_moe_lora_expected(c["out"], c["x"], c["A"], c["B"], c["w"], None, e, None, c["mapping"], c["R"],
-                                c["k"], ids, torch.tensor([1]), c["enabled"], precision=precision("exact", None))
+        fused_moe_lora_expected(validate_call(c["out"], c["x"], c["A"], c["B"], c["w"], None, e, None, c["mapping"],
+                                              c["R"], c["k"], ids, torch.tensor([1]), c["enabled"], **default_tuning(16)),
+                                precision=precision("exact", None))
 
 
 def test_fused_moe_lora_rejects_bad_tuning_and_preset():
