@@ -4,9 +4,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from moe_lora_harness.harness.runner import Outcome
-
-_ORDER = ("fail", "xpass", "pass", "xfail", "works-unclaimed", "unsupported")
+from moe_lora_harness.harness.runner import STATUSES, Outcome
 
 
 def cell(outcomes: list[Outcome]) -> dict:
@@ -14,7 +12,7 @@ def cell(outcomes: list[Outcome]) -> dict:
     counts = defaultdict(int)
     for o in outcomes:
         counts[o.status] += 1
-    status = next((s for s in _ORDER if counts.get(s)), "none")
+    status = next((s for s in STATUSES if counts.get(s)), "none")   # worst first
     reason = next((o.reason for o in outcomes if o.status == status and o.reason), "")
     kinds = defaultdict(int)
     for o in outcomes:
