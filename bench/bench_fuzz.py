@@ -104,8 +104,9 @@ def timeline(rows: list, wall: float) -> list:
 
 
 def _strategy(spec, device, level, palette):
-    from moe_lora_harness.harness.strategies import claimed_cases, fuzz_sizes
-    return claimed_cases(spec, device, level, compile_classes=palette == "classes", **fuzz_sizes(device, level))
+    from moe_lora_harness.harness.profiles import draw_sizes
+    from moe_lora_harness.harness.strategies import claimed_cases
+    return claimed_cases(spec, device, level, compile_classes=palette == "classes", **draw_sizes(device, level))
 
 
 def throughput(spec, device, level, palette, budget_s, seed, log=False):

@@ -85,8 +85,9 @@ def _launch(spec, case):
 
 
 def count(spec, palette: str, n: int, seed: int, level: str = "op") -> dict:
-    from moe_lora_harness.harness.strategies import claimed_cases, examples, fuzz_sizes
-    strategy = claimed_cases(spec, "cuda", level, compile_classes=palette == "classes", **fuzz_sizes("cuda", level))
+    from moe_lora_harness.harness.profiles import draw_sizes
+    from moe_lora_harness.harness.strategies import claimed_cases, examples
+    strategy = claimed_cases(spec, "cuda", level, compile_classes=palette == "classes", **draw_sizes("cuda", level))
     cases = examples(strategy, n, seed=seed)
     rec = KeyRecorder()
     rec.install()

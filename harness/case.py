@@ -25,6 +25,10 @@ EP_COMMS = ("simulated", "processes")
 # are scaled a further OUTLIER_SCALE, as the massive-activation tokens of real models are
 OUTLIER_SCALE = 30.0
 MAX_MAGNITUDE = 64.0
+# a magnitude past the activations' clamps (swigluoai / swiglustep clamp at 7: std-8 pre-activations pass it about
+# half the time), and the outlier tokens of a row that has them
+CLAMP_MAGNITUDE = 8.0
+OUTLIER_TOKENS = 2
 # magnitudes so small that float16 values go subnormal (below its smallest normal 2^-14), where a flush-to-zero
 # kernel shows: an op's deltas from x times 2^-20; a gated expert's activations, products of two pre-activations
 # near 2^-10

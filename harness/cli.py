@@ -99,7 +99,7 @@ def cmd_check(args) -> int:
     device = _device(args)
     from moe_lora_harness.harness.features import FEATURES, feature_cases
     from moe_lora_harness.harness.report import build_matrix, to_text
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.runner import STATUSES, run_case
     specs = _backends(args)
     n = args.cases_per_feature or (6 if args.more else 2)
     levels = {lv for s in specs.values() for lv in s.capabilities.levels}   # rows only at levels a backend has
@@ -157,8 +157,7 @@ def cmd_check(args) -> int:
         for name in untested:
             print(f"\nNOTHING TESTED: {name} declined every case it was offered on {device} (see its declared "
                   f"reasons above); a backend that claims nothing cannot pass")
-    counts = {s: sum(o.status == s for o in outcomes)
-              for s in ("pass", "fail", "xpass", "xfail", "unsupported", "not-runnable", "works-unclaimed")}
+    counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
     restarts = getattr(executor, "restarts", 0)
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
@@ -301,15 +300,17 @@ def _progress_wanted(args) -> bool:
 def cmd_fuzz(args) -> int:
     """A campaign against one backend: every distinct failure within the budget, each shrunk, with its repro."""
     device = _device(args)
-    from moe_lora_harness.harness.campaign import Campaign, print_report, write_reports
-    from moe_lora_harness.harness.strategies import (claimed_cases, fuzz_sizes, palette_of, profile,
-                                                     wants_compile_classes)
+    from moe_lora_harness.harness.campaign import Campaign
+    from moe_lora_harness.harness.compile_classes import palette_of
+    from moe_lora_harness.harness.fuzz_report import print_report, write_reports
+    from moe_lora_harness.harness.profiles import draw_sizes
+    from moe_lora_harness.harness.strategies import claimed_cases, profile, wants_compile_classes
     specs = _backends(args)
     if len(specs) != 1:
         raise UsageError(f"fuzz one backend at a time (--only NAME); have {sorted(specs)}")
     (name, spec), = specs.items()
     level = fuzz_level(spec, args.level)
-    sizes = fuzz_sizes(device, level)
+    sizes = draw_sizes(device, level)
     # the search spends itself on what it claims (shapes from compile classes on a GPU unless --palette free)
     classes = wants_compile_classes(args.palette, device)
     strategy = claimed_cases(spec, device, level, compile_classes=classes, **sizes)
@@ -341,7 +342,7 @@ def cmd_fuzz(args) -> int:
         result = campaign.result
     finally:
         executor.close()
-    records = [f.record(device) for f in result.found]
+    records = [f.record() for f in result.found]
     fixed = [c.to_json() for c in result.fixed]
     summary = {"backend": name, "origin": spec.origin, "level": level, "device": device,
                "examples": result.examples, "seconds": round(result.seconds, 1), "stopped": result.exhausted,

@@ -1,46 +1,22 @@
 """Compile classes: a few dozen kernel shapes for fuzzing on a GPU, so the Triton kernel cache is reused.
 
-A Triton launch compiles once per specialization: its constexprs (block sizes, rank, slice count and flags
-read off the shapes) and, for each integer argument, whether it is 1 or a multiple of 16 (for each pointer,
-its 16-byte alignment). Measured on the H200 (bench/bench_fuzz.py --log-compiles), what recompiled our op
-inside a class of shapes was mostly such integer arguments: max_loras (1 or not), the output column offset
-(and the row stride it changes), the pair count; so max_loras and the offset are class axes too. Shapes drawn freely make almost every example a new compile (about a second each on
-the H200: most of an example's time). A palette fixes what kernels specialize on (dtype, w13 / w2 and slices,
-H, I, rank, top_k, layout, block_size_m, add_inputs, mul_routed_weight, max_loras, offset at op level;
-dtype, activation, H, I, rank, top_k, quant, bias, lora, max_loras at expert level; and a token window) to a set of CLASSES. The strategies
-(harness.strategies, `compile_classes=True`) draw one class, then everything else freely: the token count
-inside the window, the experts, the adapters' per-slot ranks, mapping, routing, shared factors, EP, TP,
-input scale, seed. Inside a class the kernels are compiled already.
-
-Bug-finding power is kept by construction. Each axis's values are the classes kernels break on (multiples
-of 64, of 16 not 64, of 8 not 16, odd, below 16; rank 1 / mid / 64 / past 64; top_k 1 / 2-4 / 5-8; the
-token windows either side of each block edge), and the palette is a pairwise covering design of them
-(harness.covering.all_pairs): every pair of values meets in some class. Concrete sizes rotate through a
-value's members from one class to the next (odd: 17, 63, 65, 129, 509, 1023), so a campaign meets several.
-A palette is built for one backend on one device from its declaration: only classes it claims; the pairs it
-cannot claim are listed (`Palette.unmet`), not silently dropped.
+A palette fixes what the kernels specialize on to a pairwise covering design of classes (every pair of values
+meets in some class); the strategies draw one class, then everything else freely. Built per backend and
+device from its declaration; the pairs it cannot claim are listed. docs/compile-classes.md says what
+recompiles and why bug-finding power is kept.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
+from moe_lora_harness.harness.axes import (BLOCK_SIZES_M, EXPERT_RANK_CLASSES, LORA_SLOT_CLASSES, OFFSET_CLASSES,
+                                           OP_RANK_CLASSES, SHAPES, TOP_K_CLASSES, declared_values, dim_members,
+                                           token_windows)
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.covering import Axis, _pairs, all_pairs
-from moe_lora_harness.harness.strategies import BLOCK_EDGES, declared_values
+from moe_lora_harness.harness.contract import support_for
+from moe_lora_harness.harness.covering import DesignAxis, _pairs, all_pairs
 
-# (label, members): a value of an axis and the concrete sizes it stands for, smallest first
-DIMS = (("aligned64", (64, 128, 256, 512, 1024)), ("mult16", (48, 80, 272, 784)), ("mult8", (24, 40, 72, 520)),
-        ("odd", (17, 63, 65, 129, 509, 1023)), ("tiny", (2, 7, 15)))
-OP_RANKS = (("1", (1,)), ("mid", (8, 16, 32)), ("64", (64,)), ("past64", (128, 256)))
-EXPERT_RANKS = (("1", (1,)), ("mid", (4, 8, 16)), ("32", (32,)))
-TOP_KS = (("1", (1,)), ("2-4", (2, 4, 3)), ("5-8", (8, 5, 6)))
-SHAPES = ("w13x2", "w13x1", "w2")       # op: which projection and how many output slices
-LORAS = (("1", (1,)), ("several", (2, 3, 4)))      # max_loras: Triton specializes an int argument equal to 1
-OFFSETS = (("0", (0,)), ("nonzero", (3, 17)))      # the output column offset (its alignment is specialized)
-BLOCK_MS = (16, 32, 64)
-FEW = 12                                # the "few" window: 0..12 tokens (decode-sized batches)
-BULK = (130, 256)                       # the "bulk" window (only where max_T reaches it: the GPU profile)
 INTERPRETER_NAIVE_TOKENS = 33           # naive layout under the interpreter: one program per (token, slot)
 SEEDS = 8                               # all_pairs candidates per row
 
@@ -69,20 +45,11 @@ class Palette:
         return f"Palette({self.level}: {len(self.classes)} classes, {len(self.unmet)} pairs unmet)"
 
 
-def _windows(max_T: int) -> tuple:
-    """(label, token counts) of the token axis: a few tokens, either side of each block edge, bulk."""
-    out = [("few", tuple(range(0, min(max_T, FEW) + 1)))]
-    out += [(f"edge{e}", (e - 1, e, e + 1)) for e in BLOCK_EDGES]
-    if max_T >= BULK[0]:
-        out.append(("bulk", tuple(range(BULK[0], min(max_T, BULK[1]) + 1))))
-    return tuple(out)
-
-
 def _dims(max_dim: int, min_dim: int) -> tuple:
-    """The DIMS values with members in [min_dim, max_dim] (multiples of 64 up to 128 always: the wide-tile
-    paths need them, as the free draws do)."""
+    """The dimension classes (harness.axes) with members in [min_dim, max_dim] (multiples of 64 up to 128
+    always: the wide-tile paths need them, as the free draws do)."""
     out = []
-    for label, members in DIMS:
+    for label, members in dim_members():
         most = max(max_dim, 128) if label == "aligned64" else max_dim
         keep = tuple(m for m in members if min_dim <= m <= most)
         if keep:
@@ -91,27 +58,27 @@ def _dims(max_dim: int, min_dim: int) -> tuple:
 
 
 def _axis(name, entries, note=""):
-    """An Axis whose values are labels, and {label: members}."""
+    """A design axis whose values are labels, and {label: members}."""
     entries = tuple(e if isinstance(e, tuple) else (e, (e,)) for e in entries)
-    return Axis(name, tuple(label for label, _ in entries), note), dict(entries)
+    return DesignAxis(name, tuple(label for label, _ in entries), note), dict(entries)
 
 
 def op_axes(dtypes, layouts, max_T: int, max_dim: int):
     """The op-level axes and each value's members."""
-    pairs = [_axis("dtype", dtypes), _axis("shape", SHAPES, "w13 with 2 / 1 slices, or w2"),
-             _axis("H", _dims(max_dim, 1)), _axis("I", _dims(max_dim, 1)), _axis("rank", OP_RANKS),
-             _axis("top_k", TOP_KS), _axis("layout", layouts), _axis("block_m", BLOCK_MS),
+    pairs = [_axis("dtype", dtypes), _axis("shape", tuple(SHAPES), "w13 with 2 / 1 slices, or w2"),
+             _axis("H", _dims(max_dim, 1)), _axis("I", _dims(max_dim, 1)), _axis("rank", OP_RANK_CLASSES),
+             _axis("top_k", TOP_K_CLASSES), _axis("layout", layouts), _axis("block_m", BLOCK_SIZES_M),
              _axis("add_inputs", (True, False)), _axis("mul", (True, False), "mul_routed_weight (w2: always)"),
-             _axis("loras", LORAS), _axis("offset", OFFSETS), _axis("tokens", _windows(max_T))]
+             _axis("loras", LORA_SLOT_CLASSES), _axis("offset", OFFSET_CLASSES), _axis("tokens", token_windows(max_T))]
     return tuple(a for a, _ in pairs), {a.name: m for a, m in pairs}
 
 
 def expert_axes(dtypes, activations, quants, max_T: int, max_dim: int):
     """The expert-level axes and each value's members."""
     pairs = [_axis("dtype", dtypes), _axis("activation", activations), _axis("H", _dims(max_dim, 2)),
-             _axis("I", _dims(max_dim, 2)), _axis("rank", EXPERT_RANKS), _axis("top_k", TOP_KS),
+             _axis("I", _dims(max_dim, 2)), _axis("rank", EXPERT_RANK_CLASSES), _axis("top_k", TOP_K_CLASSES),
              _axis("quant", quants), _axis("bias", (True, False)), _axis("lora", (True, False)),
-             _axis("loras", LORAS), _axis("tokens", _windows(max_T))]
+             _axis("loras", LORA_SLOT_CLASSES), _axis("tokens", token_windows(max_T))]
     return tuple(a for a, _ in pairs), {a.name: m for a, m in pairs}
 
 
@@ -124,7 +91,7 @@ def op_fields(v: dict, interpreter: bool) -> dict | None:
     """Case fields of an op class from concrete values `v`; None where the model has no such call."""
     if v["shape"] == "w2" and not v["mul"]:
         return None                      # vLLM's w2 multiplies by the routed weight
-    which, slices = {"w13x2": ("w13", 2), "w13x1": ("w13", 1), "w2": ("w2", 1)}[v["shape"]]
+    which, slices = SHAPES[v["shape"]]
     T = v["tokens"]
     if interpreter and v["layout"] == "naive" and T > INTERPRETER_NAIVE_TOKENS:
         return None                      # the interpreter runs one program per (token, slot): too slow
@@ -198,7 +165,6 @@ def build(level: str, claimed, axes, members, interpreter: bool) -> Palette:
 
 def palette_for(spec, device: str, level: str, max_T: int, max_dim: int) -> Palette:
     """The palette of `level` ("op" or "expert") that `spec` claims on `device`, at a size profile."""
-    from moe_lora_harness.harness.contract import support_for
     v = declared_values(spec, device)
     claimed = lambda c: support_for(spec, c, device)[0]   # noqa: E731
     interpreter = not str(device).startswith("cuda")
@@ -207,6 +173,19 @@ def palette_for(spec, device: str, level: str, max_T: int, max_dim: int) -> Pale
     else:
         axes, members = expert_axes(v["dtypes"], v["activations"], v["quants"], max_T, max_dim)
     return build(level, claimed, axes, members, interpreter)
+
+
+_PALETTES: dict = {}
+
+
+def palette_of(spec, device: str, level: str, max_T: int, max_dim: int) -> Palette:
+    """`palette_for`, built once per (backend, device, level, size profile); the ep level shares the expert
+    palette."""
+    level = "op" if level == "op" else "expert"
+    key = (id(spec), str(device), level, max_T, max_dim)
+    if key not in _PALETTES or _PALETTES[key][0] is not spec:
+        _PALETTES[key] = (spec, palette_for(spec, device, level, max_T, max_dim))
+    return _PALETTES[key][1]
 
 
 def class_of(case: Case, palette: Palette):

@@ -17,44 +17,62 @@ that cannot meet are left out, each with its reason (`excluded_pairs`): the ones
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
 
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.axes import (AXES, GATED_TURNS, NON_GATED_TURNS, SINGLE_RANK_MAPPINGS, split_tokens,
+                                           values_of)
+from moe_lora_harness.harness.case import CLAMP_MAGNITUDE, DTYPES, LAYOUTS, OUTLIER_TOKENS, WHICH, Case
+from moe_lora_harness.harness.profiles import SMALL
 
 
 @dataclass(frozen=True)
-class Axis:
+class DesignAxis:
+    """An axis of a design: its name (an axis of harness.axes) and the values a row takes, in the order the
+    greedy construction prefers them (its ties go to the earliest)."""
+
     name: str
     values: tuple
     note: str = ""
 
 
+def _last(values, *last) -> tuple:
+    """`values` with `last` moved to the end: the order a design visits them in (its rows follow from it)."""
+    return tuple(v for v in values if v not in last) + last
+
+
+def _axis(name: str, values=None, note: str = "") -> DesignAxis:
+    """The design axis over the harness.axes axis `name`: its class labels, or `values` (its raw values)."""
+    return DesignAxis(name, AXES[name].values if values is None else values, note or AXES[name].note)
+
+
+MAPPING_ORDER = _last(SINGLE_RANK_MAPPINGS, "skewed")
+DTYPE_ORDER = _last(DTYPES, "bfloat16")     # bf16 only where the size profile's device has it
 OP_AXES = (
-    Axis("mapping", ("uniform", "mixed", "none", "disabled", "skewed"), "token -> LoRA slot pattern"),
-    Axis("rank", ("1", "mid", "64+", "padded"), "rank class: 1, 8..16, >= 64, slots of ranks (1, R/2, R)"),
-    Axis("align", ("aligned64", "mult8", "odd"), "K / N: multiples of 64, of 8 but not 16, odd"),
-    Axis("dtype", ("float16", "float32", "bfloat16"), "bf16 only where the size profile's device has it"),
-    Axis("tokens", ("few", "block+1", "2blocks+1"), "T <= 16, one past a 16-row block, one past two"),
-    Axis("path", ("sorted", "naive"), "sorted (align) or naive (one pair per program) block assignment"),
-    Axis("slices", (1, 2), "w13 output slices"),
-    Axis("which", ("w13", "w2"), "w2: x is (T*k, I), N = H, mul_routed_weight"),
-    Axis("offset", ("0", "nonzero"), "column offset into the output"),
-    Axis("add_inputs", (True, False)),
-    Axis("ep", ("no", "expert_map"), "EP: an expert_map (ep 2, rank 1)"),
+    _axis("mapping", MAPPING_ORDER, "token -> LoRA slot pattern"),
+    _axis("rank_class"),
+    _axis("align", note="K / N: multiples of 64, of 8 but not 16, odd"),
+    _axis("dtype", DTYPE_ORDER, "bf16 only where the size profile's device has it"),
+    _axis("token_edge"),
+    _axis("layout", LAYOUTS, "sorted (align) or naive (one pair per program) block assignment"),
+    _axis("slices", (1, 2), "w13 output slices"),
+    _axis("which", WHICH, "w2: x is (T*k, I), N = H, mul_routed_weight"),
+    _axis("offset", note="column offset into the output"),
+    _axis("add_inputs", (True, False)),
+    _axis("ep", AXES["ep"].values[:2], "EP: an expert_map (ep 2, rank 1)"),
 )
 
 EXPERT_AXES = (
-    Axis("mapping", ("uniform", "mixed", "none", "disabled", "skewed"), "token -> LoRA slot pattern"),
-    Axis("activation", ("gated", "non-gated", "swigluoai"),
-         "gated / non-gated rows take the next activation of their class in turn"),
-    Axis("ep", ("none", "expert_map", "dispatched"), "none, one rank's expert_map, dispatched ranks (2)"),
-    Axis("dtype", ("float16", "float32", "bfloat16"), "bf16 only where the size profile's device has it"),
-    Axis("input", ("plain", "magnitude", "outliers"), "hidden states x 1, x 8 (past the clamps), 2 tokens x 30"),
-    Axis("lora", (True, False)),
-    Axis("bias", (True, False)),
-    Axis("tokens", ("few", "block+1"), "T <= 16 or one past a 16-row block"),
+    _axis("mapping", MAPPING_ORDER, "token -> LoRA slot pattern"),
+    _axis("activation_class", note="gated / non-gated rows take the next activation of their class in turn"),
+    _axis("ep", note="none, one rank's expert_map, dispatched ranks (2)"),
+    _axis("dtype", DTYPE_ORDER, "bf16 only where the size profile's device has it"),
+    _axis("input", note="hidden states x 1, x 8 (past the clamps), 2 tokens x 30"),
+    _axis("lora", (True, False)),
+    _axis("bias", (True, False)),
+    _axis("token_edge", AXES["token_edge"].values[:2], "T <= 12 or one past a 16-row block"),
 )
 
 # Pairs the model has no call for (Case.problems() accepts them, but the case would not realise both values).
@@ -62,17 +80,8 @@ MODEL_RULES = (
     (("which", "w2"), ("slices", 2), "w2 has one output slice in vLLM (the H-wide down projection)"),
 )
 
-GATED_CYCLE = ("silu", "gelu", "gelu_tanh", "situ", "swiglustep", "swigluoai_uninterleave")
-NON_GATED_CYCLE = ("silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul")
-CLAMP_MAGNITUDE = 8.0   # swigluoai / swiglustep clamp at 7: std-8 pre-activations pass it about half the time
-OUTLIER_TOKENS = 2
-
 
 # -- size profiles -------------------------------------------------------------------------------------------
-
-def _large(s) -> bool:
-    return s.H >= 256
-
 
 def _dtype(value: str, s) -> str:
     """The row's dtype on this profile: bf16 becomes fp32 where the profile's device has no bf16 (the
@@ -83,13 +92,11 @@ def _dtype(value: str, s) -> str:
 def _tokens(value: str, s, i: int) -> int:
     if value == "few":
         return 3 + i % 6          # 3..8 (decode-sized batches; on a GPU too)
-    block = 16
-    past = 1 if value == "block+1" else 2
-    return (8 * block if _large(s) else block) * past + 1   # 17 / 33; GPU 129 / 257
+    return s.past_blocks[0 if value == "block+1" else 1]     # 17 / 33; GPU 129 / 257
 
 
 def _align(value: str, s) -> tuple:
-    if _large(s):
+    if not s.small:
         return {"aligned64": (512, 384), "mult8": (520, 392), "odd": (509, 381)}[value]
     return {"aligned64": (64, 64), "mult8": (40, 24), "odd": (37, 29)}[value]
 
@@ -98,13 +105,13 @@ def op_fields(row: dict, s, i: int = 0) -> dict:
     """Case fields (on top of a feature's base) of op row `row` on size profile `s`; `i` (row number + case
     index) varies what the row leaves free (a few tokens: T = 3..8)."""
     H, I = _align(row["align"], s)
-    R = {"1": 1, "mid": 16, "64+": 128 if _large(s) else 64, "padded": 16}[row["rank"]]
+    R = {"1": 1, "mid": 16, "64+": 64 if s.small else 128, "padded": 16}[row["rank_class"]]
     f = dict(level="op", H=H, I=I, E=s.E, top_k=s.top_k, max_loras=3, max_rank=R,
-             ranks=(1, R // 2, R) if row["rank"] == "padded" else (),
-             dtype=_dtype(row["dtype"], s), T=_tokens(row["tokens"], s, i), layout=row["path"],
+             ranks=(1, R // 2, R) if row["rank_class"] == "padded" else (),
+             dtype=_dtype(row["dtype"], s), T=_tokens(row["token_edge"], s, i), layout=row["layout"],
              mapping=row["mapping"], add_inputs=row["add_inputs"],
-             offset=0 if row["offset"] == "0" else (37 if _large(s) else 5))
-    if row["path"] == "naive" and row["tokens"] != "few" and not _large(s):
+             offset=0 if row["offset"] == "0" else (5 if s.small else 37))
+    if row["layout"] == "naive" and row["token_edge"] != "few" and s.small:
         f["top_k"] = 1      # naive: one interpreted program per (token, slot); T past a block is the point here
     if row["which"] == "w2":
         f.update(which="w2", num_slices=1, mul_routed_weight=True)
@@ -115,23 +122,16 @@ def op_fields(row: dict, s, i: int = 0) -> dict:
     return f
 
 
-def _split(T: int, shares) -> tuple:
-    total = sum(shares)
-    counts = [T * w // total for w in shares]
-    counts[-1] += T - sum(counts)
-    return tuple(counts)
-
-
 def expert_fields(row: dict, s, i: int = 0, k: int = 0) -> dict:
     """Case fields of expert row `row` on profile `s`; `i` (row number + case index) varies what the row leaves
     free (T, H); `k` = how many earlier rows had the same activation class (the activation taken in turn)."""
-    act = {"gated": GATED_CYCLE[k % len(GATED_CYCLE)], "non-gated": NON_GATED_CYCLE[k % len(NON_GATED_CYCLE)],
-           "swigluoai": "swigluoai"}[row["activation"]]
-    T = _tokens(row["tokens"], s, i)
+    act = {"gated": GATED_TURNS[k % len(GATED_TURNS)], "non-gated": NON_GATED_TURNS[k % len(NON_GATED_TURNS)],
+           "swigluoai": "swigluoai"}[row["activation_class"]]
+    T = _tokens(row["token_edge"], s, i)
     if row["ep"] == "dispatched":
         T = max(T, 4)
-    H = s.H if _large(s) else (64, 48, 40, 56)[i % 4]
-    I = s.I if _large(s) else 32
+    H = (64, 48, 40, 56)[i % 4] if s.small else s.H
+    I = 32 if s.small else s.I
     f = dict(level="expert", H=H, I=I, E=s.E, top_k=s.top_k, max_loras=3, max_rank=s.max_rank, T=T,
              dtype=_dtype(row["dtype"], s), activation=act, lora=row["lora"], bias=row["bias"],
              mapping=row["mapping"])
@@ -142,7 +142,7 @@ def expert_fields(row: dict, s, i: int = 0, k: int = 0) -> dict:
     if row["ep"] == "expert_map":
         f.update(ep_size=2, ep_rank=i % 2, E=2 * s.E)
     elif row["ep"] == "dispatched":
-        f.update(ep_size=2, ep_tokens=_split(T, (1, 2)), E=2 * s.E)
+        f.update(ep_size=2, ep_tokens=split_tokens(T, (1, 2)), E=2 * s.E)
     return f
 
 
@@ -150,44 +150,11 @@ def expert_fields(row: dict, s, i: int = 0, k: int = 0) -> dict:
 
 def classify_op(c: Case) -> dict:
     """The OP_AXES values a case realises (its dtype as is: a bf16 row run as fp32 reads as fp32)."""
-    if c.max_rank == 1:
-        rank = "1"
-    elif c.ranks and len(set(r for r in c.slot_ranks if r)) > 1:
-        rank = "padded"
-    elif c.max_rank >= 64:
-        rank = "64+"
-    else:
-        rank = "mid"
-    if c.H % 64 == 0 and c.I % 64 == 0:
-        align = "aligned64"
-    elif c.H % 8 == 0 and c.I % 8 == 0 and c.H % 16 and c.I % 16:
-        align = "mult8"
-    elif c.H % 2 and c.I % 2:
-        align = "odd"
-    else:
-        align = "other"
-    return dict(mapping=c.mapping, rank=rank, align=align, dtype=c.dtype, tokens=_token_class(c.T),
-                path=c.layout, slices=c.num_slices, which=c.which, offset="0" if c.offset == 0 else "nonzero",
-                add_inputs=c.add_inputs, ep="expert_map" if c.ep_size > 1 else "no")
-
-
-def _token_class(T: int) -> str:
-    if T <= 16:
-        return "few"
-    if T in (17, 129):
-        return "block+1"
-    if T in (33, 257):
-        return "2blocks+1"
-    return "other"
+    return values_of(c, [ax.name for ax in OP_AXES])
 
 
 def classify_expert(c: Case) -> dict:
-    from moe_lora_harness.reference.activations import is_gated
-    act = "swigluoai" if c.activation == "swigluoai" else ("gated" if is_gated(c.activation) else "non-gated")
-    ep = "dispatched" if c.dispatched else ("expert_map" if c.ep_size > 1 else "none")
-    inp = "outliers" if c.outliers else ("magnitude" if c.magnitude >= 7 else "plain")
-    return dict(mapping=c.mapping, activation=act, ep=ep, dtype=c.dtype, input=inp, lora=c.lora, bias=c.bias,
-                tokens="few" if c.T <= 16 else "block+1")
+    return values_of(c, [ax.name for ax in EXPERT_AXES])
 
 
 # -- the construction -----------------------------------------------------------------------------------------
@@ -302,7 +269,7 @@ class Design:
         row = self.rows[i]
         if self.level == "op":
             return op_fields(row, s, i + index)
-        k = sum(1 for r in self.rows[:i] if r["activation"] == row["activation"])
+        k = sum(1 for r in self.rows[:i] if r["activation_class"] == row["activation_class"])
         return expert_fields(row, s, i + index, k)
 
     def describe(self, i: int) -> str:
@@ -311,9 +278,7 @@ class Design:
 
 def _reference_sizes():
     """The profile validity is judged on (the small one, every dtype allowed): pairs are profile-independent."""
-    from types import SimpleNamespace
-    return SimpleNamespace(T=6, H=64, I=48, E=4, top_k=2, max_rank=8, dtype="float16",
-                           dtypes=("float16", "float32", "bfloat16"))
+    return dataclasses.replace(SMALL, dtypes=DTYPES)
 
 
 # candidates per row: the greedy's row count varies with it (a few rows either way); these gave the fewest rows

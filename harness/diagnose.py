@@ -1,38 +1,8 @@
-"""Precision diagnosis: which rounding model a failing kernel's output follows.
+"""Precision diagnosis: which rounding model a failing kernel's output follows, or that none does.
 
-A case that fails its bound (compare.py's per-element or aggregate check) without a gross error is
-re-judged against alternative rounding models the reference computes (reference.precision.VARIANTS:
-TF32 or bf16 GEMM operands, the rank intermediate unrounded or rounded twice, fp16 accumulation, the
-output rounded twice), each composed with the path preset the backend declared. For every model two
-numbers, both compare.py's aggregate statistic (`compare_written(...).ratio`, nothing recomputed here):
-
-* `ratio`: the verdict against that model: ||out - truth|| / max(||emu - truth||, floor), the statistic the
-  harness bounds by 3. It says whether the output would pass had the backend declared that model.
-* `distance`: the same statistic with the roles of truth and emulation swapped,
-  ||out - emu|| / max(||truth - emu||, floor'): how far the output is from that model's emulation in units
-  of the model's own error (floor' is compare.py's floor with ||emu|| for ||truth||, a relative difference
-  of at most one rounding). `ratio` alone cannot name a model: every model with a larger error than the
-  kernel's has a small ratio. The output's own model has a distance far below 1 (0 when it rounds at the
-  very points the emulation does); a model it does not follow has a distance near 1 (coarser model) or
-  well above (finer model).
-
-The match is the model with the smallest distance, provided the output passes against it (at the bound that
-model is judged at when declared: reference.precision.bound_dtype), its distance is at most MATCH_DISTANCE =
-1/sqrt(2) and at most MARGIN times the declared model's. An output whose error is independent of a model's
-sits at distance >= ~1 from it (the two errors add in quadrature); below 1/sqrt(2) the output shares more than
-half of the model's error energy (the bf16-operands mutant, which keeps the rank intermediate in fp16 while the
-model rounds it to bf16 too, sits at ~0.5; an exact emulation of a model at 0). Otherwise the diagnosis says no
-rounding model explains the failure.
-
-Gross errors are not diagnosed (diagnose returns None): an element off by more than GROSS_REL of its
-forward-error scale (|prev| + |w||B||A||x| at op level). Every model offered changes an element by at most a
-few unit roundoffs of its coarsest format times that scale (bf16 operands through two chained GEMMs:
-about 3 u_bf16 = 2^-6.4; fp16 accumulation over K: about sqrt(K) u_fp16 typically, 2^-6 at K = 1024),
-whereas a semantic bug moves it by O(|delta|), typically 2^-4 of scale or more. The threshold is relative to
-the scale, not to the dtype's per-element bound, because the bound is dtype-specific: TF32 operands on fp32
-put elements at 10^2-10^3 times the fp32 bound (2^13 times fp32's epsilon, before cancellation), while a
-dropped delta in bf16 can stay under 64 times the bf16 bound. The threshold is only a filter: below it the
-verdict still rests on a model matching.
+A bound failure that is not gross is re-judged against the reference's alternative rounding models
+(reference.precision.VARIANTS); the nearest that passes and shares most of its error is named.
+docs/error-model.md ("Precision diagnosis") gives the two statistics and why the thresholds are what they are.
 """
 from __future__ import annotations
 
@@ -41,13 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lora_harness.harness.builders import torch_dtype
+from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import RATIO, compare_written
+from moe_lora_harness.harness.expectation import judging, op_reference
+from moe_lora_harness.harness.expert_runner import expert_expectations
 from moe_lora_harness.reference.precision import PRESETS, VARIANTS, bound_dtype, compose, precision, split_name
 
 GROSS_REL = 2.0 ** -5      # worst |out - truth| / scale above this: a gross (semantic) error, not diagnosed
-MATCH_DISTANCE = 2 ** -0.5  # a model matches when the output is at most this far from its emulation (see above)
+MATCH_DISTANCE = 2 ** -0.5  # a model matches an output this near its emulation (docs/error-model.md)
 MARGIN = 0.5               # ... and at most this fraction of its distance from the declared model's emulation
 
 _DIAGNOSED_KINDS = ("element", "aggregate")
@@ -121,18 +93,10 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     return [n for n in names if n != backend_precision]
 
 
-def _judging(case: Case, truth):
-    from moe_lora_harness.harness.runner import judging
-    return judging(case, truth)
-
-
 def _emulation(case: Case, name: str) -> torch.Tensor:
     """The value of the rounding model `name` on the case's inputs (rebuilt from its seed)."""
     if case.level == "op":
-        from moe_lora_harness.harness.builders import build_op_inputs
-        from moe_lora_harness.harness.runner import op_reference
         return op_reference(case, build_op_inputs(case, "cpu"), name).value
-    from moe_lora_harness.harness.expert_runner import expert_expectations
     return expert_expectations(case, name, emulation_only=True)[2].value
 
 
@@ -161,7 +125,7 @@ def model_fits(case: Case, backend_precision: str, output: torch.Tensor, truth) 
     gating: a passing or grossly wrong output gets its fits too (e.g. to see which model a passing kernel
     follows most closely)."""
     dtype = torch_dtype(case)
-    written, k_plus_r, _ = _judging(case, truth)
+    written, k_plus_r, _ = judging(case, truth)
     out = output.detach().cpu()
     return [_fit(n, describe(n), out, truth, _emulation(case, n), written, dtype, k_plus_r)
             for n in [backend_precision] + alternatives(backend_precision, dtype)]
@@ -178,7 +142,7 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
     if truth is None:
         return None
     dtype = torch_dtype(case)
-    written, k_plus_r, _ = _judging(case, truth)
+    written, k_plus_r, _ = judging(case, truth)
     out = output.detach().cpu()
     declared_emu = _emulation(case, backend_precision)
     verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,

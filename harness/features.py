@@ -10,54 +10,25 @@ the rows the pairwise ones subsume run one case (SUBSUMED_BY_PAIRWISE), to keep 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from moe_lora_harness.harness.case import SUBNORMAL_EXPERT_MAGNITUDE, SUBNORMAL_OP_MAGNITUDE, Case
+from moe_lora_harness.harness.axes import split_tokens
+from moe_lora_harness.harness.case import (CLAMP_MAGNITUDE, OUTLIER_SCALE, OUTLIER_TOKENS, SUBNORMAL_EXPERT_MAGNITUDE,
+                                           SUBNORMAL_OP_MAGNITUDE, Case)
+from moe_lora_harness.harness.covering import design
+from moe_lora_harness.harness.profiles import Shapes, shapes_for
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Shape scale for a device: small under the Triton interpreter, real on a GPU."""
-
-    T: int
-    H: int
-    I: int
-    E: int
-    top_k: int
-    max_rank: int
-    dtype: str
-    dtypes: tuple = ("float16", "float32")   # what this profile's device computes in, `dtype` first
-    small: bool = True                        # the interpreter-sized profile (Feature.small_cases applies)
-
-
-SMALL = Sizes(T=6, H=64, I=48, E=4, top_k=2, max_rank=8, dtype="float16")
-LARGE = Sizes(T=96, H=512, I=384, E=16, top_k=4, max_rank=32, dtype="bfloat16",
-              dtypes=("bfloat16", "float32", "float16"), small=False)
-
-
-SIZES_ENV = "MOE_LORA_HARNESS_SIZES"   # small | large: override the per-device default
-
-
-def sizes_for(device: str) -> Sizes:
-    """SMALL under the interpreter, LARGE on a GPU, unless MOE_LORA_HARNESS_SIZES says otherwise."""
-    import os
-    forced = os.environ.get(SIZES_ENV, "")
-    if forced:
-        if forced not in ("small", "large"):
-            raise ValueError(f"{SIZES_ENV} must be 'small' or 'large'; got {forced!r}")
-        return LARGE if forced == "large" else SMALL
-    return LARGE if str(device).startswith("cuda") else SMALL
 
 
 @dataclass(frozen=True)
 class Feature:
     name: str
     level: str
-    make: Callable[[Sizes], dict]     # Case fields on top of the base for these sizes
+    make: Callable[[Shapes], dict]     # Case fields on top of the base for these sizes
     note: str = ""
-    per_case: Callable[[Sizes, int], dict] | None = None   # case i's own fields, on top of make's
+    per_case: Callable[[Shapes, int], dict] | None = None   # case i's own fields, on top of make's
     max_cases: int | None = None      # at most this many cases (a covering row is one point: seeds add no pair)
     vary_h: bool = True               # cases after the first take another H (when make leaves H alone)
     small_cases: int | None = None    # at most this many on the small profile (the interpreter's time)
@@ -66,7 +37,7 @@ class Feature:
         """`n` cases (distinct seeds; at most max_cases) for this feature on `device`. Case 0 is the feature
         on the profile's base shapes; later ones vary H where the feature leaves it free (check's H is not
         always 64) and whatever `per_case` varies."""
-        s = sizes_for(device)
+        s = shapes_for(device)
         base = dict(level=self.level, T=s.T, H=s.H, I=s.I, E=s.E, top_k=s.top_k, max_rank=s.max_rank,
                     dtype=s.dtype, max_loras=3, mapping="uniform")
         made = self.make(s)
@@ -82,7 +53,7 @@ class Feature:
         return out
 
 
-def _other_h(s: Sizes, name: str, i: int) -> int:
+def _other_h(s: Shapes, name: str, i: int) -> int:
     """An H other than the profile's for case i >= 1 of a feature (fixed by the feature's name): 3/4, 5/4, 5/8
     or 3/2 of it (small: 48, 80, 40, 96, none a multiple of 64; large: 384, 640, 320, 768)."""
     alts = (s.H * 3 // 4, s.H * 5 // 4, s.H * 5 // 8, s.H * 3 // 2)
@@ -144,25 +115,16 @@ OP_FEATURES = (
 ACTIVATION_NAMES = SUPPORTED_ACTIVATIONS   # the reference's list: one feature row each
 
 
-def _split(T: int, shares) -> tuple:
-    """T tokens over len(shares) EP ranks in proportion to `shares` (0 gives a rank no tokens); sums to T."""
-    total = sum(shares)
-    counts = [T * w // total for w in shares]
-    counts[max(range(len(shares)), key=lambda r: shares[r])] += T - sum(counts)
-    return tuple(counts)
-
-
 def _ep(s, ep=2, shares=None, **kw):
     """A dispatched-EP case: ep ranks, each with E experts of its own (E global = ep * E), tokens per `shares`."""
     shares = shares or tuple(range(1, ep + 1))          # uneven by default: 1 : 2 : ... : ep
     T = max(s.T, 12)                                     # enough tokens that every share shows
-    return dict(dict(T=T, ep_size=ep, ep_tokens=_split(T, shares), E=ep * s.E), **kw)
+    return dict(dict(T=T, ep_size=ep, ep_tokens=split_tokens(T, shares), E=ep * s.E), **kw)
 
 
-def _past_block(s: Sizes, i: int) -> int:
-    """One token past a block (16 rows; GPU: 128), then past two: 17, 33 (GPU 129, 257)."""
-    block = 16 if s.small else 128
-    return block * (1 + i % 2) + 1
+def _past_block(s: Shapes, i: int) -> int:
+    """One token past the profile's block (16 rows; GPU: 128), then past two: 17, 33 (GPU 129, 257)."""
+    return s.past_blocks[i % 2]
 
 
 def _act(name):
@@ -215,10 +177,11 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: top_k 8, E 16", "expert", lambda s: dict(top_k=8, E=16, T=max(4, s.T * 2 // 3), H=s.H * 3 // 4,
                                                          I=s.I * 2 // 3), small_cases=1),
     Feature("experts: many experts, few tokens (E=64, T=5)", "expert", lambda s: dict(E=64, T=5), small_cases=1),
-    Feature("experts: swigluoai at its clamp (magnitude 8, biases)", "expert",
-            lambda s: dict(activation="swigluoai", magnitude=8.0, bias=True), small_cases=1,
+    Feature(f"experts: swigluoai at its clamp (magnitude {CLAMP_MAGNITUDE:g}, biases)", "expert",
+            lambda s: dict(activation="swigluoai", magnitude=CLAMP_MAGNITUDE, bias=True), small_cases=1,
             note="pre-activations ~ N(0, 8^2): about half pass swigluoai's limit 7"),
-    Feature("experts: outlier tokens (2 tokens x30)", "expert", lambda s: dict(outliers=2), small_cases=1),
+    Feature(f"experts: outlier tokens ({OUTLIER_TOKENS} tokens x{OUTLIER_SCALE:g})", "expert",
+            lambda s: dict(outliers=OUTLIER_TOKENS), small_cases=1),
     Feature("experts: subnormal activations (float16, hidden states times 2^-10)", "expert",
             lambda s: dict(dtype="float16", magnitude=SUBNORMAL_EXPERT_MAGNITUDE), small_cases=1,
             note="a gated activation multiplies two pre-activations near 1e-3: products below float16's smallest "
@@ -229,7 +192,6 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
 def _pairwise(level: str) -> tuple:
     """One row per case of the level's pairwise covering design (harness.covering): every pair of values of
     the risky axes meets in one of them. One case each (another seed meets no other pair)."""
-    from moe_lora_harness.harness.covering import design
     d = design(level)
     label = "op" if level == "op" else "expert"
     return tuple(Feature(f"pairwise {label} #{i + 1}", level, (lambda s, i=i: d.fields(i, s)),
@@ -252,7 +214,6 @@ SUBSUMED_BY_PAIRWISE = (
 
 
 def _one_on_small(features):
-    import dataclasses
     return tuple(dataclasses.replace(f, small_cases=1) if f.name in SUBSUMED_BY_PAIRWISE else f for f in features)
 
 

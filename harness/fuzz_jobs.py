@@ -18,6 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
+
+from moe_lora_harness.harness.fuzz_report import FailureRecord, print_report, write_reports
+from moe_lora_harness.harness.worker import child_env
 
 SEED_STRIDE = 1000     # job i searches from seed + i * SEED_STRIDE when --seed is given
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # oversubscribed torch threads cost more than they give
@@ -29,22 +33,21 @@ def child_argv(argv: list, i: int, out_dir: str) -> list:
             "--out", out_dir]
 
 
-def _records(job_dir: pathlib.Path) -> list:
-    return [json.loads(p.read_text()) for p in sorted(job_dir.glob("failure-*.json"))]
+def _records(job_dir: pathlib.Path, job: int) -> list:
+    """The FailureRecords job `job` wrote."""
+    return [replace(FailureRecord.from_json(json.loads(p.read_text())), job=job)
+            for p in sorted(job_dir.glob("failure-*.json"))]
 
 
 def distinct(records: list) -> list:
     """The records one campaign would have kept: fully shrunk first, then by time found, a record is dropped
     when its class and case match a kept one's signature (its class, and the values its minimal case needs),
     as a campaign stops hunting a signature once found. Two jobs' partly shrunk finds of one bug merge so."""
-    from moe_lora_harness.harness.campaign import record_matches, record_signature
-    kept, sigs = [], []
-    for r in sorted(records, key=lambda r: (not r.get("shrunk", True), r["seconds"])):
-        if any(record_matches(r, sig) for sig in sigs):
-            continue
-        kept.append(r)
-        sigs.append(record_signature(r))
-    return sorted(kept, key=lambda r: r["seconds"])
+    kept = []
+    for r in sorted(records, key=lambda r: (not r.shrunk, r.seconds)):
+        if not any(r.fits(k.signature) for k in kept):
+            kept.append(r)
+    return sorted(kept, key=lambda r: r.seconds)
 
 
 def merge(job_dirs: list) -> dict:
@@ -56,9 +59,7 @@ def merge(job_dirs: list) -> dict:
             errors.append(i)
             continue
         summaries.append(json.loads(path.read_text()))
-        for rec in _records(d):
-            rec["job"] = i
-            found.append(rec)
+        found += _records(d, i)
     records = distinct(found)
     return {"jobs": len(job_dirs), "job_errors": errors, "summaries": summaries, "records": records,
             "examples": sum(s["examples"] for s in summaries),
@@ -70,8 +71,6 @@ def merge(job_dirs: list) -> dict:
 def run_jobs(argv: list, jobs: int, out: str | None, junit: str | None, name: str, level: str, device: str,
              quiet: bool) -> int:
     """Run `jobs` campaigns of the fuzz command `argv` at once; print and write the merged report."""
-    from moe_lora_harness.harness.campaign import print_report, write_reports
-    from moe_lora_harness.harness.worker import child_env
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="moe-lora-fuzz-jobs-"))
     dirs = [tmp / f"job-{i}" for i in range(jobs)]
     logs = [open(tmp / f"job-{i}.log", "wb") for i in range(jobs)]

@@ -4,10 +4,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from moe_lora_harness.harness.runner import Outcome
-
-_ORDER = ("fail", "xpass", "pass", "xfail", "works-unclaimed", "not-runnable", "unsupported")
-_NO_VERDICT = ("unsupported", "not-runnable")     # declined by the backend / not runnable on this machine
+from moe_lora_harness.harness.runner import NO_VERDICT, STATUSES, Outcome
 
 
 def cell(outcomes: list[Outcome]) -> dict:
@@ -15,7 +12,7 @@ def cell(outcomes: list[Outcome]) -> dict:
     counts = defaultdict(int)
     for o in outcomes:
         counts[o.status] += 1
-    status = next((s for s in _ORDER if counts.get(s)), "none")
+    status = next((s for s in STATUSES if counts.get(s)), "none")   # worst first
     reason = next((o.reason for o in outcomes if o.status == status and o.reason), "")
     kinds = defaultdict(int)
     for o in outcomes:
@@ -46,7 +43,7 @@ def _short(c: dict) -> str:
         here = c["counts"].get("not-runnable", 0)
         return (f"pass {c['counts']['pass']}/{n}" + (f" ({extra} unsup.)" if extra else "")
                 + (f" ({here} not runnable here)" if here else ""))
-    if s in _NO_VERDICT:
+    if s in NO_VERDICT:
         return s
     if s in ("fail", "xpass"):
         return f"{s.upper()} {c['counts'][s]}/{n}"
@@ -87,7 +84,7 @@ def to_markdown(matrix: dict, features: list[str], header: str = "") -> str:
             c = matrix[b].get(f)
             if c is None:
                 cells.append("")
-            elif c["status"] in _NO_VERDICT:
+            elif c["status"] in NO_VERDICT:
                 cells.append(f"{c['status']}: {c['reason']}")
             else:
                 cells.append(_short(c))
@@ -128,7 +125,7 @@ def matrix_junit_cases(matrix: dict, suite: str = "check") -> list[dict]:
     cases = []
     for backend, feats in matrix.items():
         for feature, c in feats.items():
-            status = {"fail": "fail", "xpass": "fail", "unsupported": "skip", "not-runnable": "skip"}.get(c["status"], "pass")
+            status = "fail" if c["status"] in ("fail", "xpass") else "skip" if c["status"] in NO_VERDICT else "pass"
             cases.append(dict(classname=f"{suite}.{backend}", name=feature, status=status,
                               message=c["reason"] or ", ".join(f"{k}={v}" for k, v in c["kinds"].items()),
                               detail="\n\n".join(c["failures"])))

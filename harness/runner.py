@@ -14,18 +14,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
+from moe_lora_harness.harness.builders import torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
 from moe_lora_harness.harness.contract import BackendSpec, known_bug_for, must_reject, support_for
+from moe_lora_harness.harness.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
+from moe_lora_harness.harness.expectation import judging, op_expectations
 from moe_lora_harness.harness.interpreter import cannot_run_here
-from moe_lora_harness.op_contract.validate import validate_call
-from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
-from moe_lora_harness.reference.precision import precision as make_precision
 
-# not-runnable: the case ran where its result says nothing about the kernel (harness.interpreter); no verdict
-STATUSES = ("pass", "fail", "unsupported", "not-runnable", "xfail", "xpass", "works-unclaimed")
+# an Outcome's statuses, worst first: a check-matrix cell shows the worst of its outcomes (harness.report).
+# not-runnable: the case ran where its result says nothing about the kernel (harness.interpreter): no verdict
+STATUSES = ("fail", "xpass", "pass", "xfail", "works-unclaimed", "not-runnable", "unsupported")
+NO_VERDICT = ("unsupported", "not-runnable")     # declined by the backend / not runnable on this machine
 DEFAULT_RERUNS = 2
 
 
@@ -48,6 +49,7 @@ class Outcome:
     runs: list = field(default_factory=list)    # each run's signature, when the case was run more than once
     seconds: float = 0.0
     message: str = ""                           # a failure's one-line message (exception type and text, bound)
+    repro: str = ""                             # a failure's REPRO command (`repro_command`)
     probed: bool = False                        # a declined case run anyway (--probe-unsupported): `kind` is how
                                                 # it failed, as declared
 
@@ -58,7 +60,7 @@ class Outcome:
     @property
     def judged(self) -> bool:
         """A verdict was reached: the case was neither declined nor unrunnable on this machine."""
-        return self.status not in ("unsupported", "not-runnable")
+        return self.status not in NO_VERDICT
 
 
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
@@ -91,21 +93,6 @@ class Expectation:
     before: torch.Tensor | None = None
     bound_dtype: torch.dtype | None = None     # the dtype whose epsilon the bound uses (the declared model's)
     precision: str = ""                        # the rounding model the backend declares for the case here
-
-
-def op_reference(case: Case, cpu, precision_name: str | None = None):
-    """The float64 truth with its magnitudes (precision_name None), or the emulation of `precision_name`
-    (its value only: every emulation is judged with the truth's magnitudes)."""
-    prec = (make_precision("exact", None) if precision_name is None
-            else make_precision(precision_name, torch_dtype(case)))
-    return fused_moe_lora_expected(validate_call(**cpu.call_kwargs()), precision=prec,
-                                   magnitudes=precision_name is None)
-
-
-def op_expectations(case: Case, backend_precision: str):
-    """(cpu inputs, truth, emulation) for an op-level case."""
-    cpu = build_op_inputs(case, "cpu")
-    return cpu, op_reference(case, cpu), op_reference(case, cpu, backend_precision)
 
 
 def expectations(spec: BackendSpec, case: Case, device: str) -> Expectation:
@@ -158,13 +145,6 @@ def _is_environment(spec: BackendSpec, message: str) -> bool:
     import re
     from moe_lora_harness.harness.contract import ENVIRONMENT_ERRORS
     return any(re.search(p, message, re.I) for p in (*ENVIRONMENT_ERRORS, *spec.environment_errors))
-
-
-def judging(case: Case, truth) -> tuple:
-    """(written mask, K+R, index names): what a case's output is compared over (the diagnosis uses it too)."""
-    if case.level == "op":
-        return truth.written, case.K + case.max_rank, ("t", "j", "col")
-    return torch.ones(case.T, case.H, dtype=torch.bool), case.H + case.I + case.max_rank, ("t", "h")
 
 
 def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendSpec | None = None
@@ -220,11 +200,12 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     except Exception as e:  # noqa: BLE001
         import traceback
         message = f"the backend's declaration raised {type(e).__name__}: {e} (a Rule or its precision function)"
+        repro = repro_command(spec, case, device)
         detail = "\n".join([f"FAIL backend={spec.name} case={case.id} device={device} kind=declaration",
                             f"  {message}", "  " + "".join(traceback.format_exception(e)[-3:]).strip(),
-                            f"CASE: {case.to_json()}", f"REPRO: {repro_command(spec, case, device)}"])
+                            f"CASE: {case.to_json()}", f"REPRO: {repro}"])
         return Outcome(spec.name, case, device, "fail", "declaration", None, detail, kind="declaration",
-                       message=message)
+                       message=message, repro=repro)
     if not ok and not probe:
         return Outcome(spec.name, case, device, "unsupported", reason)
     if case.dispatched:
@@ -262,17 +243,19 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     bug = known_bug_for(spec, case)
     if bug is not None:
         if passed:
+            repro = repro_command(spec, case, device)
             return Outcome(spec.name, case, device, "xpass",
                            f"known bug {bug.issue} ({bug.description}) did not reproduce: close the ledger entry",
                            verdict, _explain(spec, case, device, "xpass", "ledger entry did not reproduce",
-                                             verdict, ex, exp), kind="xpass", seconds=seconds)
+                                             verdict, ex, exp, repro), kind="xpass", seconds=seconds, repro=repro)
         return Outcome(spec.name, case, device, "xfail", f"known bug {bug.issue}: {bug.description}", verdict,
                        kind=kind, seconds=seconds)
     if passed:
         return Outcome(spec.name, case, device, "pass", "", verdict, seconds=seconds)
+    repro = repro_command(spec, case, device)
     return Outcome(spec.name, case, device, "fail", kind, verdict,
-                   _explain(spec, case, device, kind, message, verdict, ex, exp, diagnose), kind=kind, runs=runs,
-                   seconds=seconds, message=message)
+                   _explain(spec, case, device, kind, message, verdict, ex, exp, repro, diagnose), kind=kind,
+                   runs=runs, seconds=seconds, message=message, repro=repro)
 
 
 def _op_coords(case: Case, cpu):
@@ -297,15 +280,15 @@ def _expert_coords(case: Case, inp):
 
 def _precision_diagnosis(spec, case, ex: Execution, exp: Expectation) -> str:
     """Which rounding model (TF32 operands, bf16 operands, ...) the failing output follows, if any."""
-    from moe_lora_harness.harness.diagnose import diagnose
     try:
-        d = diagnose(case, exp.precision, ex.output, exp.truth)
+        d = diagnose_precision(case, exp.precision, ex.output, exp.truth)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict
         return f"(no diagnosis: {type(e).__name__}: {e})"
     return d.text if d is not None else "the error is too large for any rounding model (a semantic bug)"
 
 
-def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Expectation, diagnose=True) -> str:
+def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Expectation, repro: str,
+             diagnose=True) -> str:
     lines = [f"FAIL backend={spec.name} case={case.id} device={device} kind={kind}", f"  {message}"]
     if ex.failure is not None and ex.failure.traceback:
         lines.append("  " + ex.failure.traceback.strip().replace("\n", "\n  "))
@@ -318,5 +301,5 @@ def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Exp
     if ex.log.strip():
         lines.append("  backend output (last lines):\n    " + "\n    ".join(ex.log.strip().splitlines()[-15:]))
     lines.append(f"CASE: {case.to_json()}")
-    lines.append(f"REPRO: {repro_command(spec, case, device)}")
+    lines.append(f"REPRO: {repro}")
     return "\n".join(lines)

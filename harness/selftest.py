@@ -12,7 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from moe_lora_harness.harness.features import FEATURES, Feature
+from moe_lora_harness.harness.campaign import Campaign
+from moe_lora_harness.harness.features import FEATURES, Feature, feature_cases
+from moe_lora_harness.harness.profiles import selftest_draw_sizes
+from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.strategies import claimed_cases, wants_compile_classes
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,6 @@ class SelftestResult:
 
 
 def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: bool) -> Kill:
-    from moe_lora_harness.harness.features import feature_cases
-    from moe_lora_harness.harness.runner import run_case
     t0, runs, claimed = time.monotonic(), 0, 0
     failures = []
     for feat, _, case in feature_cases([f for f in FEATURES if corpus.features(f)], device, 1):
@@ -94,10 +97,7 @@ def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: 
 
 def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int,
                    palette: str = "auto") -> Kill:
-    from moe_lora_harness.harness.campaign import Campaign
-    from moe_lora_harness.harness.strategies import claimed_cases, wants_compile_classes
-    cpu = not str(device).startswith("cuda")
-    sizes = dict(max_T=10 if cpu else 128, max_dim=64 if cpu else 512)
+    sizes = selftest_draw_sizes(device)
     t0 = time.monotonic()
     c = Campaign(spec, device, corpus.level, executor, budget_s=budget_s, max_examples=max_examples, seed=0,
                  reruns=0, max_found=1, shrink=False)     # time to detection: the first failing example
@@ -114,7 +114,6 @@ def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float,
 def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fuzz"), fuzz_budget_s: float = 20.0,
                  fuzz_max_examples: int = 200, progress=None, palette: str = "auto") -> SelftestResult:
     """Every mutant of the chosen corpora under every detector; every control through check (all rows)."""
-    from moe_lora_harness.harness.registry import load_ref
     res = SelftestResult()
     dev = "cuda" if str(device).startswith("cuda") else str(device)
     for corpus in CORPORA:

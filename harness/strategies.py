@@ -16,8 +16,14 @@ from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from moe_lora_harness.harness.cache import cache_dir
-from moe_lora_harness.harness.case import (ACTIVE_LORAS, LAYOUTS, QUANTS, SUBNORMAL_EXPERT_MAGNITUDE,
-                                           SUBNORMAL_OP_MAGNITUDE, Case)
+from moe_lora_harness.harness.axes import (ALIGNED_DIMS, AWKWARD_DIMS, BLOCK_EDGES, BLOCK_SIZES_M, DISPATCHED_MAPPINGS,
+                                           EP_RANKS, EXPERT_RANKS, LARGE_RANKS, OFFSET_CLASSES, OP_RANKS,
+                                           SINGLE_RANK_MAPPINGS, declared_values)
+from moe_lora_harness.harness.case import (ACTIVE_LORAS, LAYOUTS, QUANTS, ROUTINGS, SUBNORMAL_EXPERT_MAGNITUDE,
+                                           SUBNORMAL_OP_MAGNITUDE, WHICH, Case)
+from moe_lora_harness.harness.compile_classes import palette_of
+from moe_lora_harness.harness.contract import support_for
+from moe_lora_harness.harness.profiles import CPU_DRAWS, SMALL, draw_sizes, on_gpu
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
 
 PROFILE_ENV = "MOE_LORA_HARNESS_PROFILE"
@@ -77,12 +83,10 @@ def examples(strategy, n: int, seed: int = 0) -> list:
 # average cost of an example stays about that of a base one. Shrinking goes to "base" (the first entry).
 # `regimes=` narrows a strategy (e.g. ("boundary",): block-edge token counts only, for a focused campaign).
 REGIMES = ("base",) * 5 + ("boundary",) * 2 + ("wide", "many")
-BLOCK_EDGES = (16, 32, 64, 128)          # block / tile sizes the kernels' token loops step by
 BOUNDARY_TOKENS = tuple(e + d for e in BLOCK_EDGES for d in (-1, 0, 1))   # 15, 16, 17, ..., 127, 128, 129
-ALIGNED_DIMS = (16, 32, 64)
-# dims either side of the 8 / 16 / 64 multiples kernels tile by (K, N, H, I)
-AWKWARD_DIMS = (7, 15, 17, 24, 40, 48, 63, 65, 72, 80, 88, 127, 129)
 MANY_EXPERTS = (32, 48, 64)
+OFFSETS = dict(OFFSET_CLASSES)["0"] * 2 + dict(OFFSET_CLASSES)["nonzero"]   # no offset half the time
+DTYPES_DRAWN = SMALL.dtypes     # by default what the interpreter computes (a backend's declaration gives its own)
 # input scale: hidden states times a magnitude past the activations' clamps (swigluoai's 7), or so small that
 # float16 values go subnormal (harness.case), or outlier tokens
 TINY_MAGNITUDES = (SUBNORMAL_EXPERT_MAGNITUDE, SUBNORMAL_OP_MAGNITUDE)
@@ -147,6 +151,11 @@ def _op_ep(draw, allow_ep: bool, layout: str) -> int:
     return 1
 
 
+def _slot_ranks(draw, R: int, L: int) -> tuple:
+    """Per-slot adapter ranks (0: an empty slot), up to L of them: 1, R/2 or R."""
+    return tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), max_size=L)))
+
+
 def _experts_for(draw, regime: str, top_k: int, ep: int) -> int:
     """E (divisible by ep, >= top_k) for a compile class's top_k: many experts in the "many" regime."""
     if regime == "many":
@@ -186,8 +195,8 @@ class _Shape:
 
 
 @st.composite
-def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1, 2, 4, 8, 16, 32, 64),
-             large_ranks=(128, 256), allow_ep=True, layouts=LAYOUTS, block_edges=BLOCK_EDGES,
+def op_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["op"].max_T, max_dim=CPU_DRAWS["op"].max_dim, ranks=OP_RANKS,
+             large_ranks=LARGE_RANKS, allow_ep=True, layouts=LAYOUTS, block_edges=BLOCK_EDGES,
              regimes=REGIMES, palette=None):
     """Op-level cases over the whole input space of `fused_moe_lora` (small shapes), with the reach regimes:
     token counts across block boundaries, top_k up to 8, many experts with few tokens, awkward K / N, input
@@ -207,27 +216,27 @@ def op_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96, ranks=(1
         T = _tokens(draw, regime, max_T, _upto(block_edges, 32) if naive_edge else block_edges)
         if naive_edge:
             top_k = 1
-    which = shape.pick("which", st.sampled_from(("w13", "w2")))
+    which = shape.pick("which", st.sampled_from(WHICH))
     dims = _dims(max_dim) if regime == "base" else _dims(min(max_dim, 64), aligned=(16, 32))
     H, I = shape.pick("H", dims), shape.pick("I", dims)
     L = shape.pick("max_loras", st.integers(1, 4 if regime == "base" else 2))
     large = tuple(large_ranks) if regime == "base" and large_ranks else ()   # (the others are costly enough)
     R = shape.pick("max_rank", st.one_of(st.sampled_from(ranks), st.sampled_from(large)) if large
                    else st.sampled_from(ranks))
-    slot_ranks = tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), min_size=0, max_size=L)))
+    slot_ranks = _slot_ranks(draw, R, L)
     mul = True if which == "w2" else shape.pick("mul_routed_weight", st.booleans())
     add_inputs = shape.pick("add_inputs", st.booleans())
     dtype = shape.pick("dtype", st.sampled_from(dtypes))
     case = Case(
         level="op", T=T, H=H, I=I, E=E, top_k=top_k, dtype=dtype, max_loras=L,
         max_rank=R, ranks=slot_ranks,
-        mapping=draw(st.sampled_from(("uniform", "mixed", "skewed", "none", "disabled"))),
-        routing=draw(st.sampled_from(("uniform", "skewed"))),
+        mapping=draw(st.sampled_from(SINGLE_RANK_MAPPINGS)),
+        routing=draw(st.sampled_from(ROUTINGS)),
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)), which=which,
         num_slices=1 if which == "w2" else shape.pick("num_slices", st.sampled_from((2, 1))),   # gate + up first
-        mul_routed_weight=mul, add_inputs=add_inputs, offset=shape.pick("offset", st.sampled_from((0, 0, 3, 17))),
-        layout=layout, block_size_m=shape.pick("block_size_m", st.sampled_from((16, 32, 64))),
+        mul_routed_weight=mul, add_inputs=add_inputs, offset=shape.pick("offset", st.sampled_from(OFFSETS)),
+        layout=layout, block_size_m=shape.pick("block_size_m", st.sampled_from(BLOCK_SIZES_M)),
         fully_sharded=(ep == 1 and add_inputs and draw(st.booleans())),
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), **_input_scale(draw, T, False))
     # drawn last, so the draws before it are those of earlier versions; the grid size only (no compile key)
@@ -248,7 +257,8 @@ def _act_dtype(draw, activations, dtypes, shape=None):
 
 
 @st.composite
-def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, activations=EXPERT_ACTIVATIONS,
+def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max_dim=CPU_DRAWS["expert"].max_dim,
+                 activations=EXPERT_ACTIVATIONS,
                  quants=QUANTS, block_edges=BLOCK_EDGES, regimes=REGIMES, palette=None):
     """Expert-level cases: activation x dtype, biases, LoRA mix, shared factors, EP, simulated TP ranks (plain
     or fully-sharded LoRA), router weight on input, quant; the reach regimes (token counts across block
@@ -275,7 +285,7 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
         E, top_k = _experts_and_top_k(draw, regime, ep)
     on_input = top_k == 1 and draw(st.booleans())
     L = shape.pick("max_loras", st.integers(1, 3))
-    R = shape.pick("max_rank", st.sampled_from((1, 4, 8, 16, 32)))
+    R = shape.pick("max_rank", st.sampled_from(EXPERT_RANKS))
     tp_ok = quant == "none" and ep == 1 and small and (not shape.classed or I % 2 == 0)
     tp = draw(st.sampled_from((1, 1, 1, 2))) if tp_ok else 1
     fully_sharded = tp > 1 and R % tp == 0 and (not shape.classed or H % tp == 0) and draw(st.booleans())
@@ -287,9 +297,9 @@ def expert_cases(draw, dtypes=("float16", "float32"), max_T=10, max_dim=96, acti
     return Case(
         level="expert", T=T, H=H, I=I, E=E, top_k=top_k,
         dtype=dtype, max_loras=L, max_rank=R,
-        ranks=tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), max_size=L))),
-        mapping=draw(st.sampled_from(("uniform", "mixed", "skewed", "none", "disabled"))),
-        routing=draw(st.sampled_from(("uniform", "skewed"))),
+        ranks=_slot_ranks(draw, R, L),
+        mapping=draw(st.sampled_from(SINGLE_RANK_MAPPINGS)),
+        routing=draw(st.sampled_from(ROUTINGS)),
         shared_a=draw(st.booleans()), shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
         activation=activation, bias=shape.pick("bias", st.booleans()), lora=shape.pick("lora", st.booleans()),
         apply_router_weight_on_input=on_input, quant=quant,
@@ -308,7 +318,7 @@ EP_MOST_TOKENS = 65     # every EP (and simulated TP) rank runs its kernels: tot
 
 
 @st.composite
-def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
+def ep_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["ep"].max_T, max_dim=CPU_DRAWS["ep"].max_dim,
              activations=EXPERT_ACTIVATIONS, quants=QUANTS, comms=("simulated",), block_edges=BLOCK_EDGES,
              regimes=REGIMES, palette=None):
     """Dispatched expert-parallel cases: 2 or 4 ranks with uneven token counts (0 included; up to max_T/2
@@ -334,7 +344,7 @@ def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
         H, I = 128, 128
     else:
         dims = (_dims(min(max_dim, 64), aligned=(16, 32), min_dim=2) if regime != "base"
-                else st.one_of(st.sampled_from((16, 32, 64)), st.integers(2, max_dim)))
+                else st.one_of(st.sampled_from(ALIGNED_DIMS), st.integers(2, max_dim)))
         H, I = draw(dims), draw(dims)
     if shape.classed:
         E, top_k = shape.experts_and_top_k(regime, ep)
@@ -344,15 +354,15 @@ def ep_cases(draw, dtypes=("float16", "float32"), max_T=12, max_dim=96,
     else:
         E, top_k = _experts_and_top_k(draw, regime, ep)
     L = shape.pick("max_loras", st.integers(1, 3))
-    R = shape.pick("max_rank", st.sampled_from((1, 4, 8, 16)))
+    R = shape.pick("max_rank", st.sampled_from(EP_RANKS))
     activation, dtype = _act_dtype(draw, activations, dtypes, shape)
     T = sum(counts)
     return Case(
         level="expert", T=T, H=H, I=I, E=E, top_k=top_k, dtype=dtype,
         max_loras=L, max_rank=R,
-        ranks=tuple(draw(st.lists(st.sampled_from(sorted({0, 1, max(1, R // 2), R})), max_size=L))),
-        mapping=draw(st.sampled_from(("by_rank", "by_rank", "uniform", "mixed", "none", "disabled"))),
-        routing=draw(st.sampled_from(("uniform", "skewed"))), shared_a=draw(st.booleans()),
+        ranks=_slot_ranks(draw, R, L),
+        mapping=draw(st.sampled_from(DISPATCHED_MAPPINGS)),
+        routing=draw(st.sampled_from(ROUTINGS)), shared_a=draw(st.booleans()),
         shared_b=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
         activation=activation, bias=shape.pick("bias", st.booleans()), lora=shape.pick("lora", st.booleans()),
         apply_router_weight_on_input=top_k == 1 and draw(st.booleans()), quant=quant,
@@ -368,39 +378,7 @@ PALETTE_CHOICES = ("auto", "free", "classes")
 def wants_compile_classes(palette: str, device: str) -> bool:
     if palette not in PALETTE_CHOICES:
         raise ValueError(f"palette must be one of {PALETTE_CHOICES}; got {palette!r}")
-    return palette == "classes" or (palette == "auto" and str(device).startswith("cuda"))
-
-
-_PALETTES: dict = {}
-
-
-def palette_of(spec, device: str, level: str, max_T: int, max_dim: int):
-    """The compile-class palette (harness.compile_classes) of `spec` on `device` for `level` (op; expert and
-    ep share the expert palette), built once per size profile."""
-    from moe_lora_harness.harness.compile_classes import palette_for
-    level = "op" if level == "op" else "expert"
-    key = (id(spec), str(device), level, max_T, max_dim)
-    if key not in _PALETTES or _PALETTES[key][0] is not spec:
-        _PALETTES[key] = (spec, palette_for(spec, device, level, max_T, max_dim))
-    return _PALETTES[key][1]
-
-
-def declared_values(spec, device: str) -> dict:
-    """The values `spec` declares on `device` for the axes the strategies draw over: dtypes, layouts,
-    activations, quant schemes (empty dtypes: it runs nothing there)."""
-    cap = spec.capabilities
-    dev = "cuda" if str(device).startswith("cuda") else str(device)
-    acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
-    return dict(dtypes=tuple(d for d in ("float16", "bfloat16", "float32") if d in cap.dtypes.get(dev, ())),
-                layouts=tuple(sorted(cap.layouts)) or LAYOUTS, activations=acts or SUPPORTED_ACTIVATIONS,
-                quants=tuple(q for q in QUANTS if q in cap.quant) or ("none",))
-
-
-def fuzz_sizes(device: str, level: str) -> dict:
-    """The size profile `moe-lora-harness fuzz` draws at: small under the CPU interpreter, large on a GPU."""
-    if str(device).startswith("cuda"):
-        return dict(max_T=256, max_dim=1024)
-    return dict(max_T=10 if level == "expert" else 12, max_dim=96)
+    return palette == "classes" or (palette == "auto" and on_gpu(device))
 
 
 def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, **sizes):
@@ -408,13 +386,12 @@ def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, 
     drawn over its declared dtypes, layouts, activations and quant schemes, then filtered by its whole
     declaration (rules included, so nothing it declines runs). `compile_classes`: shapes from the backend's
     compile-class palette (harness.compile_classes: the kernel cache is reused on a GPU), the rest as ever."""
-    from moe_lora_harness.harness.contract import support_for
     v = declared_values(spec, device)
     if not v["dtypes"]:
         return st.nothing()
     palette = None
     if compile_classes:
-        at = {**fuzz_sizes("cpu", "op" if level == "op" else "expert"), **sizes}   # the small profile
+        at = {**draw_sizes("cpu", "op" if level == "op" else "expert"), **sizes}   # the small profile
         palette = palette_of(spec, device, level, at["max_T"], at["max_dim"])
         if not palette.classes:
             return st.nothing()

@@ -17,6 +17,7 @@ from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
 from moe_lora_harness.harness.features import FEATURES, feature_cases
+from moe_lora_harness.harness.profiles import draw_sizes
 from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
 from moe_lora_harness.harness.runner import run_case
 from moe_lora_harness.harness.strategies import claimed_cases, suite_settings
@@ -78,13 +79,6 @@ def test_feature(backend_name, feature_case, backends, device, probe_unsupported
     judge(run_case(backends[backend_name], feature_case, device, probe=probe_unsupported, executor=executor))
 
 
-def _sizes(device: str, level: str) -> dict:
-    cpu = device == "cpu"
-    if level == "op":
-        return dict(max_T=12 if cpu else 200, max_dim=96 if cpu else 700)
-    return dict(max_T=10 if cpu else 128, max_dim=96 if cpu else 512)
-
-
 def run_random(spec, level: str, device: str, executor):
     """Hypothesis-drawn cases the backend claims; failures shrink to a minimal case and print its REPRO line.
     Fails if no claimed case could be drawn (the declarations and the strategy never meet)."""
@@ -93,7 +87,7 @@ def run_random(spec, level: str, device: str, executor):
     @suite_settings()
     @given(data=st.data())
     def search(data):
-        case = data.draw(claimed_cases(spec, device, level, **_sizes(device, level)), label="case")
+        case = data.draw(claimed_cases(spec, device, level, **draw_sizes(device, level)), label="case")
         claimed.append(case)
         note(f"CASE: {case.to_json()}")
         outcome = run_case(spec, case, device, executor=executor)

@@ -24,6 +24,7 @@ from moe_lora_harness.harness.case import Case  # noqa: E402
 from moe_lora_harness.harness.contract import must_reject, support_for  # noqa: E402
 from moe_lora_harness.harness.ep_ranks import TIMEOUT_ENV, driver_problem, rank_call  # noqa: E402
 from moe_lora_harness.harness.execute import InProcess  # noqa: E402
+from moe_lora_harness.harness.profiles import draw_sizes  # noqa: E402
 from moe_lora_harness.harness.registry import load_ref  # noqa: E402
 from moe_lora_harness.harness.runner import run_case  # noqa: E402
 from moe_lora_harness.harness.strategies import (  # noqa: E402
@@ -156,7 +157,6 @@ def test_ep_random(backend_name, device):
     """Hypothesis-drawn dispatched cases (simulated ranks) the backend claims, against the reference."""
     from moe_lora_harness.backends import BUILTINS
     spec = next(s for s in BUILTINS if s.name == backend_name)
-    cpu = not str(device).startswith("cuda")
     drawn = []
 
     # each example runs every rank through the interpreter on the CPU: 8 unless the knob asks for more
@@ -165,7 +165,7 @@ def test_ep_random(backend_name, device):
     @suite_settings(max_examples=n)
     @given(data=st.data())
     def search(data):
-        case = data.draw(claimed_cases(spec, device, "ep", max_T=12 if cpu else 256, max_dim=96 if cpu else 512))
+        case = data.draw(claimed_cases(spec, device, "ep", **draw_sizes(device, "ep")))
         drawn.append(case)
         note(f"CASE: {case.to_json()}")
         outcome = run_case(spec, case, device, executor=InProcess())

@@ -1,17 +1,19 @@
 """Fuzz campaigns (harness/campaign.py, `moe-lora-harness fuzz --budget`): one run reports every distinct
 failure of a backend with several independent bugs, each with a minimal case and its REPRO; a crash or a
 hang is one more distinct failure and the campaign goes on; a known failure is replayed first from the
-corpus; reports (JSON, JUnit) are written."""
+corpus; signatures (harness/signatures.py); reports (harness/fuzz_report.py: JSON, JUnit) are written."""
 from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
 
-from moe_lora_harness.harness.campaign import Campaign, Signature, axes_of, failure_class
+from moe_lora_harness.harness.campaign import Campaign
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities
 from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.fuzz_report import FailureRecord
 from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.signatures import Signature, axes_of, failure_class
 from moe_lora_harness.harness.strategies import claimed_cases
 from moe_lora_harness.harness.worker import Supervisor
 from moe_lora_harness.reference.lora_op import fused_moe_lora as ref_op
@@ -48,7 +50,8 @@ def test_one_campaign_reports_each_independent_bug():
     assert any(("offset", "nonzero") in f.signature.needs for f in result.found), texts
     assert len(result.found) == 3, texts          # each bug once, not once per variant
     for f in result.found:
-        assert f.outcome.failed and "REPRO: " in f.outcome.detail
+        assert f.outcome.failed and f"REPRO: {f.outcome.repro}" in f.outcome.detail
+        assert "moe-lora-harness replay" in f.record().repro
 
 
 def test_a_crash_and_a_hang_are_failures_and_the_campaign_goes_on(monkeypatch):
@@ -120,29 +123,42 @@ def test_fuzz_jobs_run_campaigns_at_once_and_merge_them(tmp_path, monkeypatch):
     assert int(suite.get("failures")) == len(files)
 
 
+def _record(klass: str, needs: dict, case: Case, seconds: float, shrunk: bool = True, **kw) -> FailureRecord:
+    return FailureRecord(Signature(klass, tuple(sorted(needs.items()))), case, kw.pop("kind", "element"), "fail",
+                         seconds, shrunk=shrunk, **kw)
+
+
 def test_merged_jobs_keep_one_record_per_signature():
     """A job's partly shrunk find of a bug another job shrank (its case matches that signature) is dropped;
     a failure of another class is kept; the fully shrunk record wins even when found later."""
-    from moe_lora_harness.harness.campaign import axes_of
     from moe_lora_harness.harness.fuzz_jobs import distinct
     crash_case = Case(mapping="none", T=5, top_k=3, E=7)
-    shrunk = {"class": "crash: exited with code 3", "needs": {"mapping": "none"}, "case": json.loads(Case(
-        mapping="none").to_json()), "seconds": 30.0, "shrunk": True, "signature": "crash | needs mapping=none"}
-    partial = {"class": "crash: exited with code 3", "needs": {k: v for k, v in axes_of(crash_case).items()},
-               "case": json.loads(crash_case.to_json()), "seconds": 12.0, "shrunk": False, "signature": "crash | all"}
-    other = {"class": "non-finite output", "needs": {"add_inputs": "False"},
-             "case": json.loads(Case(add_inputs=False).to_json()), "seconds": 20.0, "shrunk": True,
-             "signature": "non-finite | needs add_inputs=False"}
-    kept = distinct([partial, other, shrunk])
-    assert [r["signature"] for r in kept] == [other["signature"], shrunk["signature"]]
+    shrunk = _record("crash: exited with code 3", {"mapping": "none"}, Case(mapping="none"), 30.0)
+    partial = _record("crash: exited with code 3", axes_of(crash_case), crash_case, 12.0, shrunk=False)
+    other = _record("non-finite output", {"add_inputs": "False"}, Case(add_inputs=False), 20.0)
+    assert distinct([partial, other, shrunk]) == [other, shrunk]
+
+
+def test_a_failure_record_round_trips_through_its_json_file():
+    """failure-NN.json holds the record's fields as before the record was typed (class, needs, case as JSON,
+    seconds, REPRO ...), and reads back to the same record."""
+    r = _record("per-element bound", {"offset": "nonzero"}, Case(offset=3, which="w2", num_slices=1,
+                mul_routed_weight=True), 4.5, repro="moe-lora-harness replay --case {}", detail="FAIL ...", job=1)
+    d = r.to_json(["another signature"])
+    assert d == {"signature": "per-element bound | needs offset=nonzero", "class": "per-element bound",
+                 "needs": {"offset": "nonzero"}, "case": json.loads(r.case.to_json()), "kind": "element",
+                 "status": "fail", "seconds": 4.5, "regression": False, "shrunk": True,
+                 "repro": "moe-lora-harness replay --case {}", "detail": "FAIL ...", "job": 1,
+                 "also_fits": ["another signature"]}
+    assert FailureRecord.from_json(json.loads(json.dumps(d))) == r
 
 
 def test_a_routed_weight_bug_met_on_w2_or_on_w13_gets_one_signature():
     """The planted wrong-x-row bug (mul_routed_weight reads the token's row) fails every w2 case and the w13
     cases that multiply: shrunk to either, its signature is the same, so a campaign reports it once."""
-    from moe_lora_harness.harness.campaign import needed_axes
     from moe_lora_harness.harness.runner import run_case
     from moe_lora_harness.harness.selftest import CORPORA
+    from moe_lora_harness.harness.signatures import needed_axes
     corpus = next(c for c in CORPORA if c.name == "op")
     spec = next(s for s in load_ref(corpus.ref) if s.name == "mutant-wrong-x-row")
     w2 = Case(T=5, H=32, I=24, E=4, top_k=2, which="w2", num_slices=1, mul_routed_weight=True, seed=3)
@@ -159,19 +175,14 @@ def test_a_routed_weight_bug_met_on_w2_or_on_w13_gets_one_signature():
 def test_a_record_whose_case_fits_another_signature_says_so(tmp_path):
     """Two records that may be one bug met in two forms (the first's case matches the second's signature) are
     both kept and the table and failure file name the overlap; unrelated records name none."""
-    from moe_lora_harness.harness.campaign import also_fits, records_table, write_reports
-    narrow = {"class": "per-element bound", "needs": {"which": "w2"}, "seconds": 5.0, "repro": "r1", "detail": "",
-              "case": json.loads(Case(which="w2", num_slices=1, mul_routed_weight=True).to_json()),
-              "signature": "per-element bound | needs which=w2"}
-    wide = {"class": "per-element bound", "needs": {"mul_routed_weight": "True"}, "seconds": 9.0, "repro": "r2",
-            "detail": "", "case": json.loads(Case(mul_routed_weight=True).to_json()),
-            "signature": "per-element bound | needs mul_routed_weight=True"}
-    other = {"class": "non-finite output", "needs": {"add_inputs": "False"}, "seconds": 12.0, "repro": "r3",
-             "detail": "", "case": json.loads(Case(add_inputs=False).to_json()),
-             "signature": "non-finite output | needs add_inputs=False"}
+    from moe_lora_harness.harness.fuzz_report import also_fits, records_table, write_reports
+    narrow = _record("per-element bound", {"which": "w2"}, Case(which="w2", num_slices=1, mul_routed_weight=True),
+                     5.0, repro="r1")
+    wide = _record("per-element bound", {"mul_routed_weight": "True"}, Case(mul_routed_weight=True), 9.0, repro="r2")
+    other = _record("non-finite output", {"add_inputs": "False"}, Case(add_inputs=False), 12.0, repro="r3")
     assert also_fits([narrow, wide, other]) == [[2], [], []]
     table = records_table([narrow, wide, other])
     assert table.count("ALSO FITS") == 1 and "ALSO FITS the signature of #2" in table
     write_reports([narrow, wide, other], {}, str(tmp_path), None, name="x", level="op", seconds=1.0, claimed=True)
-    assert json.loads((tmp_path / "failure-01.json").read_text())["also_fits"] == [wide["signature"]]
+    assert json.loads((tmp_path / "failure-01.json").read_text())["also_fits"] == [wide.signature.text]
     assert "also_fits" not in json.loads((tmp_path / "failure-02.json").read_text())

@@ -15,9 +15,10 @@ from moe_lora_harness.harness import strategies as S
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import support_for
 from moe_lora_harness.harness.covering import _pairs
+from moe_lora_harness.harness.profiles import draw_sizes
 from moe_lora_harness.harness.registry import available_backends
 
-PROFILES = {"cpu": dict(max_T=12, max_dim=96), "cuda": dict(max_T=256, max_dim=1024)}
+PROFILES = {device: draw_sizes(device, "op") for device in ("cpu", "cuda")}   # the op palettes' size profiles
 BACKENDS = [("triton", "op"), ("triton_small_batch", "op"), ("eager", "expert"), ("gated_fast_experts", "expert"),
             ("marlin_experts", "expert")]
 
@@ -58,12 +59,12 @@ def test_unmet_pairs_are_the_declared_limits_both_ways(backends):
     pair with a rank past 64 is unmet; gated_fast (I % 128): no class with an odd I."""
     want = {(("shape", "w2"), ("mul", False)), (("layout", "naive"), ("tokens", "edge64")),
             (("layout", "naive"), ("tokens", "edge128"))}
-    assert set(CC.palette_for(backends["triton"], "cpu", "op", 12, 96).unmet) == want
-    assert set(CC.palette_for(backends["triton"], "cuda", "op", 256, 1024).unmet) == {(("shape", "w2"), ("mul", False))}
-    sb = CC.palette_for(backends["triton_small_batch"], "cuda", "op", 256, 1024)
+    assert set(CC.palette_for(backends["triton"], "cpu", "op", **PROFILES["cpu"]).unmet) == want
+    assert set(CC.palette_for(backends["triton"], "cuda", "op", **PROFILES["cuda"]).unmet) == {(("shape", "w2"), ("mul", False))}
+    sb = CC.palette_for(backends["triton_small_batch"], "cuda", "op", **PROFILES["cuda"])
     assert all(pair in sb.unmet for pair in _pairs(sb.axes) if ("rank", "past64") in pair)
     assert all(c.fields["max_rank"] <= 64 for c in sb.classes)
-    gf = CC.palette_for(backends["gated_fast_experts"], "cuda", "expert", 256, 1024)
+    gf = CC.palette_for(backends["gated_fast_experts"], "cuda", "expert", **PROFILES["cuda"])
     assert gf.classes and all(c.fields["I"] % 128 == 0 for c in gf.classes)
 
 
@@ -71,7 +72,7 @@ def test_palettes_are_small_and_balanced(backends):
     """About the pairwise lower bound of classes, and every value of an axis about equally often (so a
     campaign meets each pair in several classes, as often as a free draw would)."""
     for name, level in (("triton", "op"), ("triton_experts", "expert")):
-        p = CC.palette_for(backends[name], "cuda", level, 256, 1024)
+        p = CC.palette_for(backends[name], "cuda", level, **PROFILES["cuda"])
         sizes = sorted((len(ax.values) for ax in p.axes), reverse=True)
         assert sizes[0] * sizes[1] <= len(p.classes) <= 2 * sizes[0] * sizes[1], len(p.classes)
         for ax in p.axes:
@@ -83,7 +84,7 @@ def test_palettes_are_small_and_balanced(backends):
 def test_a_classed_draw_stays_in_its_class_and_still_reaches(backends, name, level):
     spec = backends[name]
     sizes = PROFILES["cuda"]
-    p = S.palette_of(spec, "cuda", level, **sizes)
+    p = CC.palette_of(spec, "cuda", level, **sizes)
     cases = S.examples(S.claimed_cases(spec, "cuda", level, compile_classes=True, **sizes), 300)
     assert all(not c.problems() and support_for(spec, c, "cuda")[0] for c in cases)
     classes = [CC.class_of(c, p) for c in cases]
@@ -101,7 +102,7 @@ def test_a_classed_draw_stays_in_its_class_and_still_reaches(backends, name, lev
 
 def test_classed_dispatched_ep_draws_stay_in_their_class_at_most_65_tokens(backends):
     spec = backends["triton_experts"]
-    p = S.palette_of(spec, "cuda", "expert", **PROFILES["cuda"])
+    p = CC.palette_of(spec, "cuda", "expert", **PROFILES["cuda"])
     cases = S.examples(S.claimed_cases(spec, "cuda", "ep", compile_classes=True, **PROFILES["cuda"]), 120)
     assert cases and all(c.dispatched and c.T <= S.EP_MOST_TOKENS and sum(c.ep_tokens) == c.T for c in cases)
     assert all(CC.class_of(c, p) is not None for c in cases)

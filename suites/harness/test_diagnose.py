@@ -17,7 +17,8 @@ from moe_lora_harness.harness.contract import BackendSpec, Capabilities
 from moe_lora_harness.harness.diagnose import GROSS_REL, alternatives, diagnose, worst_relative_error
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.mutants import MUTANTS
-from moe_lora_harness.harness.runner import expectations, op_expectations, run_case
+from moe_lora_harness.harness.expectation import op_expectations
+from moe_lora_harness.harness.runner import expectations, run_case
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
 from moe_lora_harness.reference.lora_op import fused_moe_lora

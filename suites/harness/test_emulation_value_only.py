@@ -9,7 +9,7 @@ import torch
 from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.expert_runner import expert_expectations
-from moe_lora_harness.harness.runner import op_reference
+from moe_lora_harness.harness.expectation import op_reference
 from moe_lora_harness.harness.strategies import ep_cases, examples, expert_cases, op_cases
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.experts import moe_experts_forward

@@ -15,8 +15,9 @@ from moe_lora_harness.harness import covering as C
 from moe_lora_harness.harness import strategies as S
 from moe_lora_harness.harness.builders import OUTLIER_SCALE, build_expert_inputs, build_op_inputs, outlier_tokens
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.features import (EXPERT_FEATURES, FEATURES, LARGE, OP_FEATURES, PAIRWISE_EXPERT_FEATURES,
-                                               PAIRWISE_OP_FEATURES, SMALL)
+from moe_lora_harness.harness.features import (EXPERT_FEATURES, FEATURES, OP_FEATURES, PAIRWISE_EXPERT_FEATURES,
+                                               PAIRWISE_OP_FEATURES)
+from moe_lora_harness.harness.profiles import LARGE, SMALL, draw_sizes
 from moe_lora_harness.reference.activations import OAI_LIMIT, SUPPORTED_ACTIVATIONS
 
 _FIND = settings(max_examples=4000, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
@@ -57,7 +58,7 @@ def test_pairwise_designs_are_small_and_say_which_pairs_they_skip(level):
     if level == "op":
         assert d.excluded == {
             (("slices", 2), ("which", "w2")): "w2 has one output slice in vLLM (the H-wide down projection)",
-            (("path", "naive"), ("ep", "expert_map")): "naive block assignment is disabled under EP"}
+            (("layout", "naive"), ("ep", "expert_map")): "naive block assignment is disabled under EP"}
         bad = Case(layout="naive", ep_size=2, E=8)
         assert any("naive" in p for p in bad.problems())
     else:
@@ -68,7 +69,7 @@ def test_pairwise_designs_are_small_and_say_which_pairs_they_skip(level):
 
 
 def test_all_pairs_on_a_toy_space_with_a_forbidden_pair():
-    axes = (C.Axis("a", (0, 1, 2)), C.Axis("b", ("x", "y")), C.Axis("c", (True, False)))
+    axes = (C.DesignAxis("a", (0, 1, 2)), C.DesignAxis("b", ("x", "y")), C.DesignAxis("c", (True, False)))
     forbidden = {(("a", 2), ("b", "y")): "no"}
     rows = C.all_pairs(axes, forbidden, lambda r: True)
     seen = {p for r in rows for p in itertools.combinations(r.items(), 2)}
@@ -232,7 +233,7 @@ def test_expert_strategy_reaches_every_activation_in_every_dtype():
 def test_claimed_cases_of_a_triton_backend_reach_past_sixteen_tokens():
     from moe_lora_harness.harness.registry import available_backends
     spec = available_backends()["triton"]
-    case = find(S.claimed_cases(spec, "cpu", "op", max_T=12, max_dim=96), lambda c: c.T > 16 and c.top_k >= 1,
+    case = find(S.claimed_cases(spec, "cpu", "op", **draw_sizes("cpu", "op")), lambda c: c.T > 16 and c.top_k >= 1,
                 settings=_FIND)
     assert case.T in S.BOUNDARY_TOKENS
 

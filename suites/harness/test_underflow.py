@@ -10,7 +10,8 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written, tiny
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.registry import available_backends
-from moe_lora_harness.harness.runner import expectations, judging, run_case
+from moe_lora_harness.harness.expectation import judging
+from moe_lora_harness.harness.runner import expectations, run_case
 
 EAGER = available_backends()["eager"]
 # float16 op cases whose deltas are subnormal: hidden states at 2^-20, or a delta written alone
