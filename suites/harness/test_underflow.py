@@ -59,7 +59,6 @@ def test_the_allowance_is_what_passes_them(case, device):
 
 @pytest.mark.parametrize("case", TINY_OP[:2], ids=lambda c: c.id)
 def test_flush_to_zero_still_fails(case, device):
-    pytest.importorskip("triton")
     from moe_lora_harness.harness.reach_mutants import REACH_MUTANTS
     ftz = next(s for s in REACH_MUTANTS if s.name == "reach-subnormal-flush")
     out = run_case(ftz, case, device, reruns=0)
