@@ -7,7 +7,8 @@ reference. A rank's `ExpertCall` (`rank_call`) holds its own tokens, its local b
 factors and a Communicator; the ranks' (T_r, H) outputs, concatenated in rank order, are the case's (T, H)
 output, which the judge compares with the float64 reference of the whole batch.
 
-  python -m moe_lora_harness.harness.ep_ranks RANK WORLD PORT DIR   # one rank process (started by run_processes)
+One rank process is harness.fork_server.start("moe_lora_harness.harness.ep_ranks:_rank_main",
+(RANK, WORLD, PORT, DIR)), started by run_processes.
 """
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import datetime
 import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -137,6 +136,7 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
     ExecutionFailure naming it (the earliest failure is the root cause; the other ranks are then stopped).
     `digest` is what the ranks' inputs must hash to; a rank that built other inputs is reported back.
     """
+    from moe_lora_harness.harness import fork_server
     from moe_lora_harness.harness.worker import _describe_exit, child_env
     if not spec.origin:
         raise ValueError(f"backend {spec.name!r} has no origin: EP over processes loads the backend in every "
@@ -149,13 +149,11 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
         with open(os.path.join(tmp, "job.json"), "w") as f:
             json.dump(job, f)
         port = _free_port()
-        procs = []
-        for r in range(world):
-            log = open(os.path.join(tmp, f"rank{r}.log"), "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "moe_lora_harness.harness.ep_ranks", str(r), str(world), str(port), tmp],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env()))
-            log.close()
+        procs, env = [], child_env()
+        for r in range(world):   # forked by the fork server: no Python start, no torch import per rank
+            with open(os.path.join(tmp, f"rank{r}.log"), "wb") as log:
+                procs.append(fork_server.start("moe_lora_harness.harness.ep_ranks:_rank_main", (r, world, port, tmp),
+                                               env=env, output=log.fileno()))
         deadline = time.monotonic() + timeout_s
         dead = None
         while any(p.poll() is None for p in procs):
@@ -268,9 +266,3 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the result is saved; teardown errors do not change it
             pass
-
-
-if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    sys.stdout.flush()
-    os._exit(0)   # skip teardown: a backend's threads or a broken process group must not hang the exit

@@ -18,7 +18,7 @@ import pytest
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.registry import load_ref
 from moe_lora_harness.harness.runner import MalformedCase, run_case
-from moe_lora_harness.harness.worker import Supervisor
+from moe_lora_harness.harness.worker import WORKER_NAME, Supervisor
 
 REF = "moe_lora_harness.suites.harness.hostile_backends:HOSTILE"
 SPECS = {s.name: s for s in load_ref(REF)}
@@ -200,21 +200,25 @@ def test_ctrl_c_keeps_the_results_and_names_the_case_in_flight(tmp_path):
 
 
 def _worker_pids(parent_pid: int) -> list[int]:
-    """The harness's worker children, read from /proc (ps truncates long command lines to its width)."""
-    pids = []
+    """The harness's worker processes (its descendants: the fork server's children), read from /proc."""
+    parent, name = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
+                head, rest = f.read().rsplit(")", 1)
+            parent[int(entry)], name[int(entry)] = int(rest.split()[1]), head.split("(", 1)[1]
         except (OSError, ValueError, IndexError):
             continue   # exited while we looked
-        if ppid == parent_pid and b"moe_lora_harness.harness.worker" in args:
-            pids.append(int(entry))
-    return pids
+
+    def descends(pid):
+        while pid in parent and pid > 1:
+            pid = parent[pid]
+            if pid == parent_pid:
+                return True
+        return False
+    return [pid for pid, comm in name.items() if comm == WORKER_NAME and descends(pid)]
 
 
 def test_pytest_lane_counts_the_tests_that_never_ran():
