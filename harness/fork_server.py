@@ -185,10 +185,10 @@ def _server_for(env: dict, cwd: str) -> _Server | None:
 
 def start(target: str, args: tuple = (), *, env: dict, pass_fds: tuple = (), output: int | None = None,
           cwd: str | None = None):
-    """Start `target` ("module:function") as a process of its own session: function(*args, *fds) with the
-    descriptors `pass_fds` (their numbers in the child are passed, in order), stdout and stderr on the
-    descriptor `output` (default: discarded), stdin empty. The child exits 0 when the function returns, with
-    a SystemExit's code, or 1 after printing an exception. Returns a Popen-like handle."""
+    """Start `target` ("module:function") as a process of its own session: function(*args, *fds), `args` plain
+    values (ints, strings), `fds` the numbers the descriptors `pass_fds` have in the child, in order; stdout
+    and stderr on the descriptor `output` (default: discarded), stdin empty. The child exits 0 when the
+    function returns, with a SystemExit's code, or 1 after printing an exception. Returns a Popen-like handle."""
     cwd = cwd or os.getcwd()
     server = _server_for(env, cwd) if available() else None
     if server is not None:
