@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import time
 
 import pytest
@@ -31,7 +32,9 @@ from moe_lora_harness.backends.experts import precision_for
 from moe_lora_harness.harness.builders import build_expert_inputs
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written
+from moe_lora_harness.harness import fork_server
 from moe_lora_harness.harness.communicator import CollectiveError, SimulatedGroup, TorchDistributedCommunicator
+from moe_lora_harness.harness.worker import child_env
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
 from moe_lora_harness.kernels.experts.ep_prepare_finalize import (
@@ -404,16 +407,23 @@ def _free_port() -> int:
 
 
 def test_gloo_two_processes(tmp_path):
-    """Both ranks on DEVICE (on a GPU, gloo moves the CUDA tensors of one GPU between the two processes)."""
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
+    """Both ranks on DEVICE (on a GPU, gloo moves the CUDA tensors of one GPU between the two processes), each
+    a process of the harness's fork server, as EP ranks are."""
+    port, ranks = _free_port(), []
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.log", "wb") as log:
+            ranks.append(fork_server.start(f"{__name__}:_gloo_worker", (r, 2, port, str(tmp_path)), env=child_env(),
+                                           output=log.fileno()))
+    codes = []
+    for p in ranks:
+        try:
+            codes.append(p.wait(timeout=120))
+        except subprocess.TimeoutExpired:
+            for q in ranks:
+                q.kill()
+                q.wait()
             pytest.fail("gloo ranks did not finish within 120 s")
+    assert codes == [0, 0], [codes] + [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
     inp, mapping = _problem(_GLOO["counts"], _GLOO["activation"], _GLOO["dtype"], _GLOO["E"])
     truth, emu = _reference(inp, mapping, _GLOO["counts"], _GLOO["activation"], _GLOO["dtype"], _GLOO["E"])
     outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -48,6 +48,7 @@ def _run(target, *args, output=None, env=None, cwd=None):
     return child, child.wait(timeout=120)
 
 
+@pytest.mark.parametrize("mode", ["forked"], indirect=True)   # a new Python's status is Popen's: 0 and 1 below
 @pytest.mark.parametrize("target,args,code", [("exits_with", (3,), 3), ("dies_by", (int(signal.SIGABRT),), -signal.SIGABRT),
                                               ("raises", (), 1), ("exits_with", (0,), 0)])
 def test_the_exit_status_is_the_childs(target, args, code, mode):
