@@ -40,7 +40,9 @@ def _verdicts(spec, case, device):
 
 
 def _correct(case):
-    return EAGER if case.level == "op" else available_backends()["experts_oracle"]
+    """The correct kernel: eager at the op level; at the expert level triton_experts, the class the oracle
+    picks for these cases (a silu I % 128 != 0 and a gelu case), which the oracle leaves to it on the CPU."""
+    return EAGER if case.level == "op" else available_backends()["triton_experts"]
 
 
 @pytest.mark.parametrize("case", TINY_OP + TINY_EXPERT, ids=lambda c: c.id)
