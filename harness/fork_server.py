@@ -28,9 +28,11 @@ START_TIMEOUT = 180.0      # seconds for a server to import what it preloads
 # environment variables read only at run time (pytest's per-test ones, the harness's own): a child gets its own
 # values, so they need no server of their own
 RUNTIME_ONLY = ("PYTEST_", "MOE_LORA_HARNESS_")
+# what a server imports before it forks: torch, the worker's and EP ranks' side of the harness, and our builtin
+# backends (Triton and our kernels: 0.3 CPU-s that every EP rank of ours would import again)
 PRELOAD = ("torch", "torch.distributed", "moe_lora_harness.harness.worker", "moe_lora_harness.harness.execute",
            "moe_lora_harness.harness.registry", "moe_lora_harness.harness.ep_ranks",
-           "moe_lora_harness.harness.communicator")
+           "moe_lora_harness.harness.communicator", "moe_lora_harness.backends")
 _MAX_MSG = 1 << 20
 _MAX_FDS = 8
 
