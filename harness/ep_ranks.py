@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from moe_lora_harness.harness import fork_server
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, ExpertCall
 from moe_lora_harness.harness.execute import ExecutionFailure, Failure, InputWatch, inputs_digest
@@ -136,7 +137,6 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
     ExecutionFailure naming it (the earliest failure is the root cause; the other ranks are then stopped).
     `digest` is what the ranks' inputs must hash to; a rank that built other inputs is reported back.
     """
-    from moe_lora_harness.harness import fork_server
     from moe_lora_harness.harness.worker import _describe_exit, child_env
     if not spec.origin:
         raise ValueError(f"backend {spec.name!r} has no origin: EP over processes loads the backend in every "

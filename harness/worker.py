@@ -23,6 +23,8 @@ import struct
 import threading
 import time
 
+from moe_lora_harness.harness import fork_server
+
 DEFAULT_TIMEOUT = 300.0     # seconds per backend call (first calls compile kernels); --timeout changes it
 START_TIMEOUT = 180.0       # seconds for a new worker to import torch and report ready
 _HEADER = struct.Struct(">Q")
@@ -97,7 +99,6 @@ class _Process:
     ready when it says so."""
 
     def __init__(self, env: dict):
-        from moe_lora_harness.harness import fork_server
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         log_r, log_w = os.pipe()
