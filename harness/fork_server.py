@@ -7,7 +7,9 @@ which each child gets as asked), started on first use and kept for the life of t
 child is then what `python -c` with that environment in that directory would be, except that its modules
 come already imported. The server never touches CUDA (it refuses to serve if an import did), so a child may
 use the GPU. The server is each child's parent and reports its exit status; `start` returns a Popen-like
-handle. Where fork is not available, or the server cannot start, `start` runs the target in a new Python.
+handle. A child does not outlive the process that asked for it: when that process ends (a worker killed in
+the middle of an EP case, say), the server kills the children still running, with their process groups.
+Where fork is not available, or the server cannot start, `start` runs the target in a new Python.
 
   python -m moe_lora_harness.harness.fork_server FD   # started by start(), never by hand
 """
@@ -284,8 +286,13 @@ def _serve(sock: socket.socket) -> None:
             data, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, _MAX_FDS)
         except OSError:
             data, fds = b"", []
-        if not data:
-            return          # the client closed its end (or ended): so does the server
+        if not data:        # the client closed its end or ended (e.g. a worker killed mid-case): so do its children
+            for pid in live:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            return
         op, rid, payload = pickle.loads(data)
         if op == "reap":
             if payload in ended:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -24,6 +25,21 @@ def dies_by(sig):
 
 def raises():
     raise ValueError("planted failure")
+
+
+def sleeps(path):
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(3600)
+
+
+def starts_a_sleeper_and_ends(path):
+    """A caller that starts a child (which sleeps), waits for it to be running, then ends abruptly."""
+    fork_server.start(f"{HERE}:sleeps", (path,), env=child_env())
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    os._exit(0)
 
 
 def says(path):
@@ -75,3 +91,17 @@ def test_a_traceback_reaches_the_output(mode):
     with os.fdopen(r) as f:
         out = f.read()
     assert code == 1 and "ValueError: planted failure" in out, out
+
+
+def test_a_child_does_not_outlive_its_caller(tmp_path):
+    """A caller that ends (a worker killed in the middle of an EP case) takes its children with it."""
+    path = str(tmp_path / "pid")
+    assert _run("starts_a_sleeper_and_ends", path)[1] == 0
+    pid = int(open(path).read())
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = os.path.exists(f"/proc/{pid}")
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the child outlived the process that started it"
