@@ -6,7 +6,8 @@ Rounding model: the dual-stream add, rnd(cache + rnd(delta)), over the LoRA op p
 fully-sharded LoRA, or a batch above the context's dual_stream_max_tokens (default 128), the class runs on
 one stream and follows that path's own preset. One experts object
 per configuration is kept, so the aux stream and events are created once, as a layer would.
-On the CPU every call also runs the Recorder's race check (a race raises, failing the case).
+On the CPU every call also runs the Recorder's race check (a race raises, failing the case), and a case whose
+gate is closed (no LoRA, or a fully-sharded one) is declined there: it would run TritonExperts' own path.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from moe_lora_harness.backends.experts import (
     apply_experts, capabilities_of, config_from_call, context_from_call, precision_for, prepare_finalize_for,
     unavailable,
 )
+import dataclasses
+
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec
+from moe_lora_harness.harness.contract import BackendSpec, Rule
 
 try:
     import triton  # noqa: F401
@@ -36,6 +39,18 @@ def dual_stream_precision(case: Case) -> str:
     return "dual_stream_small_batch" if path == "small_batch" else "dual_stream"
 
 
+def gate_open(case: Case) -> bool:
+    """Whether the class runs the case on two streams (else it is plain TritonExperts: super().apply)."""
+    return case.lora and DualStreamTritonExperts.dual_stream_applies(case.fully_sharded, case.T)
+
+
+GATE_CLOSED_ON_CPU = Rule(
+    "dual-stream gate open", gate_open,
+    "adds nothing on the CPU: without LoRA, or with a fully-sharded one, the gate is closed and the class runs "
+    "TritonExperts' own path, which triton_experts' row of this case runs (on a GPU every case still runs)",
+    devices=frozenset({"cpu"}))
+
+
 def run_experts(call) -> None:
     """ExpertCall -> FusedMoEKernel(no-EP prepare/finalize, this config's dual-stream experts), dual_stream on."""
     pf_and_map = prepare_finalize_for(call)   # the layer's construction checks (EP) first
@@ -54,7 +69,8 @@ if DualStreamTritonExperts is not None:
         name="triton_experts_dual_stream",
         description="Triton experts with LoRA deltas on an aux stream (add_inputs=False into zeroed buffers, "
                     "joined by events, added on main; spec 5 dual-stream mode)",
-        capabilities=capabilities_of(DualStreamTritonExperts),
+        capabilities=dataclasses.replace(capabilities_of(DualStreamTritonExperts),
+                                         rules=capabilities_of(DualStreamTritonExperts).rules + (GATE_CLOSED_ON_CPU,)),
         experts=run_experts,
         precision=dual_stream_precision,
     )

@@ -170,15 +170,32 @@ def _oracle_spec() -> BackendSpec:
 
     rule = Rule("select_experts", _safe(lambda c: any(_claims(cls, c) for cls in classes)),
                 "no backend in BACKEND_PRIORITY supports it (kernels.experts.oracle.explain lists why)")
+    on_cpu = Rule("selection at stake", _safe(_selection_at_stake_on_cpu),
+                  "adds nothing on the CPU: the oracle picks TritonExperts for a gated activation, and "
+                  "triton_experts' own row runs this very case; what the oracle adds, the selection, "
+                  "suites/experts/test_oracle.py checks (on a GPU every case still runs)", devices=frozenset({"cpu"}))
     return BackendSpec(
         name="experts_oracle",
         description="runs whatever kernels.experts.oracle.select_experts picks (priority: "
                     + ", ".join(c.name for c in classes) + ")",
         capabilities=Capabilities(levels=frozenset({"expert"}), devices=devices, dtypes=dtypes,
                                   dtype_reasons=reasons, quant=frozenset({"none", "int4_g128", "int8_channel"}),
-                                  tensor_parallel=True, expert_parallel=True, rules=(rule,)),
+                                  tensor_parallel=True, expert_parallel=True, rules=(rule, on_cpu)),
         experts=run_call,
         precision=lambda case: _oracle_precision(case, picked))
+
+
+def _selection_at_stake_on_cpu(case: Case) -> bool:
+    """Whether the oracle's run of `case` on the CPU checks more than its pick's own row of it: the pick
+    declines the case (a selection bug), or the selection is one of its decisions: a class other than the
+    general TritonExperts (the fast path at I % 128 == 0, OAI for swigluoai, Marlin for quantized weights), or
+    a non-gated activation (passing over the gated-only classes, where vLLM's LoRA early return did not)."""
+    from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
+    from moe_lora_harness.reference.activations import is_gated
+    config = config_from_case(case, "cpu")
+    cls = oracle.select_experts(config)
+    declines = not (case.dtype in cls.dtypes.get("cpu", ()) and cls.is_supported_config(config)[0])
+    return declines or cls is not TritonExperts or not is_gated(case.activation)
 
 
 def _oracle_precision(case: Case, picked) -> str:

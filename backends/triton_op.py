@@ -69,9 +69,10 @@ TRITON_TWO_KERNEL = BackendSpec(
     capabilities=_caps(), op=_fn("fused_moe_lora_two_kernel"), precision="two_kernel")
 
 
-def _one_shot_forced(name: str, description: str, **knobs) -> BackendSpec:
+def _one_shot_forced(name: str, description: str, device_reasons: dict | None = None, **knobs) -> BackendSpec:
     """The one-shot kernel with the heuristic's launch config overridden by `knobs` at every shape, so the
-    conformance suite covers a mode the heuristic picks only at some (e.g. large) shapes."""
+    conformance suite covers a mode the heuristic picks only at some (e.g. large) shapes. `device_reasons`:
+    the devices where forcing them adds nothing, each with why (the backend declines them)."""
     import dataclasses
 
     def config(call):
@@ -82,9 +83,11 @@ def _one_shot_forced(name: str, description: str, **knobs) -> BackendSpec:
         return _ops.fused_moe_lora_one_shot(*args, **kw, config=config)
 
     op.__name__ = f"fused_moe_lora_one_shot_{name}"
+    devices = {"devices": frozenset({"cpu", "cuda"}) - set(device_reasons), "device_reasons": device_reasons} \
+        if device_reasons else {}
     return BackendSpec(
         name=f"triton_one_shot_{name}", description=description,
-        capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
+        capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,), **devices) if _ops else _caps(),
         op=op, precision="one_shot")
 
 
@@ -95,9 +98,14 @@ TRITON_ONE_SHOT_SPLIT_K = _one_shot_forced(
     split_k=3, block_k=16)
 # A 2-deep expand pipeline apart from the shrink's 3 stages and a register cap (128 holds every test tile):
 # the launch knobs at values the heuristic does not pick (it uses 3-deep, and 168 for rank <= 32 tiles).
+# The interpreter ignores all of them (tl.range's num_stages, num_warps, maxnreg): on the CPU this backend runs
+# triton_one_shot's programs bit for bit, so it declines the CPU, with that reason.
 TRITON_ONE_SHOT_STREAM = _one_shot_forced(
     "stream", "one-shot kernel forced to a 2-deep expand pipeline and a 128-register cap at every shape "
               "(the heuristic: 3-deep on sorted layouts, cap 168 for rank <= 32 tiles)",
+    device_reasons={"cpu": "adds nothing under the Triton interpreter, which ignores the pipeline depths and the "
+                           "register cap this backend forces: it would run triton_one_shot's programs bit for bit "
+                           "(triton_one_shot's rows run them); on a GPU they are compiled in"},
     num_warps=4, num_stages=3, expand_stages=2, maxnreg=128)
 
 ALL = [TRITON, TRITON_ONE_SHOT, TRITON_ONE_SHOT_SPLIT_K, TRITON_ONE_SHOT_STREAM, TRITON_SMALL_BATCH, TRITON_TWO_KERNEL]

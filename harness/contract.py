@@ -20,11 +20,13 @@ ENVIRONMENT_ERRORS = (r"parallel group is not initiali[sz]ed", r"default process
 
 @dataclass(frozen=True)
 class Rule:
-    """An extra declared constraint: `holds(case)` must be true for the backend to claim the case."""
+    """An extra declared constraint: `holds(case)` must be true for the backend to claim the case, on every
+    device or only on those in `devices` (e.g. a run that adds nothing under the CPU's Triton interpreter)."""
 
     name: str
     holds: Callable[[Case], bool]
     reason: str
+    devices: frozenset | None = None          # device kinds (cpu, cuda) the rule applies on; None: every one
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Capabilities:
 
     levels: frozenset = frozenset({"op"})
     devices: frozenset = frozenset({"cpu", "cuda"})
+    device_reasons: Mapping = field(default_factory=dict)   # device -> why it is not in `devices`
     # device -> dtypes supported there; `dtype_reasons[(device, dtype)]` says why one is missing
     dtypes: Mapping = field(default_factory=lambda: {
         "cpu": frozenset({"float16", "bfloat16", "float32"}),
@@ -199,7 +202,8 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
     if case.level == "expert" and spec.experts is None:
         return False, "declares no expert entry point"
     if dev not in cap.devices:
-        return False, f"device {dev} not supported (devices: {sorted(cap.devices)})"
+        why = cap.device_reasons.get(dev)
+        return False, f"on {dev}: {why}" if why else f"device {dev} not supported (devices: {sorted(cap.devices)})"
     if case.dtype not in cap.dtypes.get(dev, frozenset()):
         why = cap.dtype_reasons.get((dev, case.dtype), "not declared")
         return False, f"{case.dtype} on {dev}: {why}"
@@ -238,7 +242,7 @@ def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
         if case.fully_sharded and case.lora and not cap.fully_sharded:
             return False, "fully_sharded LoRA not supported"
     for rule in cap.rules:
-        if not rule.holds(case):
+        if (rule.devices is None or dev in rule.devices) and not rule.holds(case):
             return False, f"{rule.name}: {rule.reason}"
     return True, ""
 

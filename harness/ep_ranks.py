@@ -7,7 +7,8 @@ reference. A rank's `ExpertCall` (`rank_call`) holds its own tokens, its local b
 factors and a Communicator; the ranks' (T_r, H) outputs, concatenated in rank order, are the case's (T, H)
 output, which the judge compares with the float64 reference of the whole batch.
 
-  python -m moe_lora_harness.harness.ep_ranks RANK WORLD PORT DIR   # one rank process (started by run_processes)
+One rank process is harness.fork_server.start("moe_lora_harness.harness.ep_ranks:_rank_main",
+(RANK, WORLD, PORT, DIR)), started by run_processes.
 """
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ import datetime
 import json
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
+from moe_lora_harness.harness import fork_server
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, ExpertCall
 from moe_lora_harness.harness.execute import ExecutionFailure, Failure, InputWatch, inputs_digest
+from moe_lora_harness.harness.interpreter import LaunchWatch
 
 COLLECTIVE_TIMEOUT_S = 60.0    # a rank that skips a collective makes the others raise after this long
 TIMEOUT_ENV = "MOE_LORA_HARNESS_EP_TIMEOUT"   # seconds; overrides COLLECTIVE_TIMEOUT_S (rank processes inherit it)
@@ -149,13 +150,11 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
         with open(os.path.join(tmp, "job.json"), "w") as f:
             json.dump(job, f)
         port = _free_port()
-        procs = []
-        for r in range(world):
-            log = open(os.path.join(tmp, f"rank{r}.log"), "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "moe_lora_harness.harness.ep_ranks", str(r), str(world), str(port), tmp],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env()))
-            log.close()
+        procs, env = [], child_env()
+        for r in range(world):   # forked by the fork server: no Python start, no torch import per rank
+            with open(os.path.join(tmp, f"rank{r}.log"), "wb") as log:
+                procs.append(fork_server.start("moe_lora_harness.harness.ep_ranks:_rank_main", (r, world, port, tmp),
+                                               env=env, output=log.fileno()))
         deadline = time.monotonic() + timeout_s
         dead = None
         while any(p.poll() is None for p in procs):
@@ -206,7 +205,8 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
             if results[r]["digest"] != digest:
                 seen = results[r]["digest"]
         written = [w for r in range(world) for w in results[r]["written"]]
-        return torch.cat([results[r]["output"] for r in range(world)], dim=0), written, seen
+        launches = [x for r in range(world) for x in results[r].get("launches", [])]
+        return torch.cat([results[r]["output"] for r in range(world)], dim=0), written, seen, launches
 
 
 def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
@@ -248,7 +248,9 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         call = rank_call(built, case, rank, device, TorchDistributedCommunicator())
         watch = InputWatch()
         watch.add(f"rank{rank}", call)
-        spec.experts(call)
+        with LaunchWatch() as launches:
+            spec.experts(call)
+        result["launches"] = launches.launches
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         result["written"] = watch.written()
@@ -268,9 +270,3 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the result is saved; teardown errors do not change it
             pass
-
-
-if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    sys.stdout.flush()
-    os._exit(0)   # skip teardown: a backend's threads or a broken process group must not hang the exit

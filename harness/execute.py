@@ -137,15 +137,16 @@ def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatc
     return digest, inp.output
 
 
-def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch):
+def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, launches: LaunchWatch):
     from moe_lora_harness.harness.expert_runner import run_tp_ranks
     built = build_expert_inputs(case)
     digest = inputs_digest(built)
     if case.dispatched:
         from moe_lora_harness.harness import ep_ranks
         if case.ep_comm == "processes":
-            output, written, digest = ep_ranks.run_processes(spec, case, device, digest)
+            output, written, digest, remote = ep_ranks.run_processes(spec, case, device, digest)
             watch.extra_written.extend(written)
+            launches.launches.extend(remote)     # the ranks' interpreted kernels count as this call's
         else:
             output = ep_ranks.run_simulated(spec, built, case, device, watch)
     elif case.tp_size > 1:
@@ -210,7 +211,7 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
             if case.level == "op":
                 digest, out = _run_op(spec, case, device, poison, watch)
             else:
-                digest, out = _run_expert(spec, case, device, watch)
+                digest, out = _run_expert(spec, case, device, watch, launches)
     except ExecutionFailure as e:   # a driver's own classification (an EP rank that died, hung or raised)
         failure = e.failure
     except BaseException as e:  # noqa: BLE001 - whatever a backend raises is its failure, never our exit

@@ -21,10 +21,9 @@ import time
 from dataclasses import replace
 
 from moe_lora_harness.harness.fuzz_report import FailureRecord, print_report, write_reports
-from moe_lora_harness.harness.worker import child_env
+from moe_lora_harness.harness.worker import child_env, share_cores
 
 SEED_STRIDE = 1000     # job i searches from seed + i * SEED_STRIDE when --seed is given
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # oversubscribed torch threads cost more than they give
 
 
 def child_argv(argv: list, i: int, out_dir: str) -> list:
@@ -76,9 +75,7 @@ def run_jobs(argv: list, jobs: int, out: str | None, junit: str | None, name: st
     logs = [open(tmp / f"job-{i}.log", "wb") for i in range(jobs)]
     env = child_env()
     # the cores shared out: each job's torch threads (and its worker's) get their share, unless the user set it
-    share = str(max(1, (os.cpu_count() or 1) // jobs))
-    for var in THREAD_VARS:
-        env.setdefault(var, share)
+    share_cores(env, jobs)
     procs = [subprocess.Popen(child_argv(argv, i, str(d)), stdout=logs[i], stderr=subprocess.STDOUT,
                               env=env, start_new_session=True) for i, d in enumerate(dirs)]
     if not quiet:

@@ -186,8 +186,8 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
-    if hasattr(session.config, "workerinput") or not _LEDGER.ours:
-        return
+    if hasattr(session.config, "workerinput") or not _LEDGER.ours or session.config.option.collectonly:
+        return      # (--collect-only runs nothing by design)
     never = [i for i in _LEDGER.collected if i not in _LEDGER.reported]
     session.config.stash[_NEVER_RAN] = never
     if never and session.exitstatus == pytest.ExitCode.OK:

@@ -3,13 +3,14 @@
 A backend may raise anything, exit, abort, segfault, hang or corrupt its device; none of that may end
 or stall the run. `Supervisor.execute` sends one case to the worker and waits at most `timeout`
 seconds: a death (exit code or signal) or a timeout becomes that case's `Failure` (with the worker's
-last output), the worker is killed and a fresh one takes the next case (from the first death on, a spare
-started beforehand: a campaign against a backend that crashes or hangs often is not slowed by worker starts,
-about 1 s each on a CPU, more where a GPU context is made). The worker runs in its
+last output), the worker is killed and a fresh one takes the next case. Workers are forked by the fork server
+(harness/fork_server.py), which has imported torch, so a start costs milliseconds, not a new Python (about
+2 CPU-seconds); from the first death on a spare is also kept started. The worker runs in its
 own session, so a Ctrl-C reaches only the harness, which then stops it. Messages are length-prefixed
 pickles on two pipes of their own; the backend's prints go to a third pipe, kept as a log tail.
 
-  python -m moe_lora_harness.harness.worker FD_IN FD_OUT   # started by Supervisor, never by hand
+  harness.fork_server.start("moe_lora_harness.harness.worker:_worker_main", pass_fds=(FD_IN, FD_OUT))
+  # started by Supervisor, never by hand
 """
 from __future__ import annotations
 
@@ -19,15 +20,25 @@ import pickle
 import select
 import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
+
+from moe_lora_harness.harness import fork_server
 
 DEFAULT_TIMEOUT = 300.0     # seconds per backend call (first calls compile kernels); --timeout changes it
 START_TIMEOUT = 180.0       # seconds for a new worker to import torch and report ready
 _HEADER = struct.Struct(">Q")
 _LOG_LINES = 60
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")   # torch's intra-op threads (OpenMP, MKL)
+
+
+def share_cores(env: dict, processes: int) -> None:
+    """Give each of `processes` processes that run at once its share of the cores for torch's threads (in `env`,
+    unless it sets them): oversubscribed threads cost more than they give (a 5x64 by 64x8 float64 GEMM took
+    5 us with one thread and 150-400 us with two on a loaded 2-core machine)."""
+    share = str(max(1, (os.cpu_count() or 1) // max(1, processes)))
+    for var in THREAD_VARS:
+        env.setdefault(var, share)
 
 
 def child_env(base: dict | None = None) -> dict:
@@ -84,22 +95,24 @@ def _describe_exit(code: int) -> str:
 
 
 class _Process:
-    """One worker process: its pipes, its output pump and log tail; spawned at once, ready when it says so."""
+    """One worker process: its pipes, its output pump and log tail; started at once (forked by the fork server),
+    ready when it says so."""
 
     def __init__(self, env: dict):
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
+        log_r, log_w = os.pipe()
         self.log: collections.deque = collections.deque(maxlen=_LOG_LINES)
         self.log_lock = threading.Lock()
         self.ready = self.killed = False
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_lora_harness.harness.worker", str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=os.getcwd())
-        os.close(to_child_r)
-        os.close(from_child_w)
+        try:
+            self.proc = fork_server.start("moe_lora_harness.harness.worker:_worker_main", env=env,
+                                          pass_fds=(to_child_r, from_child_w), output=log_w)
+        finally:
+            for fd in (to_child_r, from_child_w, log_w):
+                os.close(fd)
         self.send_fd, self.recv_fd = to_child_w, from_child_r
-        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
+        threading.Thread(target=self._pump, args=(os.fdopen(log_r, "rb"),), daemon=True).start()
 
     def _pump(self, stream) -> None:
         for raw in iter(stream.readline, b""):
@@ -168,8 +181,8 @@ class Supervisor:
         return max(0, self.starts - 1)
 
     @property
-    def proc(self) -> subprocess.Popen | None:
-        """The worker process cases go to (None between a death and the next case)."""
+    def proc(self):
+        """The worker process cases go to, a Popen-like handle (None between a death and the next case)."""
         return self._w.proc if self._w is not None else None
 
     def _start(self) -> None:
@@ -255,8 +268,16 @@ class Supervisor:
 
 # -- the worker process ---------------------------------------------------------------------------------
 
+WORKER_NAME = "moe-lora-worker"    # the worker's process name (ps -o comm; a forked worker shares its server's command)
+
+
 def _worker_main(fd_in: int, fd_out: int) -> None:
     import faulthandler
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(WORKER_NAME)
+    except OSError:
+        pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the supervisor's to handle
     faulthandler.enable()                           # a segfault prints the Python stack into the log
     from moe_lora_harness.harness.case import Case
@@ -287,8 +308,3 @@ def _worker_main(fd_in: int, fd_out: int) -> None:
             _write_msg(fd_out, result)
         except Exception as e:  # noqa: BLE001 - e.g. an output that does not pickle
             _write_msg(fd_out, Execution(failure=Failure("worker", f"result could not be sent: {e}")))
-
-
-if __name__ == "__main__":
-    _worker_main(int(sys.argv[1]), int(sys.argv[2]))
-    os._exit(0)   # skip interpreter teardown: a backend's threads or atexit hooks must not hang the exit

@@ -4,12 +4,27 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from moe_lora_harness.harness.cache import CACHE_ENV
 from moe_lora_harness.harness.device import interpret_without_cuda
 from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
+from moe_lora_harness.harness.worker import share_cores
 
 interpret_without_cuda()   # before any suite module imports our Triton kernels (even one module run alone)
+
+
+def _share_cores_among_xdist_workers() -> None:
+    """Under pytest-xdist each test process, and the backend workers and EP ranks it starts, takes its share of
+    the cores for torch's threads (unless OMP_NUM_THREADS is set): 2 workers with 2 threads each on 2 cores made
+    the suites' tiny float64 GEMMs 30-100x slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share_cores(os.environ, workers)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_cores_among_xdist_workers()
 
 
 @pytest.fixture(scope="session")

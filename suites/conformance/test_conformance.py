@@ -16,6 +16,8 @@ from hypothesis import given, note
 from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import support_for
 from moe_lora_harness.harness.features import FEATURES, feature_cases
 from moe_lora_harness.harness.profiles import draw_sizes
 from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
@@ -81,7 +83,11 @@ def test_feature(backend_name, feature_case, backends, device, probe_unsupported
 
 def run_random(spec, level: str, device: str, executor):
     """Hypothesis-drawn cases the backend claims; failures shrink to a minimal case and print its REPRO line.
-    Fails if no claimed case could be drawn (the declarations and the strategy never meet)."""
+    Fails if no claimed case could be drawn (the declarations and the strategy never meet); a backend that
+    declines the device itself is skipped with its declared reason, as its feature rows are."""
+    dev = "cuda" if device.startswith("cuda") else device
+    if dev not in spec.capabilities.devices:
+        pytest.skip(f"unsupported by {spec.name}: {support_for(spec, Case(level=level), device)[1]}")
     claimed = []
 
     @suite_settings()

@@ -17,20 +17,18 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-pytest.importorskip("triton")
-
-from moe_lora_harness.harness.builders import build_expert_inputs  # noqa: E402
-from moe_lora_harness.harness.case import Case  # noqa: E402
-from moe_lora_harness.harness.contract import must_reject, support_for  # noqa: E402
-from moe_lora_harness.harness.ep_ranks import TIMEOUT_ENV, driver_problem, rank_call  # noqa: E402
-from moe_lora_harness.harness.execute import InProcess  # noqa: E402
-from moe_lora_harness.harness.profiles import draw_sizes  # noqa: E402
-from moe_lora_harness.harness.registry import load_ref  # noqa: E402
-from moe_lora_harness.harness.runner import run_case  # noqa: E402
-from moe_lora_harness.harness.strategies import (  # noqa: E402
+from moe_lora_harness.harness.builders import build_expert_inputs
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import must_reject, support_for
+from moe_lora_harness.harness.ep_ranks import TIMEOUT_ENV, driver_problem, rank_call
+from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.profiles import draw_sizes
+from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.strategies import (
     MAX_EXAMPLES_ENV, claimed_cases, profile, suite_settings)
-from moe_lora_harness.harness.worker import Supervisor  # noqa: E402
-from moe_lora_harness.suites.experts.ep_mutants import CASES, MUTANTS  # noqa: E402
+from moe_lora_harness.harness.worker import Supervisor
+from moe_lora_harness.suites.experts.ep_mutants import CASES, MUTANTS
 
 REF = "moe_lora_harness.suites.experts.ep_mutants"
 DRIVERS = ("simulated", "processes")

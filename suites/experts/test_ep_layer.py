@@ -1,6 +1,7 @@
 """Expert parallelism with LoRA: TritonExperts (and the Marlin-style int8, OAI-style swigluoai and dual-stream
 experts) through NaiveEPPrepareAndFinalize (all-gather dispatch with the token -> LoRA mapping beside the hidden
-states, reduce-scatter combine), ranks as SimulatedGroup threads and, once, as two gloo processes. Truth:
+states, reduce-scatter combine), ranks as SimulatedGroup threads and, once, as two gloo processes. The layers
+run on DEVICE: the CPU under the Triton interpreter, else the GPU (both gloo ranks on it). Truth:
 reference.sharding's EP forward (`sharded_experts_forward(ep_size=...)`). The error tests check that a rejected
 setting, a rank whose layer differs, or one rank's bad argument make EVERY rank raise, without any rank
 waiting for the collective timeout.
@@ -20,42 +21,41 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import time
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("kernel-level EP tests build CPU tensors for the Triton interpreter; on a GPU the same layer runs "
-                "at real shapes in bf16 through suites/experts/test_ep_harness.py and the EP check rows",
-                allow_module_level=True)
-
-from moe_lora_harness.backends.dual_stream import dual_stream_precision  # noqa: E402
-from moe_lora_harness.backends.experts import precision_for  # noqa: E402
-from moe_lora_harness.harness.builders import build_expert_inputs  # noqa: E402
-from moe_lora_harness.harness.case import Case  # noqa: E402
-from moe_lora_harness.harness.compare import compare_written  # noqa: E402
-from moe_lora_harness.harness.communicator import (  # noqa: E402
-    CollectiveError, SimulatedGroup, TorchDistributedCommunicator)
-from moe_lora_harness.kernels.experts.config import MoEConfig  # noqa: E402
-from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts  # noqa: E402
-from moe_lora_harness.kernels.experts.ep_prepare_finalize import (  # noqa: E402
+from moe_lora_harness.backends.dual_stream import dual_stream_precision
+from moe_lora_harness.backends.experts import precision_for
+from moe_lora_harness.harness.builders import build_expert_inputs
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import compare_written
+from moe_lora_harness.harness import fork_server
+from moe_lora_harness.harness.communicator import CollectiveError, SimulatedGroup, TorchDistributedCommunicator
+from moe_lora_harness.harness.worker import child_env
+from moe_lora_harness.kernels.experts.config import MoEConfig
+from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
+from moe_lora_harness.kernels.experts.ep_prepare_finalize import (
     NaiveEPPrepareAndFinalize, ep_local_expert_map, slice_lora_to_local)
-from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext  # noqa: E402
-from moe_lora_harness.kernels.experts.marlin_experts import MarlinExperts  # noqa: E402
-from moe_lora_harness.kernels.experts.modular import FusedMoEKernel  # noqa: E402
-from moe_lora_harness.kernels.experts.oai_experts import OAIExperts  # noqa: E402
-from moe_lora_harness.kernels.experts.triton_experts import TritonExperts  # noqa: E402
-from moe_lora_harness.kernels.schedule.recorder import Recorder  # noqa: E402
-from moe_lora_harness.kernels.triton.quant_gemm import pack_weights  # noqa: E402
-from moe_lora_harness.reference.experts import LoRAInputs  # noqa: E402
-from moe_lora_harness.reference.precision import precision as make_precision  # noqa: E402
-from moe_lora_harness.suites.experts.ep_mutants import CombineTwice, MappingFromStart, OwnMapping  # noqa: E402
-from moe_lora_harness.reference.sharding import (  # noqa: E402
+from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
+from moe_lora_harness.kernels.experts.marlin_experts import MarlinExperts
+from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
+from moe_lora_harness.kernels.experts.oai_experts import OAIExperts
+from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
+from moe_lora_harness.kernels.schedule.recorder import Recorder
+from moe_lora_harness.kernels.triton.platform import interpreting
+from moe_lora_harness.kernels.triton.quant_gemm import pack_weights
+from moe_lora_harness.reference.experts import LoRAInputs
+from moe_lora_harness.reference.precision import precision as make_precision
+from moe_lora_harness.suites.experts.ep_mutants import CombineTwice, MappingFromStart, OwnMapping
+from moe_lora_harness.reference.sharding import (
     ep_expert_map, ep_slice_base, ep_slice_lora, sharded_experts_forward)
 
 H, I, R, L, TOP_K = 32, 32, 8, 3, 2
+# where the layers run: Triton kernels need CUDA tensors unless they are interpreted (the judge stays on the CPU)
+DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 DT = {"float16": torch.float16, "float32": torch.float32}
 
 # ----------------------------------------------------------------------------- the layer and its truth
@@ -100,40 +100,46 @@ def _reference(inp, mapping, counts, activation, dtype, E, preset=None):
 
 
 def _config(activation, dtype, E_local, quant="none", bias=False):
-    return MoEConfig(device="cpu", dtype=DT[dtype], activation=activation, H=H, I=I, E=E_local, top_k=TOP_K,
+    return MoEConfig(device=DEVICE, dtype=DT[dtype], activation=activation, H=H, I=I, E=E_local, top_k=TOP_K,
                      lora_enabled=True, max_lora_rank=R, expert_map=True, quant=quant, has_bias=bias)
 
 
 def _rank_layer(comm, inp, mapping, counts, activation, dtype, E, pf_cls=NaiveEPPrepareAndFinalize,
                 experts_cls=TritonExperts, dual_stream=False):
-    """Rank comm.rank's forward over its own tokens; returns its (T_r, H) output."""
+    """Rank comm.rank's forward over its own tokens on DEVICE; returns its (T_r, H) output, on the CPU."""
     r, ep = comm.rank, comm.size
     lo, hi = sum(counts[:r]), sum(counts[:r + 1])
     quant, bias = inp.case.quant, inp.case.bias
     cfg = _config(activation, dtype, E // ep, quant, bias)
     pf = pf_cls(comm, E)
     assert torch.equal(pf.expert_map, ep_expert_map(E, ep, r))
+    on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    ons = lambda ts: [on(t) for t in ts]  # noqa: E731
     w13, w2, (b13, b2) = ep_slice_base(inp.w13, inp.w2, (inp.w13_bias, inp.w2_bias), ep_size=ep, ep_rank=r)
+    w13, w2 = on(w13), on(w2)
     if quant != "none":   # this rank's experts of the global quantized weights, packed as apply_experts does
         n = E // ep
-        q13, s13, q2, s2 = (t[r * n:(r + 1) * n].contiguous() for t in inp.quantized)
+        q13, s13, q2, s2 = (on(t[r * n:(r + 1) * n].contiguous()) for t in inp.quantized)
         w13, w2 = pack_weights(q13, s13, quant), pack_weights(q2, s2, quant)
     st = inp.stacked
     a13, b13l, a2, b2l = slice_lora_to_local(st.w13_a, st.w13_b, st.w2_a, st.w2_b, ep_rank=r, ep_size=ep)
     ref = ep_slice_lora(st, ep, r)
     assert all(torch.equal(x, y) for x, y in zip(a13 + b13l + a2 + b2l,
                                                  ref.w13_a + ref.w13_b + ref.w2_a + ref.w2_b))
-    ctx = MoELoRAContext(w13_lora_a_stacked=a13, w13_lora_b_stacked=b13l, w2_lora_a_stacked=a2,
-                         w2_lora_b_stacked=b2l, adapter_enabled=st.adapter_enabled.clone(), max_loras=L, top_k=TOP_K,
-                         w13_num_slices=len(a13), local_num_experts=E // ep, token_lora_mapping=mapping[lo:hi].clone(),
-                         dual_stream=dual_stream)
+    ctx = MoELoRAContext(w13_lora_a_stacked=ons(a13), w13_lora_b_stacked=ons(b13l), w2_lora_a_stacked=ons(a2),
+                         w2_lora_b_stacked=ons(b2l), adapter_enabled=on(st.adapter_enabled.clone()), max_loras=L,
+                         top_k=TOP_K, w13_num_slices=len(a13), local_num_experts=E // ep,
+                         token_lora_mapping=on(mapping[lo:hi].clone()), dual_stream=dual_stream)
     experts = experts_cls(cfg)
     kernel = FusedMoEKernel(pf, experts)
-    out = kernel.apply(inp.hidden[lo:hi].clone(), w13, w2, inp.topk_weights[lo:hi].clone(),
-                       inp.topk_ids[lo:hi].clone(), lora_ctx=ctx, expert_map=pf.expert_map, w13_bias=b13, w2_bias=b2)
-    if dual_stream:   # the gathered batch really ran on two (recorded, race-checked) streams
-        assert experts.last_plan == "both" and isinstance(experts.dual_stream_schedule, Recorder), experts.last_plan
-    return out
+    out = kernel.apply(on(inp.hidden[lo:hi].clone()), w13, w2, on(inp.topk_weights[lo:hi].clone()),
+                       on(inp.topk_ids[lo:hi].clone()), lora_ctx=ctx, expert_map=on(pf.expert_map), w13_bias=on(b13),
+                       w2_bias=on(b2))
+    if dual_stream:   # the gathered batch really ran on two streams (on the CPU: recorded and race-checked)
+        from moe_lora_harness.kernels.schedule.cuda import CudaSchedule
+        sched = Recorder if DEVICE == "cpu" else CudaSchedule
+        assert experts.last_plan == "both" and isinstance(experts.dual_stream_schedule, sched), experts.last_plan
+    return out.cpu()
 
 
 def _run_threads(group: SimulatedGroup, fn):
@@ -401,16 +407,23 @@ def _free_port() -> int:
 
 
 def test_gloo_two_processes(tmp_path):
-    import torch.multiprocessing as mp
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    ctx = mp.start_processes(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
+    """Both ranks on DEVICE (on a GPU, gloo moves the CUDA tensors of one GPU between the two processes), each
+    a process of the harness's fork server, as EP ranks are."""
+    port, ranks = _free_port(), []
+    for r in range(2):
+        with open(tmp_path / f"rank{r}.log", "wb") as log:
+            ranks.append(fork_server.start(f"{__name__}:_gloo_worker", (r, 2, port, str(tmp_path)), env=child_env(),
+                                           output=log.fileno()))
+    codes = []
+    for p in ranks:
+        try:
+            codes.append(p.wait(timeout=120))
+        except subprocess.TimeoutExpired:
+            for q in ranks:
+                q.kill()
+                q.wait()
             pytest.fail("gloo ranks did not finish within 120 s")
+    assert codes == [0, 0], [codes] + [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
     inp, mapping = _problem(_GLOO["counts"], _GLOO["activation"], _GLOO["dtype"], _GLOO["E"])
     truth, emu = _reference(inp, mapping, _GLOO["counts"], _GLOO["activation"], _GLOO["dtype"], _GLOO["E"])
     outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

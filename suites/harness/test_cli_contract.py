@@ -110,10 +110,12 @@ def test_a_file_backend_gets_its_short_name_and_only_accepts_either(tmp_path):
     assert select(specs, ["fused_moe_lora"]) == select(specs, [f"{f}:fused_moe_lora"]) == specs
 
 
-@pytest.mark.skipif(shutil.which("moe-lora-harness") is None,
-                    reason="needs the moe-lora-harness command on PATH (an installed package, not a bare source tree)")
 def test_repro_of_a_module_backend_replays_from_a_fresh_shell_elsewhere(tmp_path):
     """`--backend mymod:attr` found through the working directory: the REPRO carries its PYTHONPATH."""
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    assert shutil.which("moe-lora-harness", path=path), (
+        "the REPRO line runs the moe-lora-harness command, which is neither beside this Python nor on PATH: "
+        "install the package (pip install -e .), not a bare source tree")
     (tmp_path / "mymod.py").write_text(WRONG_OP.format(name="my_op"))
     out = _cli("replay", "--backend", "mymod:my_op", "--only", "my_op", "--device", "cpu", "--case",
                '{"T": 3, "seed": 2}', cwd=tmp_path)
@@ -123,7 +125,7 @@ def test_repro_of_a_module_backend_replays_from_a_fresh_shell_elsewhere(tmp_path
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = path
     again = subprocess.run(["bash", "-c", repro], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 1 and "FAIL backend=my_op" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
 

@@ -25,7 +25,6 @@ BACKENDS = [("triton", "op"), ("triton_small_batch", "op"), ("eager", "expert"),
 
 @pytest.fixture(scope="module")
 def backends():
-    pytest.importorskip("triton")
     return available_backends()
 
 
@@ -148,7 +147,6 @@ SHOWS = {
 
 @pytest.fixture(scope="module")
 def reach():
-    pytest.importorskip("triton")
     from moe_lora_harness.harness.reach_mutants import DEFECTS, REACH_MUTANTS
     assert set(SHOWS) == set(DEFECTS)
     return {s.name: s for s in REACH_MUTANTS}, DEFECTS

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-import pytest
-
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.selftest import CORPORA, kill_matrix_text, run_selftest
 
@@ -33,7 +31,6 @@ def test_compile_classes_keep_the_fuzz_detector_killing_every_op_and_tp_mutant()
 
 def test_every_corpus_has_a_control_and_mutants():
     from moe_lora_harness.harness.registry import load_ref
-    pytest.importorskip("triton")
     for corpus in CORPORA:
         names = {s.name for s in load_ref(corpus.ref) if corpus.select(s)}
         assert set(corpus.controls) <= names and len(names) > len(corpus.controls), corpus.name

@@ -41,7 +41,9 @@ def _verdicts(spec, case, device):
 
 
 def _correct(case):
-    return EAGER if case.level == "op" else available_backends()["experts_oracle"]
+    """The correct kernel: eager at the op level; at the expert level triton_experts, the class the oracle
+    picks for these cases (a silu I % 128 != 0 and a gelu case), which the oracle leaves to it on the CPU."""
+    return EAGER if case.level == "op" else available_backends()["triton_experts"]
 
 
 @pytest.mark.parametrize("case", TINY_OP + TINY_EXPERT, ids=lambda c: c.id)
@@ -60,7 +62,6 @@ def test_the_allowance_is_what_passes_them(case, device):
 
 @pytest.mark.parametrize("case", TINY_OP[:2], ids=lambda c: c.id)
 def test_flush_to_zero_still_fails(case, device):
-    pytest.importorskip("triton")
     from moe_lora_harness.harness.reach_mutants import REACH_MUTANTS
     ftz = next(s for s in REACH_MUTANTS if s.name == "reach-subnormal-flush")
     out = run_case(ftz, case, device, reruns=0)
