@@ -140,8 +140,8 @@ SHOWS = {
     "top-k-past-4": (_op(top_k=5, E=6), _op(top_k=4, E=6)),
     "n-tail-past-32": (_op(I=40), _op(I=64)),
     "slice-2-without-add-inputs": (_op(add_inputs=False), _op(add_inputs=False, num_slices=1)),
-    "subnormal-flush": (_op(dtype="float16", magnitude=2.0 ** -20, add_inputs=False, num_slices=1),
-                        _op(dtype="float16", magnitude=2.0 ** -20, num_slices=1)),
+    "subnormal-flush": (_op(dtype="float16", magnitude=2.0 ** -20, num_slices=1),
+                        _op(dtype="float32", magnitude=2.0 ** -20, num_slices=1)),
 }
 
 
