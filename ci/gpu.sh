@@ -57,7 +57,7 @@ for t in "${targets[@]}"; do
     ep)
       MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-10} timeout ${EP_TIMEOUT:-240} \
         python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-8} --moe-lora-device cuda \
-        suites/experts/test_ep_harness.py suites/experts/test_ep_layer.py suites/conformance -k "EP or ep_ or expert_random" \
+        src/moe_lora_harness/suites/experts/test_ep_harness.py src/moe_lora_harness/suites/experts/test_ep_layer.py src/moe_lora_harness/suites/conformance -k "EP or ep_ or expert_random" \
         -rs --junitxml="$OUT/ep_suites.junit.xml" > "$OUT/ep_suites.log" 2>&1 || rc=1
       tail -3 "$OUT/ep_suites.log"
       timeout ${EP_CHECK_TIMEOUT:-200} python3 -m moe_lora_harness check --device cuda --feature "experts: EP" \
