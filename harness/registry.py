@@ -242,10 +242,21 @@ def replay_path(spec: BackendSpec) -> list[str]:
 
 
 def replay_prefix(spec: BackendSpec) -> tuple[str, str]:
-    """(environment prefix, --backend arguments) a REPRO needs to load `spec` in a fresh shell."""
-    if not spec.origin or is_registered(spec):
-        return "", ""
+    """(environment prefix, --backend arguments) a REPRO needs to load `spec` in a fresh shell: the folders a
+    fresh shell lacks (for our own backends too, where the package itself is on PYTHONPATH, not installed), and
+    the reference of a backend no entry point registers."""
     import shlex
-    path = replay_path(spec)
+    path = replay_path(spec) if spec.origin else []
     env = f"PYTHONPATH={shlex.quote(os.pathsep.join(path))} " if path else ""
-    return env, f" --backend {shlex.quote(spec.origin)}"
+    backend = "" if not spec.origin or is_registered(spec) else f" --backend {shlex.quote(spec.origin)}"
+    return env, backend
+
+
+def harness_command() -> str:
+    """How a fresh shell runs the harness: its console script where it is on PATH, else this Python with -m (a
+    source tree run with PYTHONPATH, not installed)."""
+    import shlex
+    import shutil
+    if shutil.which("moe-lora-harness"):
+        return "moe-lora-harness"
+    return f"{shlex.quote(sys.executable)} -m moe_lora_harness"

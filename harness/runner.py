@@ -74,10 +74,10 @@ FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written"
 
 def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
     """One shell command that replays this case alone, from any directory of a fresh shell."""
-    from moe_lora_harness.harness.registry import replay_prefix
+    from moe_lora_harness.harness.registry import harness_command, replay_prefix
     env, backend = replay_prefix(spec)
     setup = f" --setup {shlex.quote(spec.setup)}" if isinstance(spec.setup, str) else ""
-    return (f"{env}moe-lora-harness replay{backend}{setup} --only {shlex.quote(spec.name)} --device {device} "
+    return (f"{env}{harness_command()} replay{backend}{setup} --only {shlex.quote(spec.name)} --device {device} "
             f"--case {shlex.quote(case.to_json())}")
 
 

@@ -33,9 +33,9 @@ def test_the_signature_is_vllms_then_keyword_only_extras(name):
 
 
 @pytest.mark.parametrize("name", ["reference", "eager", "triton"])
-def test_positional_and_keyword_calls_do_the_same(name):
-    by_keyword = build_op_inputs(CASE, "cpu").call_kwargs()
-    by_position = build_op_inputs(CASE, "cpu").call_kwargs()
+def test_positional_and_keyword_calls_do_the_same(name, device):
+    by_keyword = build_op_inputs(CASE, device).call_kwargs()
+    by_position = build_op_inputs(CASE, device).call_kwargs()
     before = by_keyword["output"].clone()
     ENTRY_POINTS[name](**by_keyword)
     ENTRY_POINTS[name](*(by_position[n] for n in SIGNATURE.parameters))

@@ -12,7 +12,7 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.fuzz_report import FailureRecord
-from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.registry import harness_command, load_ref
 from moe_lora_harness.harness.signatures import Signature, axes_of, failure_class
 from moe_lora_harness.harness.strategies import claimed_cases
 from moe_lora_harness.harness.worker import Supervisor
@@ -51,7 +51,7 @@ def test_one_campaign_reports_each_independent_bug():
     assert len(result.found) == 3, texts          # each bug once, not once per variant
     for f in result.found:
         assert f.outcome.failed and f"REPRO: {f.outcome.repro}" in f.outcome.detail
-        assert "moe-lora-harness replay" in f.record().repro
+        assert f"{harness_command()} replay" in f.record().repro
 
 
 def test_a_crash_and_a_hang_are_failures_and_the_campaign_goes_on(monkeypatch):
@@ -95,7 +95,7 @@ def test_fuzz_cli_writes_json_junit_and_exits_1(tmp_path, monkeypatch):
     assert summary["distinct_failures"] and (tmp_path / "out" / "failure-01.json").exists()
     record = json.loads((tmp_path / "out" / "failure-01.json").read_text())
     # (an uninstalled checkout's repro line starts with the PYTHONPATH it needs)
-    assert "moe-lora-harness replay" in record["repro"] and Case.from_json(record["case"]).problems() == []
+    assert f"{harness_command()} replay" in record["repro"] and Case.from_json(record["case"]).problems() == []
     suite = ET.parse(tmp_path / "f.xml").getroot().find("testsuite")
     assert int(suite.get("failures")) == len(summary["distinct_failures"]) >= 1
 

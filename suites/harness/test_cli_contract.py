@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pathlib
 import shlex
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import textwrap
 import pytest
 
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.registry import BackendLoadError, load_ref, select
+from moe_lora_harness.harness.registry import BackendLoadError, harness_command, load_ref, select
 from moe_lora_harness.harness.runner import repro_command, run_case
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -113,15 +112,16 @@ def test_a_file_backend_gets_its_short_name_and_only_accepts_either(tmp_path):
 def test_repro_of_a_module_backend_replays_from_a_fresh_shell_elsewhere(tmp_path):
     """`--backend mymod:attr` found through the working directory: the REPRO carries its PYTHONPATH."""
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    assert shutil.which("moe-lora-harness", path=path), (
-        "the REPRO line runs the moe-lora-harness command, which is neither beside this Python nor on PATH: "
-        "install the package (pip install -e .), not a bare source tree")
     (tmp_path / "mymod.py").write_text(WRONG_OP.format(name="my_op"))
     out = _cli("replay", "--backend", "mymod:my_op", "--only", "my_op", "--device", "cpu", "--case",
                '{"T": 3, "seed": 2}', cwd=tmp_path)
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     repro = next(l for l in out.stdout.splitlines() if l.startswith("REPRO: ")).removeprefix("REPRO: ")
-    assert repro.startswith(f"PYTHONPATH={shlex.quote(str(tmp_path))} moe-lora-harness replay --backend mymod:my_op"), repro
+    env, *command = shlex.split(repro)
+    # the module's folder first (then, in a source tree that is not installed, the package's own)
+    assert env.startswith("PYTHONPATH=") and env.removeprefix("PYTHONPATH=").split(os.pathsep)[0] == str(tmp_path)
+    cmd = shlex.split(harness_command())
+    assert command[:len(cmd) + 3] == cmd + ["replay", "--backend", "mymod:my_op"], repro
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -153,7 +153,7 @@ def test_a_third_party_experts_spec_replays_from_its_own_module(tmp_path):
 def test_builtins_need_no_backend_argument_to_replay():
     [spec] = [s for s in load_ref("moe_lora_harness.backends:BUILTINS") if s.name == "eager"]
     line = repro_command(spec, Case(T=2), "cpu")
-    assert line.startswith("moe-lora-harness replay --only eager --device cpu --case ")
+    assert "--backend" not in line and f"{harness_command()} replay --only eager --device cpu --case " in line
 
 
 @pytest.mark.skipif(not IN_SOURCE_TREE, reason="pyproject.toml is in the source repository only")

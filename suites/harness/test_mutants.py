@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.registry import harness_command, load_ref
 from moe_lora_harness.harness.runner import run_case
 
 MUTANTS = load_ref("moe_lora_harness.harness.mutants:MUTANTS")   # as a user loads them (origin set)
@@ -35,7 +35,7 @@ EXPOSING = {
 def test_mutant_is_caught(name):
     out = run_case(BY_NAME[f"mutant-{name}"], EXPOSING[name], "cpu")
     assert out.status == "fail", f"planted bug {name} was not caught: {out.status} {out.reason}"
-    assert "\nREPRO: " in out.detail and "moe-lora-harness replay" in out.detail and "CASE: {" in out.detail
+    assert "\nREPRO: " in out.detail and f"{harness_command()} replay" in out.detail and "CASE: {" in out.detail
 
 
 @pytest.mark.parametrize("case", [c for c in EXPOSING.values() if c.level == "op"] + [BASE.replace(dtype="float32")],
@@ -76,5 +76,6 @@ def test_repro_line_replays_the_failure_alone():
     argv = shlex.split(line.removeprefix("REPRO: "))
     while "=" in argv[0]:    # PYTHONPATH=..., where a fresh shell could not import the package
         argv.pop(0)
-    assert argv[0] == "moe-lora-harness" and "--backend" in argv
-    assert main(argv[1:]) == 1
+    cmd = shlex.split(harness_command())     # the console script, or python -m in a source tree not installed
+    assert argv[:len(cmd)] == cmd and "--backend" in argv
+    assert main(argv[len(cmd):]) == 1

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.registry import harness_command, load_ref
 from moe_lora_harness.harness.runner import MalformedCase, run_case
 from moe_lora_harness.harness.worker import WORKER_NAME, Supervisor
 
@@ -51,7 +51,7 @@ def test_hostile_backend_fails_the_case_and_the_run_goes_on(name, supervisor):
     out = run_case(SPECS[name], W2, "cpu", executor=supervisor, reruns=0)
     assert out.status == "fail" and out.kind == kind, (out.status, out.kind, out.detail)
     assert text in out.detail
-    assert "CASE: " in out.detail and "moe-lora-harness replay --backend " + REF in out.detail
+    assert "CASE: " in out.detail and f"{harness_command()} replay --backend " + REF in out.detail
     after = run_case(SPECS["hostile-control"], W2, "cpu", executor=supervisor)
     assert after.status == "pass", after.detail
 
