@@ -36,9 +36,13 @@ def interpret_without_cuda() -> bool:
 
 
 def prepare_device(text: str | None, option: str = "--device") -> str:
-    """The device to run on (default: cuda when present), the interpreter set up where there is no CUDA."""
+    """The device to run on (default: cuda when present), the interpreter set up where there is no CUDA, and
+    for --device cpu on a CUDA host too (compiled Triton kernels cannot read CPU tensors: they run in the
+    interpreter, or a correct backend would fail there)."""
     has_cuda = interpret_without_cuda()
     d = parse_device(text, option) if text is not None else ("cuda" if has_cuda else "cpu")
     if d.startswith("cuda") and not has_cuda:
         raise ValueError(f"{option} {d}: no CUDA device is available here")
+    if d == "cpu":
+        os.environ.setdefault(INTERPRET_ENV, "1")
     return d

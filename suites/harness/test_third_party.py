@@ -132,7 +132,8 @@ def test_a_repro_carries_every_path_entry_the_backend_module_imports_from(tmp_pa
                                                       + os.environ.get("PYTHONPATH", "").split(os.pathsep)).strip(os.pathsep))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     first = subprocess.run([sys.executable, "-m", "moe_lora_harness", "replay", "--backend", "mymod:my_op",
-                            "--device", "cpu", "--repeat", "1", "--in-process", "--case", '{"T": 3}'],
+                            "--only", "my_op", "--device", "cpu", "--repeat", "1", "--in-process", "--case",
+                            '{"T": 3}'],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 1, first.stdout[-2000:] + first.stderr[-2000:]
     repro = next(l for l in first.stdout.splitlines() if l.startswith("REPRO: ")).removeprefix("REPRO: ")
@@ -202,3 +203,13 @@ def test_a_declared_layout_limit_says_why():
     spec = BackendSpec("n", "d", caps, op=lambda **kw: None)
     ok, why = support_for(spec, Case(layout="sorted"), "cpu")
     assert not ok and why.endswith("one program per pair") and "sorted block assignment" in why
+
+
+def test_device_cpu_on_a_cuda_host_runs_triton_in_the_interpreter(monkeypatch):
+    """Compiled Triton kernels cannot read CPU tensors: --device cpu on a GPU host interprets them (else every
+    correct Triton backend would fail there); --device cuda leaves them compiled."""
+    from moe_lora_harness.harness import device as dev
+    monkeypatch.setattr(dev, "cuda_present", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert dev.prepare_device("cuda") == "cuda" and "TRITON_INTERPRET" not in os.environ
+    assert dev.prepare_device("cpu") == "cpu" and os.environ["TRITON_INTERPRET"] == "1"
