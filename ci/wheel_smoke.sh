@@ -6,24 +6,35 @@
 #   3. from an empty directory: nothing generic (harness, kernels, ...) at the top of site-packages; the
 #      example backend found through its entry point by `list`, `check` and the pytest11 plugin
 # Usage (repo root): bash ci/wheel_smoke.sh      env: PYTHON (default python3), KEEP=1 keeps the temp dir.
+#   or in two phases, so the installs (1, 2) can run beside other work (.ci/run runs them beside its own
+#   install): bash ci/wheel_smoke.sh prepare DIR; ...; bash ci/wheel_smoke.sh check DIR   (3, then DIR removed)
 # About 1-2 minutes on 2 cores. Prints one summary line; exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 PY=${PYTHON:-python3}
 T0=$(date +%s)
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/wheel_smoke.XXXXXX")
+PHASE=${1:-all}
+case $PHASE in all|prepare|check) ;; *) echo "wheel_smoke: unknown phase '$PHASE' (all, prepare, check)" >&2; exit 2 ;; esac
+if [[ $PHASE == all ]]; then
+  TMP=$(mktemp -d "${TMPDIR:-/tmp}/wheel_smoke.XXXXXX")
+else
+  TMP=${2:?"wheel_smoke $PHASE: give the folder of the prepared venv"}
+  mkdir -p "$TMP"
+  TMP=$(cd "$TMP" && pwd)
+fi
 STEP=setup
 SUMMARY=""
 
 finish() {
   local rc=$?
   if [[ $rc -eq 0 ]]; then
-    echo "wheel_smoke: OK in $(( $(date +%s) - T0 ))s: $SUMMARY"
+    echo "wheel_smoke${PHASE/all/}: OK in $(( $(date +%s) - T0 ))s${SUMMARY:+: $SUMMARY}"
   else
-    echo "wheel_smoke: FAILED at step '$STEP' (exit $rc) after $(( $(date +%s) - T0 ))s${KEEP:+; kept $TMP}" >&2
+    echo "wheel_smoke${PHASE/all/}: FAILED at step '$STEP' (exit $rc) after $(( $(date +%s) - T0 ))s${KEEP:+; kept $TMP}" >&2
   fi
-  [[ -n ${KEEP:-} ]] || rm -rf "$TMP"
+  # the prepared venv stays for the check phase (unless the preparation failed)
+  [[ -n ${KEEP:-} || ( $PHASE == prepare && $rc -eq 0 ) ]] || rm -rf "$TMP"
   exit $rc
 }
 trap finish EXIT
@@ -32,8 +43,12 @@ log() { echo "== wheel_smoke: $*"; }
 # run a step quietly; on failure show its output
 quiet() { local out="$TMP/step.log"; if ! "$@" >"$out" 2>&1; then cat "$out" >&2; return 1; fi; }
 
-STEP="copy source"
 SRC=$TMP/src
+VPY=$TMP/venv/bin/python
+VBIN=$TMP/venv/bin
+if [[ $PHASE != check ]]; then
+
+STEP="copy source"
 mkdir -p "$SRC"
 if git -C "$REPO" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   # tracked and untracked-but-not-ignored files: what a clone (plus local edits) holds
@@ -46,8 +61,6 @@ fi
 STEP="fresh venv"
 log "fresh venv in $TMP/venv"
 "$PY" -m venv "$TMP/venv"
-VPY=$TMP/venv/bin/python
-VBIN=$TMP/venv/bin
 quiet "$VPY" -m pip install -q --upgrade pip
 
 STEP="build wheel"
@@ -65,6 +78,14 @@ quiet "$VPY" -m pip install -q "$WHEEL"
 
 STEP="install example backend"
 quiet "$VPY" -m pip install -q "$SRC/examples/moe_lora_example_backend"
+
+fi
+if [[ $PHASE == prepare ]]; then
+  STEP=done
+  SUMMARY="the wheel and the example backend installed in a fresh venv in $TMP"
+  exit 0
+fi
+WHEEL=$(ls "$TMP"/dist/moe_lora_harness-*.whl)
 
 # Everything below runs from an empty directory with no PYTHONPATH: only the installed files count.
 STEP="empty directory"
