@@ -18,6 +18,11 @@ def parse_device(text: str, option: str = "--device") -> str:
     raise ValueError(f"{option}: expected {DEVICE_FORMS}; got {text!r}")
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run in its interpreter in this process (TRITON_INTERPRET set and not 0)."""
+    return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
+
+
 def cuda_present() -> bool:
     try:
         import torch

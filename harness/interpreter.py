@@ -8,9 +8,9 @@ failure), whoever the backend is.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from moe_lora_harness.harness.device import interpreting
 
 # dtype -> why the interpreter's result in it says nothing about the kernel (the one list of such limits)
 CANNOT_COMPUTE = {
@@ -37,7 +37,7 @@ class LaunchWatch:
         self._restore = None
 
     def __enter__(self) -> "LaunchWatch":
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if not interpreting():
             return self
         from triton.runtime.interpreter import InterpretedFunction
         original = InterpretedFunction.run

@@ -189,18 +189,6 @@ def is_registered(spec: BackendSpec) -> bool:
     return spec.origin in entry_point_refs() or spec.origin == BUILTIN_REF
 
 
-@functools.lru_cache(maxsize=None)
-def fresh_shell_imports(top: str) -> bool:
-    """True if a fresh interpreter of this environment (no PYTHONPATH, another directory) imports `top`."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = f"import importlib.util, sys; sys.exit(0 if importlib.util.find_spec({top!r}) else 1)"
-    try:
-        return subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True,
-                              timeout=60).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
 def import_root(ref: str) -> str | None:
     """The directory a fresh shell must put on PYTHONPATH to import `ref`'s module (None: it needs none)."""
     mod_name = ref.rsplit(":", 1)[0]
@@ -208,10 +196,11 @@ def import_root(ref: str) -> str | None:
         return None   # loaded by path
     top = mod_name.split(".")[0]
     file = getattr(sys.modules.get(top), "__file__", None)
-    if not file or fresh_shell_imports(top):
+    if not file:
         return None
     path = os.path.dirname(os.path.realpath(file))   # the package's folder, or the module's own
-    return os.path.dirname(path) if os.path.basename(file) == "__init__.py" else path
+    root = os.path.dirname(path) if os.path.basename(file) == "__init__.py" else path
+    return None if root in fresh_shell_path() else root
 
 
 @functools.lru_cache(maxsize=None)

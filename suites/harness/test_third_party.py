@@ -17,6 +17,7 @@ from moe_lora_harness import BackendSpec, Capabilities, Case
 from moe_lora_harness.harness import cli
 from moe_lora_harness.harness.builders import build_op_inputs
 from moe_lora_harness.harness.contract import support_for
+from moe_lora_harness.harness.device import interpreting
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.features import FEATURES
 from moe_lora_harness.harness.registry import load_ref
@@ -70,7 +71,7 @@ def stranger(tmp_path_factory):
 
 
 # Triton kernels run in the interpreter here (no CUDA): bf16 results say nothing; on a GPU they are compiled
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETED = interpreting()
 
 
 def test_a_wrapped_triton_op_in_bf16_on_the_interpreter_is_not_runnable_never_a_verdict(stranger, device):
