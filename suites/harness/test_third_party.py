@@ -214,3 +214,17 @@ def test_device_cpu_on_a_cuda_host_runs_triton_in_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert dev.prepare_device("cuda") == "cuda" and "TRITON_INTERPRET" not in os.environ
     assert dev.prepare_device("cpu") == "cpu" and os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_a_watched_call_interprets_integers_as_compiled_kernels_do():
+    """Compiled without debug, Triton's overflow checks are no code; the interpreter runs them on every int32
+    op (a quarter of its time here). A watched call turns them off, and restores them after."""
+    if not INTERPRETED:
+        pytest.skip("compiled kernels here: the interpreter's options are not used")
+    from triton.runtime import interpreter
+    from moe_lora_harness.harness.interpreter import LaunchWatch
+    before = interpreter.interpreter_builder.options
+    assert before.sanitize_overflow
+    with LaunchWatch():
+        assert interpreter.interpreter_builder.options.sanitize_overflow is False
+    assert interpreter.interpreter_builder.options is before
