@@ -18,6 +18,9 @@ from moe_lora_harness.reference import align as ref_align
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+ADAPTER_SCALING = 0.5     # every expert-level adapter's scaling (alpha / r), folded into its B when packed
+
+
 def torch_dtype(case: Case) -> torch.dtype:
     return TORCH_DTYPES[case.dtype]
 
@@ -306,7 +309,7 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
     stacked = None
     if case.lora:
         ga = _gen(case, 12)
-        adapters = [None if r == 0 else ExpertAdapter.random(El, H, I, r, gated, scaling=0.5, generator=ga)
+        adapters = [None if r == 0 else ExpertAdapter.random(El, H, I, r, gated, scaling=ADAPTER_SCALING, generator=ga)
                     for r in case.slot_ranks]
         stacked = pack_moe_lora(adapters, max_loras=case.max_loras, max_rank=case.max_rank, num_experts=El,
                                 hidden_size=H, intermediate_size=I, dtype=dt, gated=gated,

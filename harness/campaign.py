@@ -99,7 +99,7 @@ class Campaign:
 
     def _known(self, o: Outcome) -> bool:
         klass, axes = failure_class(o), axes_of(o.case)
-        return any(f.signature.matches(klass, axes) for f in self.result.found)
+        return any(f.signature.matches(klass, axes, o.semantics or None) for f in self.result.found)
 
     def _show(self, force: bool = False) -> None:
         if not self.progress:
@@ -122,8 +122,11 @@ class Campaign:
         return f
 
     def _add(self, o: Outcome, **kw) -> Found:
-        if not self.shrink:       # detection only (selftest): the class, no shrink, no axis experiments
-            return self._keep(Signature(failure_class(o)), o, **dict(kw, shrunk=False))
+        if not self.shrink:       # detection only (selftest): the class, no shrink, no axis experiments; a bound
+            if o.kind in ("element", "aggregate"):      # failure is run once more, diagnosed, for its mistake's name
+                again = run_case(self.spec, o.case, self.device, executor=self.executor, reruns=0)
+                o = again if again.failed else o
+            return self._keep(Signature(failure_class(o), semantics=o.semantics), o, **dict(kw, shrunk=False))
         if self._left() > 0 and o.kind != "timeout":
             # the search runs each example once, undiagnosed (shrinking stays cheap); the minimal case is run
             # again here, diagnosed, and `reruns` more times, so a nondeterministic backend is reported as such
@@ -138,7 +141,7 @@ class Campaign:
         if o.kind in ("nondeterministic", "environment"):   # a property of the backend or of the run: no axes
             return self._keep(Signature(failure_class(o)), o, **kw)
         needs = needed_axes(self.spec, o, self.device, self.executor) if self._left() > 0 else every_axis(o.case)
-        f = self._keep(Signature(failure_class(o), needs), o, **kw)
+        f = self._keep(Signature(failure_class(o), needs, o.semantics), o, **kw)
         if self.progress:
             sys.stderr.write(f"\n[fuzz] distinct failure {len(self.result.found)}: {f.signature.text}\n")
         if self.corpus_dir:

@@ -5,7 +5,7 @@
   moe-lora-harness fuzz --only NAME [--level op|expert] [--budget 10m] [--max-examples N] [--out DIR] [--junit F]
                         [--palette auto|free|classes]
   moe-lora-harness list [--backend REF] [--only NAME]
-  moe-lora-harness selftest [--corpus op|tp|ep|reach|schedule] [--detectors check,fuzz] [--quick] [--junit F]
+  moe-lora-harness selftest [--corpus op|tp|semantics|ep|reach|schedule] [--detectors check,fuzz] [--quick] [--junit F]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
@@ -405,19 +405,23 @@ def cmd_selftest(args) -> int:
             "device": device, "detectors": detectors, "fuzz_budget_s": budget, "seconds": round(time.time() - t0, 1),
             "mutants": {f"{c}/{b}": {d: vars(k) for d, k in cells.items()} for (c, b), cells in res.cells.items()},
             "controls": {f"{c}/{b}": fails for (c, b), fails in res.controls.items()},
-            "skipped": res.skipped, "survivors": [f"{c}/{b}" for c, b in res.survivors]}, indent=1, sort_keys=True))
+            "skipped": res.skipped, "survivors": [f"{c}/{b}" for c, b in res.survivors],
+            "misnamed": [f"{c}/{b}/{d}" for c, b, d in res.misnamed]}, indent=1, sort_keys=True))
     n = len(res.cells)
     print(f"\n{n} mutants, {n - len(res.survivors)} killed, {len(res.survivors)} survived; "
           f"{len(res.controls) - len(res.failing_controls)} of {len(res.controls)} controls pass; "
           f"{time.time() - t0:.0f}s on {device}")
     for c, b in res.survivors:
         print(f"SURVIVED: {c}/{b}: no detector caught this planted bug")
+    for c, b, d in res.misnamed:
+        k = res.cells[(c, b)][d]
+        print(f"MISNAMED: {c}/{b} by {d}: commits {k.expected}, named {k.named or 'nothing'}")
     for c, b in res.failing_controls:
         print(f"CONTROL FAILED: {c}/{b}: {'; '.join(res.controls[(c, b)])}")
     if not n and not res.controls:
         print("NOTHING TESTED: no corpus ran here")
         return 1
-    return 1 if (res.survivors or res.failing_controls) else 0
+    return 1 if (res.survivors or res.failing_controls or res.misnamed) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,6 +55,15 @@ def _fmt_worst(idx_tensor, out, truth, emu, bound, names, limit=6):
     return rows
 
 
+def element_bound(scale: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int, underflow: torch.Tensor | None = None,
+                  work_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each element's allowed |out - truth| (rule 2 of the error model), never 0 (the smallest float64)."""
+    bound = ULPS * _eps(dtype) * scale + math.sqrt(max(k_plus_r, 1)) * EPS32 * scale
+    if underflow is not None:
+        bound = bound + tiny(work_dtype or dtype) * underflow
+    return torch.where(bound > 0, bound, torch.full_like(bound, torch.finfo(torch.float64).tiny))
+
+
 def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
                     written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
                     before: torch.Tensor | None = None, names=("t", "j", "col"),
@@ -95,13 +104,11 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        f"({', '.join(names)}): {ex}")
     eps_dt = _eps(dtype)
     acc = math.sqrt(max(k_plus_r, 1)) * EPS32
-    bound = ULPS * eps_dt * scale + acc * scale
+    bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype)
     under_w = None
     if underflow is not None:
         t_dt = tiny(work_dtype or dtype)
-        bound = bound + t_dt * underflow
         under_w = underflow[written]
-    bound = torch.where(bound > 0, bound, torch.full_like(bound, torch.finfo(torch.float64).tiny))
     err = (o64 - truth).abs()
     rel = torch.where(written, err / bound, torch.zeros_like(err))
     max_ulps = float(rel.max())

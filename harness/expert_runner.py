@@ -14,10 +14,10 @@ from moe_lora_harness.reference.precision import precision as make_precision
 from moe_lora_harness.reference.sharding import all_reduce_sum, sharded_experts_forward, tp_slice_base, tp_slice_lora
 
 
-def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False):
-    """(cpu inputs, truth, emulation) for an expert-level case (tp_size > 1: the sharded forward over all
-    simulated ranks, recombined with the collectives); `emulation_only`: truth None."""
-    inp = build_expert_inputs(case)
+def expert_forward(case: Case, inp):
+    """(forward, positional args, keywords) of the reference forward for an expert-level case's inputs: the
+    layer's, or (tp_size > 1, dispatched EP) the sharded forward over every simulated rank, recombined with
+    the collectives. `precision` (and `magnitudes`, `semantics`) are the caller's."""
     lora = LoRAInputs(inp.stacked, inp.token_lora_mapping) if inp.stacked is not None else None
     kw = dict(activation=case.activation, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, lora=lora,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
@@ -30,7 +30,13 @@ def expert_expectations(case: Case, backend_precision: str, emulation_only: bool
     else:
         forward = moe_experts_forward
         kw.update(expert_map=inp.expert_map)
-    args = (inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids)
+    return forward, (inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids), kw
+
+
+def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False):
+    """(cpu inputs, truth, emulation) for an expert-level case; `emulation_only`: truth None."""
+    inp = build_expert_inputs(case)
+    forward, args, kw = expert_forward(case, inp)
     truth = None if emulation_only else forward(*args, precision=make_precision("exact", None), **kw)
     # the emulation's value only: it is judged with the truth's magnitudes
     emu = forward(*args, precision=make_precision(backend_precision, torch_dtype(case)), magnitudes=False, **kw)

@@ -38,7 +38,7 @@ class FailureRecord:
     def to_json(self, also_fits: list | None = None) -> dict:
         """The failure-NN.json object (`also_fits`: the signatures of the other records its case matches)."""
         d = {"signature": self.signature.text, "class": self.signature.klass, "needs": dict(self.signature.needs),
-             "case": json.loads(self.case.to_json()), "kind": self.kind, "status": self.status,
+             "semantics": self.signature.semantics, "case": json.loads(self.case.to_json()), "kind": self.kind, "status": self.status,
              "seconds": self.seconds, "regression": self.regression, "shrunk": self.shrunk, "repro": self.repro,
              "detail": self.detail}
         if self.job is not None:
@@ -50,7 +50,8 @@ class FailureRecord:
     @classmethod
     def from_json(cls, d: dict) -> "FailureRecord":
         """Inverse of `to_json` (`also_fits` is recomputed, not read)."""
-        return cls(Signature(d["class"], tuple(sorted(d["needs"].items()))), Case.from_json(d["case"]), d["kind"],
+        return cls(Signature(d["class"], tuple(sorted(d["needs"].items())), d.get("semantics", "")),
+                   Case.from_json(d["case"]), d["kind"],
                    d["status"], d["seconds"], d["regression"], d["shrunk"], d["repro"], d["detail"], d.get("job"))
 
 

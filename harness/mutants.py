@@ -117,8 +117,9 @@ def _spec(name, fn):
                        capabilities=Capabilities(levels=frozenset({"op"})), op=op, precision="one_shot")
 
 
-def _rank_forward(call, *, w2_offset_rank=None, join=True):
-    """One TP rank's expert forward by the reference (one-shot rounding), written into call.output."""
+def _rank_forward(call, *, w2_offset_rank=None, join=True, w2_delta=True):
+    """One TP rank's expert forward by the reference (one-shot rounding), written into call.output
+    (`w2_delta` False: this rank adds no w2 LoRA delta)."""
     from moe_lora_harness.reference.adapters import StackedMoELoRA
     from moe_lora_harness.reference.experts import LoRACollectives, LoRAInputs, moe_experts_forward
     from moe_lora_harness.reference.precision import precision
@@ -129,7 +130,8 @@ def _rank_forward(call, *, w2_offset_rank=None, join=True):
     offset = 0
     if call.w13_lora_a is not None:
         stacked = StackedMoELoRA([cpu(t) for t in call.w13_lora_a], [cpu(t) for t in call.w13_lora_b],
-                                 [cpu(t) for t in call.w2_lora_a], [cpu(t) for t in call.w2_lora_b],
+                                 [cpu(t) for t in call.w2_lora_a],
+                                 [cpu(t) if w2_delta else torch.zeros_like(cpu(t)) for t in call.w2_lora_b],
                                  cpu(call.adapter_enabled))
         lora = LoRAInputs(stacked, cpu(call.token_lora_mapping))
         if call.fully_sharded:
@@ -158,7 +160,12 @@ EXPERT_MUTANT_FUNCTIONS = {
     "tp-skips-lora-collectives": (lambda call: _rank_forward(call, join=False),
                                   "Fully sharded: no all-gather / all-reduce between shrink and expand (each "
                                   "rank uses only its own share)."),
+    "tp-w2-delta-rank0-only": (lambda call: _rank_forward(call, w2_delta=call.tp_rank == 0),
+                               "Only TP rank 0 adds its partial w2 LoRA delta (the others skip it as if it were "
+                               "a replicated term)."),
 }
+# planted bug -> the semantic alternative (reference.semantics) it commits: the selftest requires the name
+MECHANISMS = {"mutant-tp-w2-delta-rank0-only": "tp-w2-delta-one-rank"}
 
 
 def _expert_spec(name, fn, doc):

@@ -17,11 +17,21 @@ import torch
 from moe_lora_harness.harness.builders import torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
-from moe_lora_harness.harness.contract import BackendSpec, known_bug_for, must_reject, support_for
+from moe_lora_harness.harness.contract import (
+    BackendSpec,
+    known_bug_for,
+    must_reject,
+    support_for,
+)
 from moe_lora_harness.harness.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.expectation import judging, op_expectations
 from moe_lora_harness.harness.interpreter import cannot_run_here
+from moe_lora_harness.harness.semantic_diagnosis import (
+    failing_rows,
+    locate,
+    semantic_diagnosis,
+)
 
 # an Outcome's statuses, worst first: a check-matrix cell shows the worst of its outcomes (harness.report).
 # not-runnable: the case ran where its result says nothing about the kernel (harness.interpreter): no verdict
@@ -52,6 +62,8 @@ class Outcome:
     repro: str = ""                             # a failure's REPRO command (`repro_command`)
     probed: bool = False                        # a declined case run anyway (--probe-unsupported): `kind` is how
                                                 # it failed, as declared
+    semantics: str = ""                         # the integration mistake a gross failure follows (harness.
+                                                # semantic_diagnosis; '' when none was named or none was tried)
 
     @property
     def failed(self) -> bool:
@@ -143,6 +155,7 @@ def _judge_rejection(case: Case, ex: Execution) -> tuple[str, str, None]:
 
 def _is_environment(spec: BackendSpec, message: str) -> bool:
     import re
+
     from moe_lora_harness.harness.contract import ENVIRONMENT_ERRORS
     return any(re.search(p, message, re.I) for p in (*ENVIRONMENT_ERRORS, *spec.environment_errors))
 
@@ -253,9 +266,10 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if passed:
         return Outcome(spec.name, case, device, "pass", "", verdict, seconds=seconds)
     repro = repro_command(spec, case, device)
+    notes, semantics = _diagnoses(case, kind, verdict, ex, exp) if diagnose else ([], "")
     return Outcome(spec.name, case, device, "fail", kind, verdict,
-                   _explain(spec, case, device, kind, message, verdict, ex, exp, repro, diagnose), kind=kind,
-                   runs=runs, seconds=seconds, message=message, repro=repro)
+                   _explain(spec, case, device, kind, message, verdict, ex, exp, repro, notes), kind=kind,
+                   runs=runs, seconds=seconds, message=message, repro=repro, semantics=semantics)
 
 
 def _op_coords(case: Case, cpu):
@@ -278,17 +292,33 @@ def _expert_coords(case: Case, inp):
     return coords
 
 
-def _precision_diagnosis(spec, case, ex: Execution, exp: Expectation) -> str:
-    """Which rounding model (TF32 operands, bf16 operands, ...) the failing output follows, if any."""
+def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) -> tuple[list, str]:
+    """(report lines, the named semantic alternative or ''): the rounding model a bound failure follows
+    (harness.diagnose); beyond every rounding model, the integration mistake (harness.semantic_diagnosis);
+    and, when only some rows fail, which they are. Advice only: its own failure is reported, never raised."""
+    if verdict is None or ex.output is None or kind not in ("element", "aggregate", "nonfinite"):
+        return [], ""
+    lines, name = [], ""
     try:
-        d = diagnose_precision(case, exp.precision, ex.output, exp.truth)
+        if kind != "nonfinite":
+            d = diagnose_precision(case, exp.precision, ex.output, exp.truth)
+            lines.append("  precision: " + (d.text if d is not None else "the error is too large for any rounding model"))
+            if d is None or not d.matched:
+                s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
+                                       verdict.ratio)
+                if s is not None:
+                    lines.append("  semantics: " + s.text)
+                    name = s.name
+        where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth))
+        if where:
+            lines.append("  rows: " + where)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict
-        return f"(no diagnosis: {type(e).__name__}: {e})"
-    return d.text if d is not None else "the error is too large for any rounding model (a semantic bug)"
+        lines.append(f"  (no diagnosis: {type(e).__name__}: {e})")
+    return lines, name
 
 
 def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Expectation, repro: str,
-             diagnose=True) -> str:
+             notes=()) -> str:
     lines = [f"FAIL backend={spec.name} case={case.id} device={device} kind={kind}", f"  {message}"]
     if ex.failure is not None and ex.failure.traceback:
         lines.append("  " + ex.failure.traceback.strip().replace("\n", "\n  "))
@@ -296,8 +326,7 @@ def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Exp
         coords = _op_coords(case, exp.inputs) if case.level == "op" else _expert_coords(case, exp.inputs)
         names = ("t", "j", "col") if case.level == "op" else ("t", "h")
         lines.append(format_worst(verdict, names, coords))
-    if diagnose and verdict is not None and kind in ("element", "aggregate") and ex.output is not None:
-        lines.append("  precision: " + _precision_diagnosis(spec, case, ex, exp))
+    lines.extend(notes)
     if ex.log.strip():
         lines.append("  backend output (last lines):\n    " + "\n    ".join(ex.log.strip().splitlines()[-15:]))
     lines.append(f"CASE: {case.to_json()}")

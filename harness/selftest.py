@@ -3,8 +3,10 @@
 A corpus is data: a backend reference holding mutants (each wrong in one known way) and controls (correct),
 the level they run at and the check features that concern them. Each mutant is attacked by each detector:
 `check` (the corpus' feature rows, one case each, until the first failure) and `fuzz` (a budgeted campaign);
-the kill matrix gives, per mutant and detector, whether and after how long it was caught. The run fails if
-a mutant survives every detector or a control fails anything.
+the kill matrix gives, per mutant and detector, whether and after how long it was caught. A mutant whose
+mechanism is a semantic alternative (reference.semantics; the corpus' `mechanisms`) must also be named as
+that mistake by each detector that catches it. The run fails if a mutant survives every detector, is
+caught but misnamed, or a control fails anything.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Callable
 from moe_lora_harness.harness.campaign import Campaign
 from moe_lora_harness.harness.features import FEATURES, Feature, feature_cases
 from moe_lora_harness.harness.profiles import selftest_draw_sizes
-from moe_lora_harness.harness.registry import load_ref
+from moe_lora_harness.harness.registry import load_attr, load_ref
 from moe_lora_harness.harness.runner import run_case
 from moe_lora_harness.harness.strategies import claimed_cases, wants_compile_classes
 
@@ -32,6 +34,7 @@ class Corpus:
     select: Callable[[object], bool] = lambda spec: True     # which of the ref's backends belong to it
     devices: tuple = ("cpu", "cuda")
     fuzz_level: str | None = None                             # claimed_cases level (default: `level`)
+    mechanisms: str | None = None    # ref of {backend name: semantic alternative it commits} (None: no names)
 
 
 def _is_level(level):
@@ -42,7 +45,12 @@ CORPORA = (
     Corpus("op", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-control",), "op",
            lambda f: f.level == "op", select=_is_level("op")),
     Corpus("tp", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-experts-control",), "expert",
-           lambda f: "TP 2" in f.name, select=_is_level("expert")),
+           lambda f: "TP 2" in f.name, select=_is_level("expert"),
+           mechanisms="moe_lora_harness.harness.mutants:MECHANISMS"),
+    Corpus("semantics", "moe_lora_harness.suites.experts.semantic_mutants:BACKENDS", ("semantics-control",), "expert",
+           lambda f: f.name in ("experts: silu", "experts: tokens without adapter (-1)", "experts: disabled slot",
+                                "experts: router weight on input"),
+           mechanisms="moe_lora_harness.suites.experts.semantic_mutants:MECHANISMS"),
     Corpus("ep", "moe_lora_harness.suites.experts.ep_mutants:MUTANTS", ("ep-control",), "expert",
            lambda f: f.name.startswith("experts: EP") and "processes" not in f.name, fuzz_level="ep"),
     Corpus("reach", "moe_lora_harness.harness.reach_mutants:REACH_MUTANTS", ("reach-control",), "op",
@@ -62,6 +70,13 @@ class Kill:
     runs: int
     first: str = ""       # the first failure's one-line summary
     error: str = ""       # the detector could not run (load error, nothing claimed)
+    named: str = ""       # the semantic alternative the caught failure was named as ('' none)
+    expected: str = ""    # the one the mutant commits ('' when its mechanism is not in the table)
+
+    @property
+    def misnamed(self) -> bool:
+        """Caught, with a mechanism in the table, but not named as it."""
+        return self.caught and bool(self.expected) and self.named != self.expected
 
 
 @dataclass
@@ -75,28 +90,35 @@ class SelftestResult:
         return [k for k, cells in self.cells.items() if cells and not any(c.caught for c in cells.values())]
 
     @property
+    def misnamed(self) -> list:
+        """(corpus, backend, detector) of every catch that did not name the mutant's mechanism."""
+        return [(*k, d) for k, cells in self.cells.items() for d, c in cells.items() if c.misnamed]
+
+    @property
     def failing_controls(self) -> list:
         return [k for k, fails in self.controls.items() if fails]
 
 
-def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: bool) -> Kill:
+def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: bool, expected: str = "") -> Kill:
     t0, runs, claimed = time.monotonic(), 0, 0
     failures = []
     for feat, _, case in feature_cases([f for f in FEATURES if corpus.features(f)], device, 1):
-        o = run_case(spec, case, device, executor=executor, reruns=0, diagnose=False)
+        # a mutant whose mechanism is in the table is diagnosed (only a failure costs a diagnosis)
+        o = run_case(spec, case, device, executor=executor, reruns=0, diagnose=bool(expected))
         runs += 1
         claimed += o.judged
         if o.failed:
-            failures.append(f"{feat.name}: {o.kind} {o.message[:120]}")
+            failures.append(f"{feat.name}: {o.kind} {o.message[:120]}"
+                            + (f" [consistent with {o.semantics}]" if o.semantics else ""))
             if stop_at_first:
-                return Kill(True, time.monotonic() - t0, runs, failures[0])
+                return Kill(True, time.monotonic() - t0, runs, failures[0], named=o.semantics, expected=expected)
     if not claimed:
         return Kill(False, time.monotonic() - t0, runs, error="declined every check row")
     return Kill(bool(failures), time.monotonic() - t0, runs, "; ".join(failures[:3]))
 
 
 def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int,
-                   palette: str = "auto") -> Kill:
+                   palette: str = "auto", expected: str = "") -> Kill:
     sizes = selftest_draw_sizes(device)
     t0 = time.monotonic()
     c = Campaign(spec, device, corpus.level, executor, budget_s=budget_s, max_examples=max_examples, seed=0,
@@ -107,7 +129,7 @@ def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float,
         return Kill(False, time.monotonic() - t0, r.examples, error="nothing claimed")
     if r.found:
         f = r.found[0]
-        return Kill(True, f.seconds, r.examples, f.signature.text)
+        return Kill(True, f.seconds, r.examples, f.signature.text, named=f.signature.semantics, expected=expected)
     return Kill(False, time.monotonic() - t0, r.examples)
 
 
@@ -124,6 +146,7 @@ def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fu
             continue
         try:
             specs = [s for s in load_ref(corpus.ref) if corpus.select(s)]
+            mechanisms = load_attr(corpus.mechanisms) if corpus.mechanisms else {}
         except Exception as e:  # noqa: BLE001 - e.g. Triton missing: the corpus is reported as not run
             res.skipped[corpus.name] = f"{type(e).__name__}: {e}"
             continue
@@ -136,13 +159,22 @@ def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fu
                 res.controls[key] = ([k.first] if k.caught else []) + ([k.error] if k.error else [])
                 continue
             cells = {}
+            expected = mechanisms.get(spec.name, "")
             if "check" in detectors:
-                cells["check"] = _check_detector(spec, corpus, device, executor, stop_at_first=True)
+                cells["check"] = _check_detector(spec, corpus, device, executor, stop_at_first=True,
+                                                 expected=expected)
             if "fuzz" in detectors:
                 cells["fuzz"] = _fuzz_detector(spec, corpus, device, executor, fuzz_budget_s, fuzz_max_examples,
-                                               palette)
+                                               palette, expected=expected)
             res.cells[key] = cells
     return res
+
+
+def _killed(k: Kill) -> str:
+    text = f"killed {k.seconds:.1f}s ({k.runs} runs)"
+    if k.expected:
+        text += ", named" if not k.misnamed else f", MISNAMED ({k.named or 'no name'}; commits {k.expected})"
+    return text
 
 
 def kill_matrix_text(res: SelftestResult, detectors) -> str:
@@ -153,7 +185,7 @@ def kill_matrix_text(res: SelftestResult, detectors) -> str:
         row = []
         for d in detectors:
             k = cells.get(d)
-            row.append("-" if k is None else (f"killed {k.seconds:.1f}s ({k.runs} runs)" if k.caught else
+            row.append("-" if k is None else (_killed(k) if k.caught else
                                               f"survived{' (' + k.error + ')' if k.error else ''}"))
         lines.append(f"{corpus + '/' + name:<{w}}  " + "  ".join(f"{r:<22}" for r in row))
     for (corpus, name), fails in res.controls.items():
@@ -168,8 +200,10 @@ def junit_cases(res: SelftestResult) -> list:
     for (corpus, name), cells in res.cells.items():
         for d, k in cells.items():
             cases.append(dict(classname=f"selftest.{corpus}.{name}", name=d, seconds=k.seconds,
-                              status="pass" if k.caught else "skip" if k.error else "fail",
-                              message=k.first or k.error or "the planted bug survived this detector"))
+                              status="fail" if k.misnamed else "pass" if k.caught else "skip" if k.error else "fail",
+                              message=(f"caught but named {k.named or 'nothing'}, not {k.expected}: {k.first}"
+                                       if k.misnamed else
+                                       k.first or k.error or "the planted bug survived this detector")))
         cases.append(dict(classname=f"selftest.{corpus}.{name}", name="any detector", seconds=0.0,
                           status="pass" if any(k.caught for k in cells.values()) else "fail",
                           message="" if any(k.caught for k in cells.values()) else "survived every detector"))

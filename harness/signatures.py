@@ -39,13 +39,18 @@ def failure_class(o: Outcome) -> str:
 
 @dataclass(frozen=True)
 class Signature:
-    """A distinct failure: its class and the axis values the minimal case needs."""
+    """A distinct failure: its class, the axis values the minimal case needs, and the integration mistake its
+    output follows (Outcome.semantics; '' when none was named)."""
 
     klass: str
     needs: tuple = ()          # ((axis, value), ...), sorted
+    semantics: str = ""
 
-    def matches(self, klass: str, axes: dict) -> bool:
-        return klass == self.klass and all(axes.get(k) == v for k, v in self.needs)
+    def matches(self, klass: str, axes: dict, semantics: str | None = None) -> bool:
+        """Same class and needed axes; and the same named mistake when `semantics` is known (an undiagnosed
+        outcome, as the search runs them, passes None)."""
+        return (klass == self.klass and all(axes.get(k) == v for k, v in self.needs)
+                and (semantics is None or semantics == self.semantics))
 
     def fits(self, klass: str, case: Case) -> bool:
         """Whether a failure of class `klass` on `case` is this one."""
@@ -53,7 +58,8 @@ class Signature:
 
     @property
     def text(self) -> str:
-        return self.klass + (" | needs " + ", ".join(f"{k}={v}" for k, v in self.needs) if self.needs else "")
+        return (self.klass + (f", consistent with {self.semantics}" if self.semantics else "")
+                + (" | needs " + ", ".join(f"{k}={v}" for k, v in self.needs) if self.needs else ""))
 
     @property
     def key(self) -> str:

@@ -19,6 +19,7 @@ from moe_lora_harness.reference.activations import activation_scale, apply_activ
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
 from moe_lora_harness.reference.precision import Precision, precision as make_precision
+from moe_lora_harness.reference.semantics import CONTRACT, Semantics
 
 __all__ = ["LoRAInputs", "LoRACollectives", "ExpertExpected", "forward_steps", "moe_experts_forward"]
 
@@ -223,6 +224,7 @@ def forward_steps(
     w2_lora_offset: int = 0,
     return_intermediates: bool = False,
     magnitudes: bool = True,
+    semantics: Semantics = CONTRACT,
 ) -> Generator[tuple[str, Tensor], Tensor, ExpertExpected]:
     """Expected MoE expert output (T, H) with LoRA, rounded where vLLM's Triton path rounds (spec 5).
 
@@ -233,6 +235,7 @@ def forward_steps(
     activation dtype first), w2 GEMM unweighted; the LoRA still reads the unweighted x and still
     weights the w2 delta. `lora_collectives`/`w2_lora_offset` serve fully-sharded TP ranks.
     magnitudes=False computes the value only (an emulation: the judge reads the truth's magnitudes).
+    `semantics` other than the contract computes a named integration mistake (reference.semantics).
 
     A generator: at each fully-sharded LoRA join that `lora_collectives` sets (w13 all-gather, w2 all-reduce)
     it yields (which, this rank's partial) and resumes with the joined tensor; it returns the ExpertExpected.
@@ -241,6 +244,8 @@ def forward_steps(
     """
     if not isinstance(precision, Precision):
         raise TypeError(f"precision must be a reference.precision.Precision, got {type(precision).__name__}")
+    if not isinstance(semantics, Semantics):
+        raise TypeError(f"semantics must be a reference.semantics.Semantics, got {type(semantics).__name__}")
     spec = lookup_activation(activation)
     prec = precision
     if not isinstance(hidden, Tensor) or hidden.dim() != 2:
@@ -323,21 +328,27 @@ def forward_steps(
         if st.w2_b[0].shape[2] + w2_lora_offset > H:
             raise ValueError(f"w2_lora_offset={w2_lora_offset} + w2_b rows {st.w2_b[0].shape[2]} exceeds H={H}")
         layout = _layout(lora, local, T, k)
-        x_abs, x_zero = (x.abs(), torch.zeros_like(x)) if magnitudes else (None, None)
+        if semantics.lora_top_k is not None:
+            keep_pairs = layout.pair % k < semantics.lora_top_k
+            layout = PairLayout(pair=layout.pair[keep_pairs], lora=layout.lora[keep_pairs],
+                                expert=layout.expert[keep_pairs])
+        # the w13 delta reads x by token, unweighted; the "weighted input" mistake reads x * w by pair
+        x13, mul13 = (x[tok], True) if semantics.w13_lora_weighted else (x, False)
+        x_abs, x_zero = (x13.abs(), torch.zeros_like(x13)) if magnitudes else (None, None)
 
         # w13 LoRA (x row = token, unweighted hidden states, mul_routed_weight False)
         if spec.interleaved and st.num_slices == 2:
             # delta computed in split layout into a zeroed dt buffer, then added interleaved: r(c + r(d))
             zeros = torch.zeros(T, k, 2 * I, dtype=_F64)
-            d, m, du = yield from _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32, layout,
-                                              k, False, 0, prec, w13_join, add_inputs=False)
+            d, m, du = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32, layout,
+                                              k, mul13, 0, prec, w13_join, add_inputs=False)
             cache1 = prec.r(cache1 + _interleave(d, I))
             if magnitudes:
                 scale1 = scale1 + _interleave(m, I)
                 under1 = under1 + _interleave(du, I) + 1.0
         else:
-            cache1, m, under1 = yield from _lora_delta(x, st.w13_a, st.w13_b, x_abs, x_zero, cache1, under1,
-                                                       w32, layout, k, False, 0, prec, w13_join)
+            cache1, m, under1 = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, cache1, under1,
+                                                       w32, layout, k, mul13, 0, prec, w13_join)
             if magnitudes:
                 scale1 = scale1 + m
 
@@ -352,7 +363,8 @@ def forward_steps(
     c3 = _per_expert_gemm(a, W2, e_flat, prec)
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)
-    if not apply_router_weight_on_input:
+    weight_out = not apply_router_weight_on_input or semantics.weight_on_output_too
+    if weight_out:
         c3 = w_pair * c3
     cache3 = prec.r(c3).reshape(T, k, H)
     scale3 = under3 = None
@@ -361,7 +373,7 @@ def forward_steps(
         if b2 is not None:
             s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
         u3 = _per_expert_gemm(under2, W2.abs(), e_flat)
-        if not apply_router_weight_on_input:
+        if weight_out:
             s3 = w_pair.abs() * s3
             u3 = w_pair.abs() * u3
         scale3 = s3.reshape(T, k, H)
@@ -370,8 +382,10 @@ def forward_steps(
     # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
     if lora is not None:
         st = lora.stacked
-        cache3, m, under3 = yield from _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3, w32, layout,
-                                                   k, True, w2_lora_offset, prec, w2_join)
+        power = semantics.w2_lora_weight_power
+        w2_weights = w32 if power == 1 else w32 ** power      # the contract: w, once
+        cache3, m, under3 = yield from _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3, w2_weights,
+                                                   layout, k, True, w2_lora_offset, prec, w2_join)
         if magnitudes:
             scale3 = scale3 + m
 

@@ -19,6 +19,7 @@ from moe_lora_harness.reference.experts import (
     ExpertExpected, LoRACollectives, LoRAInputs, forward_steps, moe_experts_forward,
 )
 from moe_lora_harness.reference.precision import Precision, rnd
+from moe_lora_harness.reference.semantics import CONTRACT, Semantics
 
 __all__ = [
     "tp_slice_base", "tp_slice_lora", "ep_expert_map", "ep_slice_lora", "ep_slice_base",
@@ -316,6 +317,7 @@ def sharded_experts_forward(
     tokens_per_rank: Sequence[int] | None = None,
     w13_gather: Callable[[Sequence[Tensor]], Tensor] = all_gather_last,
     magnitudes: bool = True,
+    semantics: Semantics = CONTRACT,
 ):
     """The expert forward on `tp_size` x `ep_size` simulated ranks, recombined with the collectives.
 
@@ -329,7 +331,8 @@ def sharded_experts_forward(
     reduction of the dt partial outputs is modelled as one rounding of their float64 sum (NCCL's own
     order is not). Returns an ExpertExpected for all tokens in the original order (value and scale
     summed over ranks; caches None). In float64 it equals `moe_experts_forward` on the unsharded
-    layer up to summation order. magnitudes=False: the value only (scale and underflow None).
+    layer up to summation order. magnitudes=False: the value only (scale and underflow None); `semantics`:
+    as in forward_steps (every rank makes the same mistake).
     """
     for nm, v in (("tp_size", tp_size), ("ep_size", ep_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -345,7 +348,8 @@ def sharded_experts_forward(
     spec = lookup_activation(activation)
     interleaved, gated = spec.interleaved, spec.gated
     common = dict(activation=activation, precision=precision,
-                  apply_router_weight_on_input=apply_router_weight_on_input, magnitudes=magnitudes)
+                  apply_router_weight_on_input=apply_router_weight_on_input, magnitudes=magnitudes,
+                  semantics=semantics)
 
     if ep_size > 1:
         return _ep_forward(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, lora, ep_size,

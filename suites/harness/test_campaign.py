@@ -148,7 +148,7 @@ def test_a_failure_record_round_trips_through_its_json_file():
                 mul_routed_weight=True), 4.5, repro="moe-lora-harness replay --case {}", detail="FAIL ...", job=1)
     d = r.to_json(["another signature"])
     assert d == {"signature": "per-element bound | needs offset=nonzero", "class": "per-element bound",
-                 "needs": {"offset": "nonzero"}, "case": json.loads(r.case.to_json()), "kind": "element",
+                 "needs": {"offset": "nonzero"}, "semantics": "", "case": json.loads(r.case.to_json()), "kind": "element",
                  "status": "fail", "seconds": 4.5, "regression": False, "shrunk": True,
                  "repro": "moe-lora-harness replay --case {}", "detail": "FAIL ...", "job": 1,
                  "also_fits": ["another signature"]}

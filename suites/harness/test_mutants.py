@@ -28,6 +28,7 @@ EXPOSING = {
     "skips-last-active-lora": BASE.replace(active_loras="unique"),
     "tp-w2-offset-zero": TP_FS,
     "tp-skips-lora-collectives": TP_FS,
+    "tp-w2-delta-rank0-only": TP_FS.replace(fully_sharded=False),
 }
 
 

@@ -1,0 +1,191 @@
+"""Semantic diagnosis: which integration mistake (reference.semantics) a failing expert output follows, and
+which tokens, slots and experts a partial failure's rows are.
+
+An output that fails beyond every rounding model is judged again, under the same error model, against each
+semantic alternative that applies to the case and differs from the contract there; the ones it passes are
+named. docs/error-model.md ("Semantic diagnosis") gives the rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lora_harness.harness.builders import ADAPTER_SCALING, torch_dtype
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.compare import compare_written, element_bound
+from moe_lora_harness.harness.expectation import judging
+from moe_lora_harness.harness.expert_runner import expert_forward
+from moe_lora_harness.reference.activations import is_gated
+from moe_lora_harness.reference.precision import bound_dtype
+from moe_lora_harness.reference.precision import precision as make_precision
+from moe_lora_harness.reference.semantics import ALTERNATIVES, Alternative, Layer
+
+JUDGED = 3    # alternatives judged in full: the ones whose values are nearest the output
+
+
+@dataclass
+class SemanticFit:
+    """One alternative against the output: its aggregate ratio and whether the output passes against it."""
+
+    name: str
+    description: str
+    ratio: float
+    passes: bool
+
+
+@dataclass
+class SemanticDiagnosis:
+    """The alternatives the output follows (best first; empty: none fits), and the nearest ones judged."""
+
+    matched: list
+    fits: list = field(default_factory=list)     # the alternatives judged in full, best first
+    offered: list = field(default_factory=list)  # names of every alternative that applies and differs here
+    contract_ratio: float = 0.0
+    text: str = ""
+
+    @property
+    def name(self) -> str:
+        """The best-fitting alternative's name ('' when none fits)."""
+        return self.matched[0].name if self.matched else ""
+
+
+def layer_of(case: Case) -> Layer:
+    """The layer facts the alternatives read, from an expert-level case."""
+    return Layer(top_k=case.top_k, gated=is_gated(case.activation), lora=case.lora, tp_size=case.tp_size,
+                 fully_sharded=case.fully_sharded and case.lora,
+                 apply_router_weight_on_input=case.apply_router_weight_on_input, adapter_scaling=ADAPTER_SCALING)
+
+
+def _alternative_kwargs(alt: Alternative, kw: dict, layer: Layer) -> dict | None:
+    """The forward's keywords with `alt`'s rewrites (None: the alternative needs a LoRA the case lacks)."""
+    kw = dict(kw, semantics=alt.semantics)
+    lora = kw.get("lora")
+    if alt.stacked is None and alt.mapping is None:
+        return kw
+    if lora is None:
+        return None
+    stacked = lora.stacked if alt.stacked is None else alt.stacked(lora.stacked, layer)
+    if stacked is None:
+        kw["lora"] = None
+        if kw.get("fully_sharded"):
+            kw["fully_sharded"] = False
+        return kw
+    mapping = lora.token_lora_mapping if alt.mapping is None else alt.mapping(lora.token_lora_mapping)
+    kw["lora"] = dataclasses.replace(lora, stacked=stacked, token_lora_mapping=mapping)
+    return kw
+
+
+def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor, inputs, truth, emulation,
+                       contract_ratio: float) -> SemanticDiagnosis | None:
+    """Judge `output` against every semantic alternative that applies to the expert-level case and differs
+    from the contract there (its truth would fail against the contract); None at the op level."""
+    if case.level != "expert" or truth is None:
+        return None
+    dtype = torch_dtype(case)
+    written, k_plus_r, _ = judging(case, truth)
+    out = output.detach().cpu()
+    forward, args, kw = expert_forward(case, inputs)
+    layer = layer_of(case)
+    exact, declared = make_precision("exact", None), make_precision(backend_precision, dtype)
+    judge = dict(dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r, work_dtype=dtype)
+    offered = []                 # (distance of the output from the alternative's value, alternative, keywords)
+    for alt in ALTERNATIVES:
+        if not alt.applies(layer):
+            continue
+        alt_kw = _alternative_kwargs(alt, kw, layer)
+        if alt_kw is None:
+            continue
+        value = forward(*args, precision=exact, magnitudes=False, **alt_kw).value
+        if compare_written(value, truth.value, emulation, truth.scale, written, underflow=truth.underflow,
+                           **judge).ok:
+            continue     # the contract's judge cannot tell it from the contract on this case: not offered
+        offered.append((float(torch.linalg.vector_norm((out.to(torch.float64) - value)[written])), alt, alt_kw))
+    offered.sort(key=lambda o: o[0])
+    fits = []
+    for _, alt, alt_kw in offered[:JUDGED]:    # the nearest ones, judged in full (magnitudes and emulation)
+        alt_truth = forward(*args, precision=exact, **alt_kw)
+        alt_emu = forward(*args, precision=declared, magnitudes=False, **alt_kw).value
+        v = compare_written(out, alt_truth.value, alt_emu, alt_truth.scale, written, underflow=alt_truth.underflow,
+                            **judge)
+        fits.append(SemanticFit(alt.name, alt.description, v.ratio, v.ok))
+    fits.sort(key=lambda f: (not f.passes, f.ratio))
+    matched = [f for f in fits if f.passes]
+    if matched:
+        best = matched[0]
+        text = (f"consistent with {best.description} ({best.name}): aggregate ratio {best.ratio:.3g} against that "
+                f"model, {contract_ratio:.3g} against the contract")
+        if len(matched) > 1:
+            text += "; also consistent with " + ", ".join(f"{f.name} ({f.ratio:.3g})" for f in matched[1:])
+    elif fits:
+        near = fits[0]
+        text = (f"no semantic alternative fits ({len(offered)} tried); nearest: {near.description} ({near.name}), "
+                f"aggregate ratio {near.ratio:.3g} against it, {contract_ratio:.3g} against the contract")
+    else:
+        text = "no semantic alternative applies to this case (each equals the contract here)"
+    return SemanticDiagnosis(matched, fits, [alt.name for _, alt, _ in offered], contract_ratio, text)
+
+
+def failing_rows(case: Case, backend_precision: str, output: torch.Tensor, truth) -> torch.Tensor:
+    """(rows,) bool: the output rows (expert level: tokens; op level: (token, top-k) pairs, flattened) with an
+    element over its per-element bound or non-finite where the truth is finite."""
+    dtype = torch_dtype(case)
+    written, k_plus_r, _ = judging(case, truth)
+    o = output.detach().cpu().to(torch.float64)
+    bound = element_bound(truth.scale, dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
+                          underflow=truth.underflow, work_dtype=dtype)
+    bad = ((o - truth.value).abs() > bound) | (~torch.isfinite(o) & torch.isfinite(truth.value))
+    bad = bad & written
+    return bad.reshape(-1, bad.shape[-1]).any(dim=1)
+
+
+def _row_facts(case: Case, inputs) -> list[dict]:
+    """Per output row: the adapter slot, the experts and (dispatched EP) the source rank."""
+    ids, mapping = inputs.topk_ids, inputs.token_lora_mapping
+    if case.level == "op":
+        k = ids.shape[1]
+        return [{"slot": int(mapping[p // k]), "experts": frozenset({int(ids[p // k, p % k])})}
+                for p in range(ids.numel())]
+    rows = []
+    for t in range(ids.shape[0]):
+        facts = {"slot": int(mapping[t]), "experts": frozenset(int(e) for e in ids[t].tolist())}
+        if case.dispatched:
+            facts["ep rank"] = case.rank_of_token(t)
+        rows.append(facts)
+    return rows
+
+
+def locate(case: Case, inputs, bad: torch.Tensor) -> str:
+    """Which rows fail, and what every failing row shares that no passing one has ('' when every row fails
+    or none does)."""
+    n_bad, n = int(bad.sum()), int(bad.numel())
+    if n_bad in (0, n):
+        return ""
+    unit = "tokens" if case.level == "expert" else "(token, top-k) pairs"
+    facts = _row_facts(case, inputs)
+    failing = [f for f, b in zip(facts, bad.tolist()) if b]
+    passing = [f for f, b in zip(facts, bad.tolist()) if not b]
+    shared = []
+    slots = {f["slot"] for f in failing}
+    if len(slots) == 1:
+        s = slots.pop()
+        alone = all(f["slot"] != s for f in passing)
+        shared.append(f"{'no adapter' if s < 0 else f'adapter slot {s}'}"
+                      + (" (no passing row has it)" if alone else ""))
+    common = frozenset.intersection(*[f["experts"] for f in failing])
+    if common:
+        alone = [e for e in sorted(common) if all(e not in f["experts"] for f in passing)]
+        shared.append("expert(s) " + ", ".join(map(str, sorted(common)))
+                      + (f" ({', '.join(map(str, alone))} in no passing row)" if alone else ""))
+    ranks = {f["ep rank"] for f in failing if "ep rank" in f}
+    if len(ranks) == 1 and len(failing) == sum("ep rank" in f for f in failing):
+        r = ranks.pop()
+        shared.append(f"EP rank {r}" + (" (no passing row has it)" if all(f.get('ep rank') != r for f in passing)
+                                        else ""))
+    rows = bad.nonzero().flatten().tolist()
+    listed = ", ".join(map(str, rows[:12])) + (", ..." if len(rows) > 12 else "")
+    head = f"{n_bad} of {n} {unit} fail ({listed})"
+    if not shared:
+        return head + "; they share no adapter slot or expert"
+    return head + "; every failing row has " + " and ".join(shared)

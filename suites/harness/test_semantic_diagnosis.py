@@ -1,0 +1,132 @@
+"""Semantic diagnosis (harness/semantic_diagnosis.py, reference/semantics.py): a gross failure is named as the
+integration mistake its output follows, by check and by fuzz; a correct backend is never given one; an
+alternative the case cannot tell from the contract is not offered; a partial failure says which rows."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_lora_harness.harness.campaign import Campaign
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.expert_runner import expert_expectations, expert_forward
+from moe_lora_harness.harness.fuzz_report import FailureRecord, records_table
+from moe_lora_harness.harness.profiles import selftest_draw_sizes
+from moe_lora_harness.harness.registry import load_attr, load_ref
+from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.selftest import CORPORA, kill_matrix_text, run_selftest
+from moe_lora_harness.harness.semantic_diagnosis import semantic_diagnosis
+from moe_lora_harness.harness.strategies import claimed_cases
+from moe_lora_harness.reference.precision import precision
+from moe_lora_harness.reference.semantics import ALTERNATIVES
+from moe_lora_harness.suites.experts.semantic_mutants import BACKENDS, MECHANISMS, _run
+
+PLANTED = {s.name: s for s in BACKENDS}
+NAMED = {name: (spec, mechanisms[name]) for c in CORPORA if c.mechanisms
+         for mechanisms in [load_attr(c.mechanisms)] for spec in load_ref(c.ref) for name in [spec.name]
+         if name in mechanisms}   # every planted bug of the project whose mechanism is in the table
+CASE = Case(level="expert", T=9, H=64, I=32, E=4, top_k=2, max_loras=3, max_rank=8, seed=5, mapping="mixed")
+ROWS = {   # the first check row each planted mistake shows on (the others show on any LoRA case)
+    "no-adapter-as-slot-0": CASE,
+    "ignores-adapter-enabled": CASE.replace(mapping="disabled"),
+    "router-weight-twice": CASE.replace(top_k=1, apply_router_weight_on_input=True),
+    "mutant-tp-w2-delta-rank0-only": CASE.replace(tp_size=2),
+}
+
+
+def pytest_generate_tests(metafunc):
+    if "planted" in metafunc.fixturenames:
+        names = sorted(NAMED)
+        metafunc.parametrize("planted", names, ids=names)
+
+
+def test_every_alternative_is_committed_by_a_planted_bug_of_the_project():
+    assert {alt for _, alt in NAMED.values()} == {a.name for a in ALTERNATIVES}
+    assert set(MECHANISMS) <= set(NAMED)
+
+
+def test_check_names_the_planted_mistake(planted):
+    spec, mechanism = NAMED[planted]
+    o = run_case(spec, ROWS.get(planted, CASE), "cpu", executor=InProcess(), reruns=0)
+    assert o.failed and o.kind in ("element", "aggregate"), o.detail
+    assert o.semantics == mechanism, o.detail
+    assert "semantics: consistent with " in o.detail and f"({mechanism})" in o.detail
+
+
+def test_fuzz_names_every_planted_expert_mistake():
+    """The selftest's fuzz detector over the corpora whose mutants have a mechanism in the table: each caught
+    and named as its mechanism (a misnamed catch fails the selftest; check's naming: the test above, and
+    `moe-lora-harness selftest` runs both)."""
+    res = run_selftest("cpu", InProcess(), corpora=("semantics", "tp"), detectors=("fuzz",), fuzz_budget_s=300,
+                       fuzz_max_examples=200)
+    text = kill_matrix_text(res, ("fuzz",))
+    assert not res.survivors and not res.failing_controls and not res.misnamed, text
+    named = [cells["fuzz"] for (_, b), cells in res.cells.items() if b in NAMED]
+    assert len(named) == len(NAMED) and all(k.caught and k.named == k.expected for k in named), text
+
+
+def test_a_correct_backend_gets_no_semantic_diagnosis():
+    control = PLANTED["semantics-control"]
+    for case in (CASE, ROWS["router-weight-twice"], CASE.replace(tp_size=2, fully_sharded=True, T=5)):
+        o = run_case(control, case, "cpu", executor=InProcess(), reruns=0)
+        assert o.status == "pass" and not o.semantics, o.detail
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_contract_s_own_rounding_fits_no_alternative(seed):
+    """The output a correct kernel gives (the declared model's emulation) is named as no mistake."""
+    case = CASE.replace(seed=seed, dtype="bfloat16")
+    inp, truth, emu = expert_expectations(case, "one_shot")
+    out = emu.value.to(torch.bfloat16)
+    d = semantic_diagnosis(case, "one_shot", out, inp, truth, emu.value, 1.0)
+    assert d.offered and not d.matched, d.text
+
+
+def test_an_alternative_that_equals_the_contract_here_is_not_offered():
+    """Router weight 1 with top_k 1: the weight-handling mistakes compute the contract; a mapping without -1
+    tokens and no disabled slot: so do the mapping mistakes about them."""
+    case = CASE.replace(top_k=1, mapping="uniform")
+    inp, _, _ = expert_expectations(case, "one_shot")
+    inp = dataclasses.replace(inp, topk_weights=torch.ones_like(inp.topk_weights))
+    forward, args, kw = expert_forward(case, inp)
+    truth = forward(*args, precision=precision("exact", None), **kw)
+    emu = forward(*args, precision=precision("one_shot", torch.float16), magnitudes=False, **kw).value
+    base = forward(*args, precision=precision("one_shot", torch.float16), magnitudes=False,
+                   **dict(kw, lora=None)).value.to(torch.float16)
+    d = semantic_diagnosis(case, "one_shot", base, inp, truth, emu, 50.0)
+    assert d.name == "no-lora", d.text
+    never = {"w2-delta-unweighted", "w2-delta-weighted-twice", "w13-lora-weighted-input", "lora-first-expert-only",
+             "no-adapter-as-slot-0", "disabled-slot-applied", "router-weight-on-input-and-output"}
+    assert never.isdisjoint(d.offered) and "w2-delta-missing" in d.offered, d.offered
+
+
+def _one_slot_dropped(call):
+    """Tokens of adapter slot 1 get no LoRA (their mapping entry lost)."""
+    m = call.token_lora_mapping.clone()
+    m[m == 1] = -1
+    _run(dataclasses.replace(call, token_lora_mapping=m))
+
+
+def test_a_partial_failure_names_the_rows_and_what_they_share():
+    spec = BackendSpec(name="drops-slot-1", description=_one_slot_dropped.__doc__,
+                       capabilities=Capabilities(levels=frozenset({"expert"})), experts=_one_slot_dropped,
+                       precision="one_shot")
+    o = run_case(spec, CASE.replace(T=12), "cpu", executor=InProcess(), reruns=0)
+    assert o.failed, o.detail
+    rows = next(line for line in o.detail.splitlines() if line.strip().startswith("rows:"))
+    assert "every failing row has adapter slot 1 (no passing row has it)" in rows, o.detail
+
+
+def test_a_fuzz_campaign_reports_one_named_failure_however_many_shapes_show_it():
+    spec = PLANTED["drops-w2-delta"]
+    c = Campaign(spec, "cpu", "expert", InProcess(), max_examples=40, seed=0, reruns=0, max_found=5)
+    r = c.run(claimed_cases(spec, "cpu", "expert", **selftest_draw_sizes("cpu")))
+    assert len(r.found) == 1, [f.signature.text for f in r.found]
+    sig = r.found[0].signature
+    assert sig.semantics == "w2-delta-missing" and "consistent with w2-delta-missing" in sig.text
+    record = FailureRecord.from_json(r.found[0].record().to_json())
+    assert record.signature == sig
+    assert "consistent with w2-delta-missing" in records_table([record])   # the campaign's table
