@@ -385,7 +385,7 @@ def cmd_selftest(args) -> int:
     if bad or not detectors:
         raise UsageError(f"--detectors must be a comma-separated subset of check,fuzz; got {args.detectors!r}")
     budget = args.fuzz_budget if args.fuzz_budget is not None else (5.0 if args.quick else 20.0)
-    examples = 40 if args.quick else 200
+    examples = 120 if args.quick else 200     # the tp corpus needs 20-50 draws (fully-sharded cases)
     executor = _executor(args)
     t0 = time.time()
     try:

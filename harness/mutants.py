@@ -148,6 +148,7 @@ def _rank_forward(call, *, w2_offset_rank=None, join=True, w2_delta=True):
     out = moe_experts_forward(cpu(call.hidden_states), cpu(call.w13), cpu(call.w2), cpu(call.topk_weights),
                               cpu(call.topk_ids), activation=call.activation, precision=precision("one_shot", dt),
                               w13_bias=cpu(call.w13_bias), w2_bias=cpu(call.w2_bias), lora=lora,
+                              expert_map=cpu(call.expert_map),
                               apply_router_weight_on_input=call.apply_router_weight_on_input,
                               lora_collectives=coll, w2_lora_offset=offset)
     call.output.copy_(out.value.to(dt))

@@ -33,7 +33,7 @@ class Corpus:
     features: Callable[[Feature], bool]
     select: Callable[[object], bool] = lambda spec: True     # which of the ref's backends belong to it
     devices: tuple = ("cpu", "cuda")
-    fuzz_level: str | None = None                             # claimed_cases level (default: `level`)
+    fuzz_level: str | None = None       # claimed_cases level (default: `level`; "ep" / "tp": those ranks only)
     mechanisms: str | None = None    # ref of {backend name: semantic alternative it commits} (None: no names)
 
 
@@ -45,7 +45,7 @@ CORPORA = (
     Corpus("op", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-control",), "op",
            lambda f: f.level == "op", select=_is_level("op")),
     Corpus("tp", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-experts-control",), "expert",
-           lambda f: "TP 2" in f.name, select=_is_level("expert"),
+           lambda f: "TP 2" in f.name, select=_is_level("expert"), fuzz_level="tp",
            mechanisms="moe_lora_harness.harness.mutants:MECHANISMS"),
     Corpus("semantics", "moe_lora_harness.suites.experts.semantic_mutants:BACKENDS", ("semantics-control",), "expert",
            lambda f: f.name in ("experts: silu", "experts: tokens without adapter (-1)", "experts: disabled slot",

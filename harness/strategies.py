@@ -259,12 +259,13 @@ def _act_dtype(draw, activations, dtypes, shape=None):
 @st.composite
 def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max_dim=CPU_DRAWS["expert"].max_dim,
                  activations=EXPERT_ACTIVATIONS,
-                 quants=QUANTS, block_edges=BLOCK_EDGES, regimes=REGIMES, palette=None):
+                 quants=QUANTS, block_edges=BLOCK_EDGES, regimes=REGIMES, palette=None, tp_sizes=(1, 1, 1, 2)):
     """Expert-level cases: activation x dtype, biases, LoRA mix, shared factors, EP, simulated TP ranks (plain
     or fully-sharded LoRA), router weight on input, quant; the reach regimes (token counts across block
     boundaries, top_k up to 8, many experts with few tokens, awkward dims) and input magnitude / outliers.
     With a `palette` (harness.compile_classes) the shapes come from its compile classes; EP and TP are drawn
-    only where they keep the class (up to 65 tokens; I, and H when fully sharded, divisible by the TP size)."""
+    only where they keep the class (up to 65 tokens; I, and H when fully sharded, divisible by the TP size).
+    `tp_sizes`: the TP sizes drawn where TP can run (one in four a TP 2 case by default)."""
     regime = draw(st.sampled_from(tuple(regimes)))
     shape = _Shape(draw, palette)
     quant = shape.pick("quant", st.sampled_from(tuple(quants)))
@@ -287,7 +288,7 @@ def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max
     L = shape.pick("max_loras", st.integers(1, 3))
     R = shape.pick("max_rank", st.sampled_from(EXPERT_RANKS))
     tp_ok = quant == "none" and ep == 1 and small and (not shape.classed or I % 2 == 0)
-    tp = draw(st.sampled_from((1, 1, 1, 2))) if tp_ok else 1
+    tp = draw(st.sampled_from(tuple(tp_sizes))) if tp_ok else 1
     fully_sharded = tp > 1 and R % tp == 0 and (not shape.classed or H % tp == 0) and draw(st.booleans())
     I += I % tp                                  # TP shards I; fully-sharded LoRA also shards H and R
     H += H % tp if fully_sharded else 0
@@ -382,7 +383,8 @@ def wants_compile_classes(palette: str, device: str) -> bool:
 
 
 def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, **sizes):
-    """Cases of `level` (op, expert, or "ep": dispatched expert-parallel only) that `spec` claims on `device`:
+    """Cases of `level` (op, expert, "ep": dispatched expert-parallel only, or "tp": simulated TP ranks only)
+    that `spec` claims on `device`:
     drawn over its declared dtypes, layouts, activations and quant schemes, then filtered by its whole
     declaration (rules included, so nothing it declines runs). `compile_classes`: shapes from the backend's
     compile-class palette (harness.compile_classes: the kernel cache is reused on a GPU), the rest as ever."""
@@ -401,6 +403,8 @@ def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, 
         kw = dict(dtypes=v["dtypes"], activations=v["activations"], quants=v["quants"], palette=palette)
         if level == "ep":       # dispatched expert parallelism (expert-level cases with ep_tokens)
             base = ep_cases(**kw, **sizes)
+        elif level == "tp":     # simulated tensor-parallel ranks (plain or fully-sharded LoRA) only
+            base = expert_cases(**kw, **sizes, tp_sizes=(2,)).filter(lambda c: c.tp_size > 1)
         else:
             base = expert_cases(**kw, **sizes)
             if spec.capabilities.expert_parallel:   # one case in four dispatched, so fuzzing reaches EP too

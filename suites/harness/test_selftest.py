@@ -16,7 +16,7 @@ BACKSTOP_S = 300
 
 
 def test_op_and_tp_corpora_are_killed_by_both_detectors():
-    res = run_selftest("cpu", InProcess(), corpora=("op", "tp"), fuzz_budget_s=BACKSTOP_S, fuzz_max_examples=40)
+    res = run_selftest("cpu", InProcess(), corpora=("op", "tp"), fuzz_budget_s=BACKSTOP_S, fuzz_max_examples=120)
     assert res.cells and not res.survivors, kill_matrix_text(res, ("check", "fuzz"))
     assert not res.failing_controls and len(res.controls) == 2
     assert all(cells["fuzz"].caught for cells in res.cells.values()), kill_matrix_text(res, ("check", "fuzz"))
