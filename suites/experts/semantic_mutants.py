@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from moe_lora_harness.backends.eager import run_experts
 from moe_lora_harness.harness.builders import ADAPTER_SCALING
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities
 from moe_lora_harness.kernels import eager_experts
@@ -34,15 +35,9 @@ def _lora_calls(rewrite):
 
 
 def _run(call, rewrite=None):
-    """The eager experts on `call` (the ExpertCall as the integration hands it over)."""
+    """The eager backend on `call` (the ExpertCall as the integration hands it over)."""
     with _lora_calls(rewrite) if rewrite is not None else contextlib.nullcontext():
-        eager_experts.moe_experts_forward(
-            call.output, call.hidden_states, call.w13, call.w2, call.topk_weights, call.topk_ids, call.activation,
-            w13_bias=call.w13_bias, w2_bias=call.w2_bias, w13_lora_a=call.w13_lora_a, w13_lora_b=call.w13_lora_b,
-            w2_lora_a=call.w2_lora_a, w2_lora_b=call.w2_lora_b, adapter_enabled=call.adapter_enabled,
-            token_lora_mapping=call.token_lora_mapping, expert_map=call.expert_map,
-            apply_router_weight_on_input=call.apply_router_weight_on_input, fully_sharded=call.fully_sharded,
-            tp_rank=call.tp_rank, lora_collective=call.lora_collective)
+        run_experts(call)
 
 
 def _w2_only(fn):
