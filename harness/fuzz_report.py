@@ -33,7 +33,7 @@ class FailureRecord:
 
     def fits(self, sig: Signature) -> bool:
         """Whether this failure (its class, the axes of its minimal case) matches `sig`."""
-        return sig.fits(self.signature.klass, self.case)
+        return sig.fits(self.signature.klass, self.case, self.signature.semantics or None)
 
     def to_json(self, also_fits: list | None = None) -> dict:
         """The failure-NN.json object (`also_fits`: the signatures of the other records its case matches)."""

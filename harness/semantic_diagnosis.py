@@ -157,8 +157,8 @@ def _row_facts(case: Case, inputs) -> list[dict]:
 
 
 def locate(case: Case, inputs, bad: torch.Tensor) -> str:
-    """Which rows fail, and what every failing row shares that no passing one has ('' when every row fails
-    or none does)."""
+    """Which rows fail, and what every failing row has that no passing row has (an adapter slot, an expert, a
+    source EP rank); '' when every row fails or none does."""
     n_bad, n = int(bad.sum()), int(bad.numel())
     if n_bad in (0, n):
         return ""
@@ -168,24 +168,19 @@ def locate(case: Case, inputs, bad: torch.Tensor) -> str:
     passing = [f for f, b in zip(facts, bad.tolist()) if not b]
     shared = []
     slots = {f["slot"] for f in failing}
-    if len(slots) == 1:
+    if len(slots) == 1 and all(f["slot"] not in slots for f in passing):
         s = slots.pop()
-        alone = all(f["slot"] != s for f in passing)
-        shared.append(f"{'no adapter' if s < 0 else f'adapter slot {s}'}"
-                      + (" (no passing row has it)" if alone else ""))
-    common = frozenset.intersection(*[f["experts"] for f in failing])
-    if common:
-        alone = [e for e in sorted(common) if all(e not in f["experts"] for f in passing)]
-        shared.append("expert(s) " + ", ".join(map(str, sorted(common)))
-                      + (f" ({', '.join(map(str, alone))} in no passing row)" if alone else ""))
-    ranks = {f["ep rank"] for f in failing if "ep rank" in f}
-    if len(ranks) == 1 and len(failing) == sum("ep rank" in f for f in failing):
-        r = ranks.pop()
-        shared.append(f"EP rank {r}" + (" (no passing row has it)" if all(f.get('ep rank') != r for f in passing)
-                                        else ""))
+        shared.append("no adapter" if s < 0 else f"adapter slot {s}")
+    only = [e for e in sorted(frozenset.intersection(*[f["experts"] for f in failing]))
+            if all(e not in f["experts"] for f in passing)]
+    if only:
+        shared.append("expert " + ", ".join(map(str, only)))
+    ranks = {f.get("ep rank") for f in failing}
+    if len(ranks) == 1 and None not in ranks and all(f.get("ep rank") not in ranks for f in passing):
+        shared.append(f"EP rank {ranks.pop()}")
     rows = bad.nonzero().flatten().tolist()
     listed = ", ".join(map(str, rows[:12])) + (", ..." if len(rows) > 12 else "")
     head = f"{n_bad} of {n} {unit} fail ({listed})"
     if not shared:
-        return head + "; they share no adapter slot or expert"
-    return head + "; every failing row has " + " and ".join(shared)
+        return head + "; no adapter slot, expert or rank sets them apart from the passing ones"
+    return head + "; every failing row, and no passing one, has " + " and ".join(shared)

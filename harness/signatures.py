@@ -22,6 +22,12 @@ def axes_of(case: Case) -> dict:
 
 
 PLAIN = {level: axes_of(Case(level=level)) for level in ("op", "expert")}   # a case is compared with its level's
+BOUND_CLASSES = ("per-element bound", "aggregate bound")
+
+
+def same_class(a: str, b: str, semantics: str = "") -> bool:
+    """Whether failure classes `a` and `b` are one: equal, or both bound classes of a named mistake."""
+    return a == b or bool(semantics) and a in BOUND_CLASSES and b in BOUND_CLASSES
 
 
 def failure_class(o: Outcome) -> str:
@@ -47,14 +53,15 @@ class Signature:
     semantics: str = ""
 
     def matches(self, klass: str, axes: dict, semantics: str | None = None) -> bool:
-        """Same class and needed axes; and the same named mistake when `semantics` is known (an undiagnosed
-        outcome, as the search runs them, passes None)."""
-        return (klass == self.klass and all(axes.get(k) == v for k, v in self.needs)
+        """Same class (for a named mistake, either bound class: the same mistake fails per element on one
+        shape and in aggregate on another) and needed axes; and the same named mistake when `semantics` is
+        known (an undiagnosed outcome, as the search runs them, passes None)."""
+        return (same_class(self.klass, klass, self.semantics) and all(axes.get(k) == v for k, v in self.needs)
                 and (semantics is None or semantics == self.semantics))
 
-    def fits(self, klass: str, case: Case) -> bool:
-        """Whether a failure of class `klass` on `case` is this one."""
-        return self.matches(klass, axes_of(case))
+    def fits(self, klass: str, case: Case, semantics: str | None = None) -> bool:
+        """Whether a failure of class `klass` on `case` (named `semantics`, when known) is this one."""
+        return self.matches(klass, axes_of(case), semantics)
 
     @property
     def text(self) -> str:
@@ -92,7 +99,7 @@ def needed_axes(spec: BackendSpec, o: Outcome, device: str, executor, reruns: in
             needs.append((axis, value))
             continue
         again = run_case(spec, flipped, device, executor=executor, reruns=reruns, diagnose=False)
-        if not (again.failed and failure_class(again) == klass):
+        if not (again.failed and same_class(klass, failure_class(again), o.semantics)):
             needs.append((axis, value))
     if ("which", "w2") in needs:     # every w2 case multiplies: the pair would match exactly what w2 alone does
         needs = [n for n in needs if n != ("mul_routed_weight", "True")]

@@ -117,12 +117,14 @@ def test_a_partial_failure_names_the_rows_and_what_they_share():
     o = run_case(spec, CASE.replace(T=12), "cpu", executor=InProcess(), reruns=0)
     assert o.failed, o.detail
     rows = next(line for line in o.detail.splitlines() if line.strip().startswith("rows:"))
-    assert "every failing row has adapter slot 1 (no passing row has it)" in rows, o.detail
+    assert "every failing row, and no passing one, has adapter slot 1" in rows, o.detail
 
 
 def test_a_fuzz_campaign_reports_one_named_failure_however_many_shapes_show_it():
+    """300 examples meet the dropped w2 delta per element on some shapes and only in aggregate on others (bf16):
+    one named mistake, one distinct failure."""
     spec = PLANTED["drops-w2-delta"]
-    c = Campaign(spec, "cpu", "expert", InProcess(), max_examples=40, seed=0, reruns=0, max_found=5)
+    c = Campaign(spec, "cpu", "expert", InProcess(), max_examples=300, seed=0, reruns=0, max_found=5)
     r = c.run(claimed_cases(spec, "cpu", "expert", **selftest_draw_sizes("cpu")))
     assert len(r.found) == 1, [f.signature.text for f in r.found]
     sig = r.found[0].signature
