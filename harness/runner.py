@@ -17,21 +17,12 @@ import torch
 from moe_lora_harness.harness.builders import torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import Verdict, compare_written, format_worst
-from moe_lora_harness.harness.contract import (
-    BackendSpec,
-    known_bug_for,
-    must_reject,
-    support_for,
-)
+from moe_lora_harness.harness.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.expectation import judging, op_expectations
 from moe_lora_harness.harness.interpreter import cannot_run_here
-from moe_lora_harness.harness.semantic_diagnosis import (
-    failing_rows,
-    locate,
-    semantic_diagnosis,
-)
+from moe_lora_harness.harness.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 
 # an Outcome's statuses, worst first: a check-matrix cell shows the worst of its outcomes (harness.report).
 # not-runnable: the case ran where its result says nothing about the kernel (harness.interpreter): no verdict
@@ -302,7 +293,8 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
     try:
         if kind != "nonfinite":
             d = diagnose_precision(case, exp.precision, ex.output, exp.truth)
-            lines.append("  precision: " + (d.text if d is not None else "the error is too large for any rounding model"))
+            lines.append("  precision: " + (d.text if d is not None
+                                            else "the error is too large for any rounding model"))
             if d is None or not d.matched:
                 s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
                                        verdict.ratio)

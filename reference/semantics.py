@@ -135,7 +135,8 @@ ALTERNATIVES = (
     Alternative("b-layout-out-e-r", "the B factors read in the (out, E, r) layout instead of PEFT's (out, r, E)",
                 stacked=lambda s, layer: _b(s, _peft_b_misread)),
     Alternative("tp-w2-delta-one-rank", "under TP, the partial w2 delta added on one rank only",
-                stacked=lambda s, layer: _rank0_w2_only(s, layer), applies=lambda layer: layer.lora and layer.tp_size > 1),
+                stacked=lambda s, layer: _rank0_w2_only(s, layer),
+                applies=lambda layer: layer.lora and layer.tp_size > 1),
 )
 
 _BY_NAME = {a.name: a for a in ALTERNATIVES}

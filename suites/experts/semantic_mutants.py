@@ -34,7 +34,7 @@ def _lora_calls(rewrite):
         eager_experts.fused_moe_lora = op
 
 
-def _run(call, rewrite=None):
+def run_eager(call, rewrite=None):
     """The eager backend on `call` (the ExpertCall as the integration hands it over)."""
     with _lora_calls(rewrite) if rewrite is not None else contextlib.nullcontext():
         run_experts(call)
@@ -90,7 +90,7 @@ def _with(call, **changes):
 
 def _lora(rewrite):
     """A mistake in how the LoRA is handed over: a call without LoRA runs as it is."""
-    return lambda call: _run(call if call.w13_lora_a is None else rewrite(call))
+    return lambda call: run_eager(call if call.w13_lora_a is None else rewrite(call))
 
 
 def _scaled_b(call, factor):
@@ -101,20 +101,20 @@ def _router_weight_on_input_and_output(call):
     """Weights the input itself (as the prepare step does) but then runs the experts as if it had not: the w2
     output is weighted again. The w13 LoRA still reads the unweighted states, as it must."""
     if not call.apply_router_weight_on_input:
-        return _run(call)
+        return run_eager(call)
     dt = call.hidden_states.dtype
     weighted = (call.hidden_states.float() * call.topk_weights.to(dt).float()).to(dt)
     original = call.hidden_states
 
     def lora_reads_original(y, x, kw):
         return (y, original, kw) if not kw["mul_routed_weight"] else (y, x, kw)
-    _run(_with(call, hidden_states=weighted, apply_router_weight_on_input=False),
+    run_eager(_with(call, hidden_states=weighted, apply_router_weight_on_input=False),
          lora_reads_original if call.w13_lora_a is not None else None)
 
 
 # backend name -> (what it does, the run, the semantic alternative (reference.semantics) it commits)
 _PLANTED = {
-    "semantics-control": ("No mistake: the eager experts wired right.", _run, None),
+    "semantics-control": ("No mistake: the eager experts wired right.", run_eager, None),
     "drops-lora": ("Never hands the LoRA to the experts.",
                    _lora(lambda c: _with(c, w13_lora_a=None, w13_lora_b=None, w2_lora_a=None, w2_lora_b=None)),
                    "no-lora"),
@@ -125,9 +125,9 @@ _PLANTED = {
                        _lora(lambda c: _with(c, w2_lora_b=[torch.zeros_like(b) for b in c.w2_lora_b])),
                        "w2-delta-missing"),
     "w2-delta-unweighted": ("Calls the w2 LoRA op with unit weights.",
-                            lambda c: _run(c, _w2_only(_weights(torch.ones_like))), "w2-delta-unweighted"),
+                            lambda c: run_eager(c, _w2_only(_weights(torch.ones_like))), "w2-delta-unweighted"),
     "w2-delta-weighted-twice": ("Calls the w2 LoRA op with the weights squared (weighted before and in the op).",
-                                lambda c: _run(c, _w2_only(_weights(lambda w: w * w))), "w2-delta-weighted-twice"),
+                                lambda c: run_eager(c, _w2_only(_weights(lambda w: w * w))), "w2-delta-weighted-twice"),
     "gate-up-swapped": ("Hands the w13 LoRA slices as [up, gate].",
                         _lora(lambda c: _with(c, w13_lora_a=c.w13_lora_a[::-1], w13_lora_b=c.w13_lora_b[::-1])),
                         "gate-up-swapped"),
@@ -145,11 +145,11 @@ _PLANTED = {
                                 _lora(lambda c: _with(c, adapter_enabled=torch.ones_like(c.adapter_enabled))),
                                 "disabled-slot-applied"),
     "lora-first-expert-only": ("Gives the LoRA op only each token's first expert.",
-                               lambda c: _run(c, _first_expert_only), "lora-first-expert-only"),
+                               lambda c: run_eager(c, _first_expert_only), "lora-first-expert-only"),
     "router-weight-twice": ("Weights the input for apply_router_weight_on_input and the output too.",
                             _router_weight_on_input_and_output, "router-weight-on-input-and-output"),
     "w13-lora-weighted-input": ("Feeds the w13 LoRA the router-weighted input.",
-                                lambda c: _run(c, _w13_reads_weighted_input), "w13-lora-weighted-input"),
+                                lambda c: run_eager(c, _w13_reads_weighted_input), "w13-lora-weighted-input"),
     "peft-b-layout": ("Repacks B through PEFT's (out, r*E) layout and reads it as (out, E*r).",
                       _lora(lambda c: _with(c, w13_lora_b=[_peft_layout_misread(b) for b in c.w13_lora_b],
                                             w2_lora_b=[_peft_layout_misread(b) for b in c.w2_lora_b])),

@@ -22,7 +22,7 @@ from moe_lora_harness.harness.semantic_diagnosis import semantic_diagnosis
 from moe_lora_harness.harness.strategies import claimed_cases
 from moe_lora_harness.reference.precision import precision
 from moe_lora_harness.reference.semantics import ALTERNATIVES
-from moe_lora_harness.suites.experts.semantic_mutants import BACKENDS, MECHANISMS, _run
+from moe_lora_harness.suites.experts.semantic_mutants import BACKENDS, MECHANISMS, run_eager
 
 PLANTED = {s.name: s for s in BACKENDS}
 NAMED = {name: (spec, mechanisms[name]) for c in CORPORA if c.mechanisms
@@ -107,7 +107,7 @@ def _one_slot_dropped(call):
     """Tokens of adapter slot 1 get no LoRA (their mapping entry lost)."""
     m = call.token_lora_mapping.clone()
     m[m == 1] = -1
-    _run(dataclasses.replace(call, token_lora_mapping=m))
+    run_eager(dataclasses.replace(call, token_lora_mapping=m))
 
 
 def test_a_partial_failure_names_the_rows_and_what_they_share():
