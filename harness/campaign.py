@@ -122,8 +122,8 @@ class Campaign:
         return f
 
     def _add(self, o: Outcome, **kw) -> Found:
-        if not self.shrink:       # detection only (selftest): the class, no shrink, no axis experiments; a bound
-            if o.kind in ("element", "aggregate"):      # failure is run once more, diagnosed, for its mistake's name
+        if not self.shrink:       # detection only (selftest): the class, no shrink, no axis experiments; wrong
+            if o.kind in ("element", "aggregate", "untouched"):   # values are run once more, diagnosed: the name
                 again = run_case(self.spec, o.case, self.device, executor=self.executor, reruns=0)
                 o = again if again.failed else o
             return self._keep(Signature(failure_class(o), semantics=o.semantics), o, **dict(kw, shrunk=False))

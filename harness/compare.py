@@ -82,7 +82,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         b = before.detach().to("cpu")
         if o.dtype != b.dtype:
             return Verdict(False, "shape", f"output dtype {o.dtype} != the buffer's original dtype {b.dtype}")
-        same = o.contiguous().view(_int_view(o)) == b.contiguous().view(_int_view(b))
+        same = same_bits(o, b)
         bad = (~written) & (~same)
         if bad.any():
             idx = bad.nonzero()[:6]
@@ -142,6 +142,11 @@ def _unravel(flat: torch.Tensor, shape) -> torch.Tensor:
 
 def _int_view(t: torch.Tensor):
     return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bit-for-bit equality of two tensors of one dtype (NaN payloads, the sign of zero)."""
+    return a.contiguous().view(_int_view(a)) == b.contiguous().view(_int_view(b))
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

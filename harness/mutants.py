@@ -166,7 +166,10 @@ EXPERT_MUTANT_FUNCTIONS = {
                                "a replicated term)."),
 }
 # planted bug -> the semantic alternative (reference.semantics) it commits: the selftest requires the name
-MECHANISMS = {"mutant-tp-w2-delta-rank0-only": "tp-w2-delta-one-rank"}
+MECHANISMS = {"mutant-tp-w2-delta-rank0-only": "tp-w2-delta-one-rank",
+              "mutant-ignores-routed-weight": "w2-delta-unweighted",
+              "mutant-ignores-adapter-enabled": "disabled-slot-applied",
+              "mutant-no-adapter-as-slot0": "no-adapter-as-slot-0"}
 
 
 def _expert_spec(name, fn, doc):

@@ -287,21 +287,22 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
     """(report lines, the named semantic alternative or ''): the rounding model a bound failure follows
     (harness.diagnose); beyond every rounding model, the integration mistake (harness.semantic_diagnosis);
     and, when only some rows fail, which they are. Advice only: its own failure is reported, never raised."""
-    if verdict is None or ex.output is None or kind not in ("element", "aggregate", "nonfinite"):
+    if verdict is None or ex.output is None or kind not in ("element", "aggregate", "untouched", "nonfinite"):
         return [], ""
     lines, name = [], ""
     try:
-        if kind != "nonfinite":
+        d = None
+        if kind in ("element", "aggregate"):
             d = diagnose_precision(case, exp.precision, ex.output, exp.truth)
             lines.append("  precision: " + (d.text if d is not None
                                             else "the error is too large for any rounding model"))
-            if d is None or not d.matched:
-                s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
-                                       verdict.ratio)
-                if s is not None:
-                    lines.append("  semantics: " + s.text)
-                    name = s.name
-        where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth))
+        if kind != "nonfinite" and (d is None or not d.matched):
+            s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
+                                   verdict.ratio if kind != "untouched" else None, before=exp.before)
+            if s is not None:
+                lines.append("  semantics: " + s.text)
+                name = s.name
+        where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth, exp.before))
         if where:
             lines.append("  rows: " + where)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict

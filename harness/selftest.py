@@ -43,7 +43,8 @@ def _is_level(level):
 
 CORPORA = (
     Corpus("op", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-control",), "op",
-           lambda f: f.level == "op", select=_is_level("op")),
+           lambda f: f.level == "op", select=_is_level("op"),
+           mechanisms="moe_lora_harness.harness.mutants:MECHANISMS"),
     Corpus("tp", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-experts-control",), "expert",
            lambda f: "TP 2" in f.name, select=_is_level("expert"), fuzz_level="tp",
            mechanisms="moe_lora_harness.harness.mutants:MECHANISMS"),

@@ -22,12 +22,13 @@ def axes_of(case: Case) -> dict:
 
 
 PLAIN = {level: axes_of(Case(level=level)) for level in ("op", "expert")}   # a case is compared with its level's
-BOUND_CLASSES = ("per-element bound", "aggregate bound")
+VALUE_CLASSES = ("per-element bound", "aggregate bound", "untouched element changed")   # wrong values
 
 
 def same_class(a: str, b: str, semantics: str = "") -> bool:
-    """Whether failure classes `a` and `b` are one: equal, or both bound classes of a named mistake."""
-    return a == b or bool(semantics) and a in BOUND_CLASSES and b in BOUND_CLASSES
+    """Whether failure classes `a` and `b` are one: equal, or both wrong values of a named mistake (it fails
+    per element on one shape, in aggregate or on untouched elements on another)."""
+    return a == b or bool(semantics) and a in VALUE_CLASSES and b in VALUE_CLASSES
 
 
 def failure_class(o: Outcome) -> str:
@@ -53,9 +54,9 @@ class Signature:
     semantics: str = ""
 
     def matches(self, klass: str, axes: dict, semantics: str | None = None) -> bool:
-        """Same class (for a named mistake, either bound class: the same mistake fails per element on one
-        shape and in aggregate on another) and needed axes; and the same named mistake when `semantics` is
-        known (an undiagnosed outcome, as the search runs them, passes None)."""
+        """Same class (for a named mistake, any class of wrong values: `same_class`) and needed axes; and the
+        same named mistake when `semantics` is known (an undiagnosed outcome, as the search runs them, passes
+        None)."""
         return (same_class(self.klass, klass, self.semantics) and all(axes.get(k) == v for k, v in self.needs)
                 and (semantics is None or semantics == self.semantics))
 

@@ -2,8 +2,9 @@
 
 Beside the rounding models (reference.precision), each entry of ALTERNATIVES says what a wrong integration
 computes instead of the contract, so the judge can name the mistake a grossly failing output follows
-(harness.semantic_diagnosis). An alternative is a rewrite of the LoRA inputs, a change of one of the
-forward's `Semantics` switches, or both; adding one is one entry (docs/error-model.md, "Semantic diagnosis").
+(harness.semantic_diagnosis). At the expert level an alternative is a rewrite of the LoRA
+inputs, a change of one of the forward's `Semantics` switches, or both; at the op level, a rewrite of the op
+call's arguments. Adding one is one entry (docs/error-model.md, "Semantic diagnosis").
 """
 from __future__ import annotations
 
@@ -81,15 +82,16 @@ def _rank0_w2_only(stacked: StackedMoELoRA, layer: Layer) -> StackedMoELoRA:
 @dataclass(frozen=True)
 class Alternative:
     """One wrong integration: `stacked(stacked, layer)` and `mapping(mapping)` rewrite the LoRA inputs (None:
-    unchanged; a stacked rewrite returning None drops the LoRA), `semantics` switches the forward;
-    `applies(layer)` says where the mistake can show at all (elsewhere it is the contract; by default: where
-    there is a LoRA)."""
+    unchanged; a stacked rewrite returning None drops the LoRA), `semantics` switches the forward; `op(kwargs)`
+    rewrites fused_moe_lora's keyword arguments (None: the mistake has no op-level form); `applies(layer)`
+    says where the mistake can show at all (elsewhere it is the contract; by default: where there is a LoRA)."""
 
     name: str
     description: str
     stacked: Callable[[StackedMoELoRA, Layer], StackedMoELoRA | None] | None = None
     mapping: Callable[[Tensor], Tensor] | None = None
     semantics: Semantics = CONTRACT
+    op: Callable[[dict], dict] | None = None
     applies: Callable[[Layer], bool] = lambda layer: layer.lora
 
 
@@ -101,17 +103,28 @@ def _shift(m: Tensor) -> Tensor:
     return torch.roll(m, 1, dims=0)
 
 
+def _op(**rewrites):
+    """An op-level rewrite: each keyword's function applied to that argument of the call."""
+    return lambda kw: dict(kw, **{name: fn(kw[name]) for name, fn in rewrites.items()})
+
+
+def _each(fn):
+    return lambda ts: [fn(t) for t in ts]
+
+
 ALTERNATIVES = (
-    Alternative("no-lora", "no LoRA at all (the base layer's output)", stacked=lambda s, layer: None),
+    Alternative("no-lora", "no LoRA at all (the base layer's output)", stacked=lambda s, layer: None,
+                op=_op(lora_b_stacked=_each(_zero))),
     Alternative("w13-delta-missing", "the w13 LoRA delta missing",
                 stacked=lambda s, layer: _b(s, _zero, w2=False)),
     Alternative("w2-delta-missing", "the w2 LoRA delta missing", stacked=lambda s, layer: _b(s, _zero, w13=False)),
     Alternative("w2-delta-unweighted", "the w2 LoRA delta without the router weight",
-                semantics=Semantics(w2_lora_weight_power=0)),
+                semantics=Semantics(w2_lora_weight_power=0), op=_op(topk_weights=torch.ones_like)),
     Alternative("w2-delta-weighted-twice", "the w2 LoRA delta with the router weight applied twice",
-                semantics=Semantics(w2_lora_weight_power=2)),
+                semantics=Semantics(w2_lora_weight_power=2), op=_op(topk_weights=lambda w: w * w)),
     Alternative("gate-up-swapped", "the gate and up slices of the w13 LoRA delta swapped",
                 stacked=lambda s, layer: replace(s, w13_a=s.w13_a[::-1], w13_b=s.w13_b[::-1]),
+                op=_op(lora_a_stacked=lambda a: a[::-1], lora_b_stacked=lambda b: b[::-1]),
                 applies=lambda layer: layer.lora and layer.gated),
     Alternative("scaling-twice", "the adapter scaling applied twice",
                 stacked=lambda s, layer: _b(s, lambda b: b * layer.adapter_scaling),
@@ -120,11 +133,12 @@ ALTERNATIVES = (
                 stacked=lambda s, layer: _b(s, lambda b: b / layer.adapter_scaling),
                 applies=lambda layer: layer.lora and layer.adapter_scaling != 1.0),
     Alternative("mapping-shifted", "the token -> slot mapping shifted by one token (token t gets token t-1's "
-                "slot, token 0 the last token's)", mapping=_shift),
+                "slot, token 0 the last token's)", mapping=_shift, op=_op(token_lora_mapping=_shift)),
     Alternative("no-adapter-as-slot-0", "tokens without an adapter (-1) treated as slot 0",
-                mapping=lambda m: m.clamp(min=0)),
+                mapping=lambda m: m.clamp(min=0), op=_op(token_lora_mapping=lambda m: m.clamp(min=0))),
     Alternative("disabled-slot-applied", "a disabled slot's adapter applied",
-                stacked=lambda s, layer: replace(s, adapter_enabled=torch.ones_like(s.adapter_enabled))),
+                stacked=lambda s, layer: replace(s, adapter_enabled=torch.ones_like(s.adapter_enabled)),
+                op=_op(adapter_enabled=torch.ones_like)),
     Alternative("lora-first-expert-only", "the LoRA applied only to the first of the top-k experts",
                 semantics=Semantics(lora_top_k=1), applies=lambda layer: layer.lora and layer.top_k > 1),
     Alternative("router-weight-on-input-and-output", "the router weight applied on the input and again on "
@@ -133,7 +147,7 @@ ALTERNATIVES = (
     Alternative("w13-lora-weighted-input", "the w13 LoRA reading the router-weighted input",
                 semantics=Semantics(w13_lora_weighted=True)),
     Alternative("b-layout-out-e-r", "the B factors read in the (out, E, r) layout instead of PEFT's (out, r, E)",
-                stacked=lambda s, layer: _b(s, _peft_b_misread)),
+                stacked=lambda s, layer: _b(s, _peft_b_misread), op=_op(lora_b_stacked=_each(_peft_b_misread))),
     Alternative("tp-w2-delta-one-rank", "under TP, the partial w2 delta added on one rank only",
                 stacked=lambda s, layer: _rank0_w2_only(s, layer),
                 applies=lambda layer: layer.lora and layer.tp_size > 1),

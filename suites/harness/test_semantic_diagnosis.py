@@ -13,7 +13,9 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.expert_runner import expert_expectations, expert_forward
+from moe_lora_harness.harness.expectation import op_expectations
 from moe_lora_harness.harness.fuzz_report import FailureRecord, records_table
+from moe_lora_harness.harness.mutants import MUTANTS
 from moe_lora_harness.harness.profiles import selftest_draw_sizes
 from moe_lora_harness.harness.registry import load_attr, load_ref
 from moe_lora_harness.harness.runner import run_case
@@ -28,12 +30,16 @@ PLANTED = {s.name: s for s in BACKENDS}
 NAMED = {name: (spec, mechanisms[name]) for c in CORPORA if c.mechanisms
          for mechanisms in [load_attr(c.mechanisms)] for spec in load_ref(c.ref) for name in [spec.name]
          if name in mechanisms}   # every planted bug of the project whose mechanism is in the table
+OP = Case(T=6, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=8, seed=7)
 CASE = Case(level="expert", T=9, H=64, I=32, E=4, top_k=2, max_loras=3, max_rank=8, seed=5, mapping="mixed")
 ROWS = {   # the first check row each planted mistake shows on (the others show on any LoRA case)
     "no-adapter-as-slot-0": CASE,
     "ignores-adapter-enabled": CASE.replace(mapping="disabled"),
     "router-weight-twice": CASE.replace(top_k=1, apply_router_weight_on_input=True),
     "mutant-tp-w2-delta-rank0-only": CASE.replace(tp_size=2),
+    "mutant-ignores-routed-weight": OP.replace(which="w2", num_slices=1, mul_routed_weight=True),
+    "mutant-ignores-adapter-enabled": OP.replace(mapping="disabled", layout="naive"),
+    "mutant-no-adapter-as-slot0": OP.replace(mapping="mixed", layout="naive"),
 }
 
 
@@ -51,17 +57,17 @@ def test_every_alternative_is_committed_by_a_planted_bug_of_the_project():
 def test_check_names_the_planted_mistake(planted):
     spec, mechanism = NAMED[planted]
     o = run_case(spec, ROWS.get(planted, CASE), "cpu", executor=InProcess(), reruns=0)
-    assert o.failed and o.kind in ("element", "aggregate"), o.detail
+    assert o.failed and o.kind in ("element", "aggregate", "untouched"), o.detail
     assert o.semantics == mechanism, o.detail
     assert "semantics: consistent with " in o.detail and f"({mechanism})" in o.detail
 
 
-def test_fuzz_names_every_planted_expert_mistake():
+def test_fuzz_names_every_planted_mistake():
     """The selftest's fuzz detector over the corpora whose mutants have a mechanism in the table: each caught
     and named as its mechanism (a misnamed catch fails the selftest; check's naming: the test above, and
     `moe-lora-harness selftest` runs both)."""
-    res = run_selftest("cpu", InProcess(), corpora=("semantics", "tp"), detectors=("fuzz",), fuzz_budget_s=300,
-                       fuzz_max_examples=200)
+    res = run_selftest("cpu", InProcess(), corpora=("op", "semantics", "tp"), detectors=("fuzz",),
+                       fuzz_budget_s=300, fuzz_max_examples=200)
     text = kill_matrix_text(res, ("fuzz",))
     assert not res.survivors and not res.failing_controls and not res.misnamed, text
     named = [cells["fuzz"] for (_, b), cells in res.cells.items() if b in NAMED]
@@ -69,8 +75,11 @@ def test_fuzz_names_every_planted_expert_mistake():
 
 
 def test_a_correct_backend_gets_no_semantic_diagnosis():
-    control = PLANTED["semantics-control"]
-    for case in (CASE, ROWS["router-weight-twice"], CASE.replace(tp_size=2, fully_sharded=True, T=5)):
+    op_control = next(spec for spec in MUTANTS if spec.name == "mutant-control")
+    expert_control = PLANTED["semantics-control"]
+    for control, case in [(expert_control, CASE), (expert_control, ROWS["router-weight-twice"]),
+                          (expert_control, CASE.replace(tp_size=2, fully_sharded=True, T=5)),
+                          (op_control, OP.replace(mapping="mixed", layout="naive"))]:
         o = run_case(control, case, "cpu", executor=InProcess(), reruns=0)
         assert o.status == "pass" and not o.semantics, o.detail
 
@@ -82,6 +91,12 @@ def test_the_contract_s_own_rounding_fits_no_alternative(seed):
     inp, truth, emu = expert_expectations(case, "one_shot")
     out = emu.value.to(torch.bfloat16)
     d = semantic_diagnosis(case, "one_shot", out, inp, truth, emu.value, 1.0)
+    assert d.offered and not d.matched, d.text
+    op = OP.replace(seed=seed, mapping="mixed", layout="naive", which="w2", num_slices=1, mul_routed_weight=True)
+    cpu, truth, emu = op_expectations(op, "one_shot")
+    out = cpu.output.clone()
+    out[truth.written] = emu.value[truth.written].to(out.dtype)
+    d = semantic_diagnosis(op, "one_shot", out, cpu, truth, emu.value, 1.0, before=cpu.output)
     assert d.offered and not d.matched, d.text
 
 
