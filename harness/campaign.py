@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec
 from moe_lora_harness.harness.fuzz_report import FailureRecord
-from moe_lora_harness.harness.runner import Outcome, run_case
+from moe_lora_harness.harness.runner import WRONG_VALUE_KINDS, Outcome, run_case
 from moe_lora_harness.harness.signatures import Signature, axes_of, every_axis, failure_class, needed_axes
 
 
@@ -123,7 +123,7 @@ class Campaign:
 
     def _add(self, o: Outcome, **kw) -> Found:
         if not self.shrink:       # detection only (selftest): the class, no shrink, no axis experiments; wrong
-            if o.kind in ("element", "aggregate", "untouched"):   # values are run once more, diagnosed: the name
+            if o.kind in WRONG_VALUE_KINDS:   # values are run once more, diagnosed: the name
                 again = run_case(self.spec, o.case, self.device, executor=self.executor, reruns=0)
                 o = again if again.failed else o
             return self._keep(Signature(failure_class(o), semantics=o.semantics), o, **dict(kw, shrunk=False))

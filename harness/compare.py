@@ -153,8 +153,7 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (NaN payloads included; -0.0 != +0.0)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
-    return bool(torch.equal(a.view(_int_view(a)), b.view(_int_view(b))))
+    return bool(same_bits(a.detach().cpu(), b.detach().cpu()).all())
 
 
 def format_worst(verdict: Verdict, names=("t", "j", "col"), coords=None) -> str:

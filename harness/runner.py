@@ -66,6 +66,10 @@ class Outcome:
         return self.status not in NO_VERDICT
 
 
+# The comparison's kinds for an output with wrong values (written elements off, untouched ones changed): the
+# kinds a semantic diagnosis names, and one class of failure once a mistake is named (harness.signatures).
+WRONG_VALUE_KINDS = ("element", "aggregate", "untouched")
+
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
 FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "inputs-differ",
                  "nondeterministic", "declaration", "accepted", "unclear-error", "environment")
@@ -287,7 +291,7 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
     """(report lines, the named semantic alternative or ''): the rounding model a bound failure follows
     (harness.diagnose); beyond every rounding model, the integration mistake (harness.semantic_diagnosis);
     and, when only some rows fail, which they are. Advice only: its own failure is reported, never raised."""
-    if verdict is None or ex.output is None or kind not in ("element", "aggregate", "untouched", "nonfinite"):
+    if verdict is None or ex.output is None or kind not in (*WRONG_VALUE_KINDS, "nonfinite"):
         return [], ""
     lines, name = [], ""
     try:

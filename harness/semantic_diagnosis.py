@@ -110,6 +110,7 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
     out = output.detach().cpu()
+    o64 = out.to(torch.float64)
     exact, declared = make_precision("exact", None), make_precision(backend_precision, dtype)
     judge = dict(dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r, work_dtype=dtype)
     offered = []      # (distance of the output from the alternative's value, alternative, compute, its written)
@@ -119,7 +120,6 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
         if torch.equal(alt_written, written) and compare_written(
                 got.value, truth.value, emulation, truth.scale, written, underflow=truth.underflow, **judge).ok:
             continue     # the contract's judge cannot tell it from the contract on this case: not offered
-        o64 = out.to(torch.float64)
         expected = torch.where(alt_written, got.value, o64 if before is None else before.to(torch.float64))
         diff = torch.where(o64.isnan() & expected.isnan(), torch.zeros_like(o64), o64 - expected)
         diff = torch.nan_to_num(diff, nan=float("inf"))[alt_written | written]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from moe_lora_harness.harness.axes import AXES, SIGNATURE_AXES, values_of
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, support_for
-from moe_lora_harness.harness.runner import Outcome, run_case
+from moe_lora_harness.harness.runner import WRONG_VALUE_KINDS, Outcome, run_case
 
 
 def axes_of(case: Case) -> dict:
@@ -22,7 +22,11 @@ def axes_of(case: Case) -> dict:
 
 
 PLAIN = {level: axes_of(Case(level=level)) for level in ("op", "expert")}   # a case is compared with its level's
-VALUE_CLASSES = ("per-element bound", "aggregate bound", "untouched element changed")   # wrong values
+
+
+_CLASS_OF_KIND = {"timeout": "hang", "element": "per-element bound", "aggregate": "aggregate bound",
+                  "nonfinite": "non-finite output", "untouched": "untouched element changed"}
+VALUE_CLASSES = tuple(_CLASS_OF_KIND[k] for k in WRONG_VALUE_KINDS)   # the classes of wrong values
 
 
 def same_class(a: str, b: str, semantics: str = "") -> bool:
@@ -40,8 +44,7 @@ def failure_class(o: Outcome) -> str:
     if kind == "crash":
         m = re.search(r"killed by (\w+)|exited with code (\d+)", o.detail or "")
         return f"crash: {m.group(0)}" if m else "crash"
-    return {"timeout": "hang", "element": "per-element bound", "aggregate": "aggregate bound",
-            "nonfinite": "non-finite output", "untouched": "untouched element changed"}.get(kind, kind)
+    return _CLASS_OF_KIND.get(kind, kind)
 
 
 @dataclass(frozen=True)
