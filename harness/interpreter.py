@@ -9,9 +9,14 @@ failure), whoever the backend is.
 While a call is watched, the interpreter also computes integer arithmetic as compiled kernels do: Triton
 compiles its overflow checks (sanitize_overflow) into nothing without debug=True, but the interpreter runs
 them on every int32 add, sub and mul, which cost a quarter of the interpreted time of the suites' kernels
-(measured: 40 triton_experts feature cases, 11.0 s with, 8.2 s without) for offsets far below 2**31.
+(measured: 40 triton_experts feature cases, 11.0 s with, 8.2 s without) for offsets far below 2**31. And a
+@triton.jit helper called from a kernel does not patch triton.language again: the interpreter re-scans every
+member of the language modules at each such call (never undoing it) although the launch has already patched
+them, which was 11% of the CPU test suite's whole CPU time (py-spy, 2026-12-02).
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -52,11 +57,17 @@ class LaunchWatch:
         def run(fn_self, *args, **kwargs):
             name = getattr(getattr(fn_self, "fn", None), "__name__", "kernel")
             launches.append((name, frozenset(_tensor_dtypes(args) | _tensor_dtypes(kwargs.values()))))
-            return original(fn_self, *args, **kwargs)
+            outer = getattr(_LAUNCH, "state", None)
+            _LAUNCH.state = {"langs": _lang_modules(fn_self.fn), "patched": False}
+            try:
+                return original(fn_self, *args, **kwargs)
+            finally:
+                _LAUNCH.state = outer
 
         InterpretedFunction.run = run
         restore_options = _as_compiled()
-        self._restore = lambda: (setattr(InterpretedFunction, "run", original), restore_options())
+        restore_patch = _patch_once_per_launch()
+        self._restore = lambda: (setattr(InterpretedFunction, "run", original), restore_options(), restore_patch())
         return self
 
     def __exit__(self, *exc) -> None:
@@ -77,6 +88,45 @@ def _as_compiled():
         return lambda: None
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return lambda: setattr(builder, "options", options)
+
+
+_LAUNCH = threading.local()   # .state: the watched launch in flight on this thread (its language modules)
+
+
+def _lang_modules(fn) -> frozenset:
+    """The triton.language modules a jit function's globals name (what the interpreter patches for it)."""
+    import triton.language as tl
+    return frozenset(id(v) for v in getattr(fn, "__globals__", {}).values() if v is tl or v is tl.core)
+
+
+class _Unpatched:
+    """The patch scope of a helper call inside a launch that has already patched its language modules."""
+
+    def restore(self) -> None:
+        pass
+
+
+def _patch_once_per_launch():
+    """Within a watched launch, a jit helper whose language modules the launch has patched skips the re-patch
+    (module doc); returns the undo (a no-op where this Triton has no module-level `_patch_lang`)."""
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None:
+        return lambda: None
+
+    def patch_lang(fn):
+        state = getattr(_LAUNCH, "state", None)
+        langs = _lang_modules(fn)
+        if state is not None and state["patched"] and langs <= state["langs"]:
+            return _Unpatched()
+        scope = original(fn)
+        if state is not None:   # the launch's own patch (before its first program), or a helper's that
+            state["patched"] = True             # names another language module (never undone by Triton)
+            state["langs"] = state["langs"] | langs
+        return scope
+
+    interpreter._patch_lang = patch_lang
+    return lambda: setattr(interpreter, "_patch_lang", original)
 
 
 def cannot_run_here(launches) -> str:

@@ -228,3 +228,43 @@ def test_a_watched_call_interprets_integers_as_compiled_kernels_do():
     with LaunchWatch():
         assert interpreter.interpreter_builder.options.sanitize_overflow is False
     assert interpreter.interpreter_builder.options is before
+
+
+def test_a_watched_launch_patches_the_language_once_and_computes_the_same():
+    """The interpreter re-patches triton.language at every @triton.jit helper call inside a kernel; a watched
+    launch patches each language module once. Checked both ways on a kernel with helpers (a real patch per
+    launch, plus one per other module, when watched; one per helper call when not), and the same bits."""
+    if not INTERPRETED:
+        pytest.skip("compiled kernels here: the interpreter does not patch the language")
+    from triton.runtime import interpreter
+    from moe_lora_harness.harness.interpreter import LaunchWatch
+    original = interpreter._patch_lang
+    calls = []
+
+    def counting(fn):
+        calls.append(fn.__name__)
+        return original(fn)
+
+    [spec] = [s for s in load_ref("moe_lora_harness.backends:BUILTINS") if s.name == "triton_one_shot"]
+    case = Case(T=5, H=32, I=24, E=4, top_k=2, max_rank=8, dtype="float32", seed=3)
+    outputs = []
+    for watched in (True, False):
+        calls.clear()
+        interpreter._patch_lang = counting
+        try:
+            kw = build_op_inputs(case).call_kwargs()
+            if watched:
+                with LaunchWatch() as w:
+                    spec.op(**kw)
+                launches = len(w.launches)
+            else:
+                spec.op(**kw)
+        finally:
+            interpreter._patch_lang = original
+        outputs.append(kw["output"].clone())
+        if watched:
+            # the launch's own patch, and one for a helper whose globals name another language module (tl.core)
+            assert launches >= 1 and calls[0] == "_one_shot_kernel" and len(calls) <= 2 * launches, calls
+        else:
+            assert len(calls) > 2 * launches, "the unwatched interpreter patches at every helper call"
+    assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
