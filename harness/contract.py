@@ -58,6 +58,11 @@ class Capabilities:
     expert_parallel: bool = False             # expert level: dispatched EP (its own dispatch/combine over ep_comm)
     quant: frozenset = frozenset({"none"})     # expert level: weight-only schemes accepted
     rules: tuple = ()
+    # layer level (harness.layer_contract): captures graphs and replays them; the largest batch it takes
+    # (None: any LayerConfig.max_tokens); loads an adapter into a slot that held another
+    graphs: bool = False
+    max_tokens: int | None = None
+    slot_reuse: bool = True
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ class BackendSpec:
     `op`: a callable with vLLM 0.33.0's `fused_moe_lora` signature (op_contract.validate.validate_call's),
     in place; the harness passes it keywords.
     `experts`: a callable taking an `ExpertCall` and writing `call.output`.
+    `layer`: a factory `(LayerConfig, LayerWeights) -> layer` of a stateful layer (harness.layer_contract).
     `precision`: a reference precision preset name, or `case -> name` when the path depends on the case, or a
     mapping from device kind ("cpu", "cuda") to either, when it depends on the device (fp32 `tl.dot` is TF32 on
     a GPU by default, IEEE fp32 in the CPU interpreter).
@@ -134,6 +140,7 @@ class BackendSpec:
     capabilities: Capabilities
     op: Callable | None = None
     experts: Callable | None = None
+    layer: Callable | None = None
     precision: str | Callable[[Case], str] | Mapping = "one_shot"
     known_bugs: tuple = ()
     origin: str = ""

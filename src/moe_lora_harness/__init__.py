@@ -3,6 +3,7 @@
 The public surface, for a third party declaring a backend, is what this module exports (`__all__`):
 
     from moe_lora_harness import BackendSpec, Capabilities, Case, ExpertCall, KnownBug, Rule
+    from moe_lora_harness import ExpertAdapter, LayerBatch, LayerConfig, LayerWeights   # a stateful layer
 
 Subpackages (one import name each): `moe_lora_harness.op_contract` (vLLM's op signature and argument
 checks), `moe_lora_harness.reference` (the float64 truth), `moe_lora_harness.kernels` (our kernels),
@@ -15,7 +16,10 @@ from __future__ import annotations
 
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities, ExpertCall, KnownBug, Rule
+from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
+from moe_lora_harness.reference.adapters import ExpertAdapter
 
 __version__ = "0.2.0"
 
-__all__ = ["BackendSpec", "Capabilities", "Case", "ExpertCall", "KnownBug", "Rule", "__version__"]
+__all__ = ["BackendSpec", "Capabilities", "Case", "ExpertAdapter", "ExpertCall", "KnownBug", "LayerBatch", "LayerConfig",
+           "LayerWeights", "Rule", "__version__"]
