@@ -10,6 +10,7 @@ if __name__ != "moe_lora_harness.backends":   # one name per module (a checkout'
 from moe_lora_harness.backends.dual_stream import BACKEND as _DUAL_STREAM
 from moe_lora_harness.backends.eager import BACKEND as _EAGER
 from moe_lora_harness.backends.experts import ALL as _EXPERTS
+from moe_lora_harness.backends.layer import LAYERS as _LAYERS
 from moe_lora_harness.backends.triton_op import ALL as _TRITON_OPS
 
-BUILTINS = [_EAGER, *_TRITON_OPS, *_EXPERTS, _DUAL_STREAM]
+BUILTINS = [_EAGER, *_TRITON_OPS, *_EXPERTS, _DUAL_STREAM, *_LAYERS]
