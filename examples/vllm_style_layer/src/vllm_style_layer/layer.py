@@ -86,8 +86,8 @@ class MoELoRALayer:
         self.adapter_enabled[index] = 0
 
     def set_lora(self, index: int, lora_a: list, lora_b: list) -> None:
-        """Load slot `index` from vLLM's per-projection lists (cast and scaled): lora_a = [w1_a, w2_a, w3_a], lora_b =
-        [w1_b, w2_b, w3_b] (w3 None non-gated); reset first, then copied into the rank corner: a reused slot keeps nothing."""
+        """Load slot `index` from vLLM's lists (cast, scaled): lora_a = [w1_a, w2_a, w3_a], lora_b = [w1_b, w2_b,
+        w3_b] (w3 None non-gated); reset, then copied into the rank corner, so a reused slot keeps nothing."""
         self.reset_lora(index)
         w1_a, w2_a, w3_a = lora_a
         w1_b, w2_b, w3_b = lora_b
