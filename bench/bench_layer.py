@@ -8,8 +8,11 @@ dual_stream), median ms of:
           apply on views of the buffers, the output cloned (eager);
   graph   plain apply captured as a CUDA graph and replayed (bench_experts.time_graph);
   replay  StatefulMoELoRALayer.replay: the copies, the padding of the mapping, the graph replay, the clone.
-state = forward - plain (what the layer adds to an eager call); each case first checks that forward and
-replay equal plain bit for bit. Runs with MOE_LORA_UNCHECKED=1 (no id-range host sync per call).
+Eager calls are host-bound (Python launches), so plain, forward and replay are timed in alternating rounds
+(wall clock over --calls calls, synchronized; the median of --rounds rounds), which keeps clock and host
+drift out of their differences; graph is do_bench's median of CUDA-graph replays. state = forward - plain
+(what the layer adds to an eager call), replay - graph (what it adds to a graph replay). Each case first
+checks that forward and replay equal plain bit for bit. Runs with MOE_LORA_UNCHECKED=1 (no host sync).
 
   python bench/bench_layer.py --out layer.json [--models mixtral_tp8,qwen3moe] [--T 1,8] [--experts triton]
 """
@@ -83,9 +86,8 @@ def plain_call(layer, x, tw, ids, mapping):
     return (lambda: layer.kernel.apply(x, layer.w13, layer.w2, tw, ids, lora_ctx=ctx, output=out)), out
 
 
-def run_case(layer, T: int, warmup: int, rep: int) -> dict:
+def run_case(layer, T: int, rounds: int, calls: int) -> dict:
     """Check, then time the four variants for T tokens (the layer captures a graph at T first)."""
-    import triton
     from bench_experts import time_graph  # noqa: E402 - bench/ is on sys.path when run as a script
 
     x, tw, ids, mapping = batch(layer, T)
@@ -98,24 +100,43 @@ def run_case(layer, T: int, warmup: int, rep: int) -> dict:
     torch.cuda.synchronize()
     same = lambda a, b: bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))  # noqa: E731
     check = dict(forward_bitwise=same(fwd, out), replay_bitwise=same(rep_out, out))
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")  # noqa: E731
-    ms = dict(plain_ms=bench(plain), forward_ms=bench(lambda: layer.forward(x, tw, ids)),
-              graph_ms=time_graph(plain, warmup, rep), replay_ms=bench(lambda: layer.replay(x, tw, ids)))
-    return dict(ms, state_ms=ms["forward_ms"] - ms["plain_ms"], check=check,
-                ok=check["forward_bitwise"] and check["replay_bitwise"])
+    ms = time_rounds(dict(plain_ms=plain, forward_ms=lambda: layer.forward(x, tw, ids),
+                          replay_ms=lambda: layer.replay(x, tw, ids)), rounds, calls)
+    ms["graph_ms"] = time_graph(plain, 25, 100)
+    return dict(ms, state_ms=ms["forward_ms"] - ms["plain_ms"], replay_extra_ms=ms["replay_ms"] - ms["graph_ms"],
+                check=check, ok=check["forward_bitwise"] and check["replay_bitwise"])
+
+
+def time_rounds(fns: dict, rounds: int, calls: int) -> dict:
+    """name -> median ms of one call: each round times `calls` calls of every fn in turn (synchronized wall clock),
+    the starting fn rotating, so drift hits every fn alike."""
+    names = list(fns)
+    for fn in fns.values():        # warm-up
+        fn()
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fns[n]()
+            torch.cuda.synchronize()
+            samples[n].append((time.perf_counter() - t) * 1e3 / calls)
+    return {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
 
 
 def table(rows: list) -> str:
     """The results as a Markdown table."""
-    head = "| model | experts | T | plain ms | forward ms | state ms | graph ms | replay ms | check |"
+    head = ("| model | experts | T | plain ms | forward ms | forward - plain | graph ms | replay ms | replay - graph "
+            "| check |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['experts']} | {r['T']} | skipped: {r['skipped']} | | | | | |")
+            lines.append(f"| {r['model']} | {r['experts']} | {r['T']} | skipped: {r['skipped']} | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['experts']} | {r['T']} | {r['plain_ms']:.4f} | {r['forward_ms']:.4f} | "
                      f"{r['state_ms']:+.4f} | {r['graph_ms']:.4f} | {r['replay_ms']:.4f} | "
-                     f"{'ok' if r['ok'] else 'MISMATCH'} |")
+                     f"{r['replay_extra_ms']:+.4f} | {'ok' if r['ok'] else 'MISMATCH'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -127,8 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
     p.add_argument("--experts", default=",".join(EXPERTS), help="comma-separated subset of " + ",".join(EXPERTS))
     p.add_argument("--T", default=None, help=f"comma-separated token counts (default {','.join(map(str, T_ALL))})")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench measuring ms")
+    p.add_argument("--rounds", type=int, default=15, help="alternating rounds of eager timing (median)")
+    p.add_argument("--calls", type=int, default=10, help="calls per round")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting new cases after this many seconds")
     a = p.parse_args(argv)
     models = [s for s in a.models.split(",") if s]
@@ -152,7 +173,7 @@ def main(argv=None) -> int:
                     rows.append(dict(row, skipped=f"--budget-s {a.budget_s:g} spent"))
                     continue
                 layer = layer or build_layer(model, ex, max(Ts))
-                row.update(run_case(layer, T, a.warmup, a.rep))
+                row.update(run_case(layer, T, a.rounds, a.calls))
                 failed |= not row["ok"]
                 rows.append(row)
                 print(f"{model:12s} {ex:11s} T={T:4d}  plain {row['plain_ms']:.4f}  forward {row['forward_ms']:.4f}  "

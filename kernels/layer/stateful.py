@@ -45,7 +45,10 @@ class StatefulMoELoRALayer:
         self.config = config
         self.max_loras = _pos(max_loras, "max_loras")
         self.max_tokens = _pos(max_tokens, "max_tokens")
-        self.device = torch.device(device if device is not None else w13.device)
+        dev = torch.device(device if device is not None else w13.device)
+        if dev.type == "cuda" and dev.index is None:        # as tensors report it: cuda:N
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         if self.device.type != config.device:
             raise ValueError(f"device {self.device} is not of config.device kind {config.device!r}")
         self.experts = experts_cls(config)

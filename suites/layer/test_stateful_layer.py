@@ -165,18 +165,20 @@ def test_replay_equals_forward_on_the_same_contents(device):
     assert bool(same_bits(replayed, layer.forward(b)).all())
 
 
-def test_layer_refuses_what_it_cannot_run():
-    c = config()
+def test_layer_refuses_what_it_cannot_run(device):
+    c = config(device=device)
+    w = weights(c)
+    w = LayerWeights(w.w13.to(device), w.w2.to(device))
     with pytest.raises(ValueError, match="swiglu_alpha"):
-        LAYER_OAI.layer(config(activation="swigluoai", swiglu_alpha=1.0), weights(c))
+        LAYER_OAI.layer(config(activation="swigluoai", swiglu_alpha=1.0, device=device), w)
     with pytest.raises(ValueError, match="declines"):
-        LAYER_TRITON.layer(config(dtype="bfloat16"), weights(config(dtype="bfloat16")))
-    layer = LAYER_TRITON.layer(c, weights(c))
+        LAYER_MARLIN.layer(c, w)          # no quant scheme: Marlin declines it
+    layer = LAYER_TRITON.layer(c, w)
     with pytest.raises(ValueError, match="rank"):
         layer.load_adapter(0, adapter(c, 9, 1))
     with pytest.raises(ValueError, match="set_mapping|mapping"):
         layer.forward(batch(c, 3, 1))
-    twin = LAYER_TRITON.layer(c.twin(), weights(c))
+    twin = LAYER_TRITON.layer(c.twin(), w)
     with pytest.raises(RuntimeError, match="LoRA disabled"):
         twin.load_adapter(0, adapter(c, 2, 1))
 
