@@ -150,18 +150,23 @@ class ContractLayer:
                             a(adapter.down_a, pad_in=True), b(adapter.down_b))
 
     def unload_adapter(self, slot: int) -> None:
+        """The slot holds nothing afterwards (zeroed and disabled)."""
         self.layer.reset_lora(slot)
 
     def set_mapping(self, mapping: torch.Tensor) -> None:
+        """Each token's slot or -1, for the next forward or replay."""
         self.layer.set_mapping(mapping)
 
     def forward(self, batch: LayerBatch) -> torch.Tensor:
+        """(T, H): an eager forward (the layer routes by the batch's top-k choice)."""
         return self.layer.forward(batch.hidden_states, batch.topk_weights, batch.topk_ids)
 
     def capture(self, size: int) -> None:
+        """Record a forward of `size` tokens (a CUDA graph on a GPU)."""
         self.layer.capture(size)
 
     def replay(self, batch: LayerBatch) -> torch.Tensor:
+        """(S, H): the graph of the batch's size, padding rows mapped to -1."""
         return self.layer.replay(batch.hidden_states, batch.topk_weights, batch.topk_ids)
 
 
