@@ -193,21 +193,25 @@ def must_reject(case: Case) -> Rejection | None:
     return None
 
 
-def support_for(spec: BackendSpec, case: Case, device: str) -> tuple[bool, str]:
+def support_for(spec: BackendSpec, case: Case, device: str, *, layer: bool = False) -> tuple[bool, str]:
     """(ok, reason): whether `spec` claims `case` on `device`, judged only from its declarations.
 
-    A configuration the contract rejects is claimed when the nearest valid one is (it must be refused)."""
+    A configuration the contract rejects is claimed when the nearest valid one is (it must be refused).
+    `layer`: `case` is the expert-level description of a layer's batch (harness.layer_runner.layer_support)."""
     rejection = must_reject(case)
     if rejection is not None:
         case = rejection.nearest
     cap = spec.capabilities
     dev = device_kind(device)
-    if case.level not in cap.levels:
-        return False, f"{case.level}-level runs are not provided (levels: {sorted(cap.levels)})"
-    if case.level == "op" and spec.op is None:
+    level = "layer" if layer else case.level
+    if level not in cap.levels:
+        return False, f"{level}-level runs are not provided (levels: {sorted(cap.levels)})"
+    if level == "op" and spec.op is None:
         return False, "declares no op entry point"
-    if case.level == "expert" and spec.experts is None:
+    if level == "expert" and spec.experts is None:
         return False, "declares no expert entry point"
+    if level == "layer" and spec.layer is None:
+        return False, "declares no layer factory"
     if dev not in cap.devices:
         why = cap.device_reasons.get(dev)
         return False, f"on {dev}: {why}" if why else f"device {dev} not supported (devices: {sorted(cap.devices)})"

@@ -238,5 +238,10 @@ class InProcess:
     def execute(self, spec: BackendSpec, case: Case, device: str, poison=None) -> Execution:
         return execute(spec, case, device, poison, catch_interrupt=False)
 
+    def execute_scenario(self, spec: BackendSpec, scenario, device: str, start: int = 0):
+        """Steps `start:` of a layer scenario (harness.layer_execute)."""
+        from moe_lora_harness.harness.layer_execute import execute_scenario
+        return execute_scenario(spec, scenario, device, start)
+
     def close(self):
         pass

@@ -36,6 +36,31 @@ LARGE = Shapes(T=96, H=512, I=384, E=16, top_k=4, max_rank=32, dtype="bfloat16",
                dtypes=("bfloat16", "float32", "float16"), small=False, past_blocks=(129, 257))
 PROFILES = (SMALL, LARGE)
 
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """A stateful layer's configuration on a device (harness.layer_scenarios builds its scenarios from it)."""
+
+    H: int
+    I: int
+    E: int
+    top_k: int
+    max_loras: int
+    max_rank: int
+    max_tokens: int
+    capture_sizes: tuple
+    dtypes: tuple                      # the scenario rows' dtypes: every scenario in the first
+    every_dtype: bool = False          # every scenario in every dtype too (else the first scenario only)
+
+
+# On the CPU every forward runs the layer and its twin in the interpreter: small, one block of tokens.
+SMALL_LAYER = LayerShapes(H=32, I=32, E=4, top_k=2, max_loras=3, max_rank=8, max_tokens=8, capture_sizes=(4, 8),
+                          dtypes=("float16", "float32"))
+# On a GPU: vLLM-like capture sizes up to a 256-token batch.
+LARGE_LAYER = LayerShapes(H=512, I=384, E=16, top_k=4, max_loras=4, max_rank=32, max_tokens=256,
+                          capture_sizes=(1, 8, 64, 256), dtypes=("bfloat16", "float16", "float32"), every_dtype=True)
+
 SIZES_ENV = "MOE_LORA_HARNESS_SIZES"   # small | large: override the per-device default
 
 
@@ -69,6 +94,11 @@ SELFTEST_CPU_DRAWS = DrawSizes(10, 64)
 # measured (bench/bench_fuzz.py, bench/compile_keys.py); it reaches the bulk token window (130..256) and dims
 # past 512, where a tile loop runs more than twice
 GPU_DRAWS = DrawSizes(256, 1024)
+
+
+def layer_shapes_for(device: str) -> LayerShapes:
+    """SMALL_LAYER under the interpreter, LARGE_LAYER on a GPU (MOE_LORA_HARNESS_SIZES overrides, as for cases)."""
+    return LARGE_LAYER if shapes_for(device) is LARGE else SMALL_LAYER
 
 
 def draw_sizes(device: str, level: str) -> dict:

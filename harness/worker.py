@@ -227,7 +227,21 @@ class Supervisor:
     # -- one case -------------------------------------------------------------------------------------
     def execute(self, spec, case, device: str, poison=None):
         """Run `spec` (loaded in the worker from `spec.origin`) on `case`; never raises for the backend's sake."""
-        from moe_lora_harness.harness.execute import Execution, Failure
+        from moe_lora_harness.harness.execute import Execution
+        return self._request(spec, ("run", case.to_json(), device, poison), Execution)
+
+    def execute_scenario(self, spec, scenario, device: str, start: int = 0):
+        """Steps `start:` of a layer scenario on the worker's live layer (harness.layer_execute); a death or a
+        timeout is the failure of the steps in flight."""
+        from moe_lora_harness.harness.layer_execute import ScenarioExecution
+        ex = self._request(spec, ("scenario", scenario.to_json(), device, start), ScenarioExecution)
+        if ex.failure is not None and ex.failure.kind in ("timeout", "crash") and ex.failed_step is None:
+            ex.failed_step = len(scenario.steps) - 1
+        return ex
+
+    def _request(self, spec, what: tuple, result_type):
+        from moe_lora_harness.harness.execute import Failure
+        Execution = result_type
         if not spec.origin:
             raise ValueError(f"backend {spec.name!r} has no origin: a supervised run loads backends by reference "
                              f"(load it with harness.registry, or run in-process)")
@@ -241,7 +255,8 @@ class Supervisor:
         t0 = time.monotonic()
         try:
             setup = spec.setup if isinstance(spec.setup, str) else None   # e.g. from --setup
-            _write_msg(w.send_fd, ("run", spec.origin, spec.name, case.to_json(), device, poison, setup))
+            kind, payload, device, extra = what
+            _write_msg(w.send_fd, (kind, spec.origin, spec.name, payload, device, extra, setup))
             ex = _read_msg(w.recv_fd, t0 + self.timeout)
         except TimeoutError:
             log = self.log_tail()
@@ -290,7 +305,11 @@ def _worker_main(fd_in: int, fd_out: int) -> None:
             msg = _read_msg(fd_in, None)
         except EOFError:
             return
-        _, origin, name, case_json, device, poison, setup = msg
+        kind, origin, name, payload, device, extra, setup = msg
+        if kind == "scenario":
+            from moe_lora_harness.harness.layer_execute import ScenarioExecution as Result
+        else:
+            Result = Execution
         try:
             if origin not in loaded:
                 loaded[origin] = {s.name: s for s in load_ref(origin)}
@@ -301,10 +320,15 @@ def _worker_main(fd_in: int, fd_out: int) -> None:
                 import dataclasses
                 spec = loaded[origin][name] = dataclasses.replace(spec, setup=setup)
         except BaseException as e:  # noqa: BLE001 - a reference that fails to load here is reported, not fatal
-            _write_msg(fd_out, Execution(failure=Failure("load", f"{type(e).__name__}: {e}", type(e).__name__)))
+            _write_msg(fd_out, Result(failure=Failure("load", f"{type(e).__name__}: {e}", type(e).__name__)))
             continue
-        result = execute(spec, Case.from_json(case_json), device, poison)
+        if kind == "scenario":
+            from moe_lora_harness.harness.layer_execute import execute_scenario
+            from moe_lora_harness.harness.layer_scenario import Scenario
+            result = execute_scenario(spec, Scenario.from_json(payload), device, extra)
+        else:
+            result = execute(spec, Case.from_json(payload), device, extra)
         try:
             _write_msg(fd_out, result)
         except Exception as e:  # noqa: BLE001 - e.g. an output that does not pickle
-            _write_msg(fd_out, Execution(failure=Failure("worker", f"result could not be sent: {e}")))
+            _write_msg(fd_out, Result(failure=Failure("worker", f"result could not be sent: {e}")))

@@ -1,0 +1,187 @@
+"""Hypothesis's stateful testing of a layer: a rule-based state machine draws the steps (load, replace and
+unload adapters, a zero-B adapter, batches of 0 to max_tokens tokens, mappings over loaded, unloaded and -1
+slots, capture and replay), runs each on the live layer and its twin, and judges every forward. A failure
+shrinks to its shortest step sequence: the scenario JSON and the REPRO that replays it alone.
+
+`search_layer` is the search `fuzz` runs at the layer level and the random test of suites/layer runs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis.errors import Flaky
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+
+from moe_lora_harness.harness.contract import BackendSpec
+from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.layer_runner import LayerFailure, failed_outcome, first_failure
+from moe_lora_harness.harness.layer_scenario import LayerState, Scenario
+from moe_lora_harness.harness.layer_contract import LayerConfig
+
+STEPS_PER_EXAMPLE = 12
+
+
+class LayerFailed(AssertionError):
+    """A judged step failed (the message holds the scenario and its REPRO)."""
+
+
+@dataclass
+class SearchResult:
+    """What a layer search found: the failures (Outcome, shrunk scenario cut after the failing step), the
+    examples run, seconds, whether the budget ended it."""
+
+    found: list = field(default_factory=list)
+    examples: int = 0
+    seconds: float = 0.0
+    exhausted: str = ""
+
+
+def _signature(failure: LayerFailure, scenario: Scenario) -> tuple:
+    """(failure kind, feature, failing step kind): two failures with one signature are one bug."""
+    return failure.kind, failure.feature, scenario.steps[failure.step]["do"]
+
+
+def machine_for(spec: BackendSpec, config: LayerConfig, device: str, executor, known: list, record: dict,
+                deadline: float | None = None):
+    """A RuleBasedStateMachine class over `spec`'s layer built for `config`; a failure whose signature is in
+    `known` is not reported again (the example stops judging); the last failure is left in `record`; after
+    `deadline` (time.monotonic) an example runs nothing."""
+    L, R, graphs = config.max_loras, config.max_rank, spec.capabilities.graphs
+    sizes = tuple(config.capture_sizes)
+
+    class LayerMachine(RuleBasedStateMachine):
+        @initialize(seed=st.integers(0, 2**16))
+        def build(self, seed):
+            self.scenario = Scenario(config, (), seed)
+            self.state = LayerState(config)
+            self.done = 0          # steps sent to the layer
+            record["examples"] = record.get("examples", 0) + 1
+            self.stopped = deadline is not None and time.monotonic() > deadline   # out of budget: no more runs
+
+        def _step(self, step: dict, run: bool) -> None:
+            self.scenario = self.scenario.with_steps((*self.scenario.steps, step))   # what rules may follow
+            if run:                                                                    # reads the steps alone
+                self._flush()
+
+        def _flush(self) -> None:
+            if self.stopped or self.done == len(self.scenario.steps):
+                return
+            start, self.done = self.done, len(self.scenario.steps)
+            ex = executor.execute_scenario(spec, self.scenario, device, start)
+            failure = first_failure(spec, self.scenario, device, ex, start, self.state)
+            if failure is None:
+                return
+            self.stopped = True
+            if _signature(failure, self.scenario) in known:
+                return
+            record["failure"], record["scenario"], record["log"] = failure, self.scenario, ex.log
+            raise LayerFailed(failed_outcome(spec, self.scenario, device, failure, ex.log).detail)
+
+        @rule(slot=st.integers(0, L - 1), rank=st.sampled_from(sorted({1, R // 2 or 1, R})), seed=st.integers(0, 99),
+              zero_b=st.sampled_from([False, False, False, True]))
+        def load(self, slot, rank, seed, zero_b):
+            step = {"do": "load", "slot": slot, "rank": rank, "seed": seed}
+            if zero_b:
+                step["zero_b"] = True
+            self._step(step, run=False)
+
+        @rule(slot=st.integers(0, L - 1))
+        def unload(self, slot):
+            self._step({"do": "unload", "slot": slot}, run=False)
+
+        def _tokens(self, data, most: int) -> int:
+            """A batch size: 0, 1, the largest, the last batch's again (a stale tail shows then), or any."""
+            last = [len(s["mapping"]) for s in self.scenario.steps if s["do"] in ("forward", "replay")][-1:]
+            fixed = sorted({0, 1, most, *[t for t in last if t <= most]})
+            return data.draw(st.one_of(st.sampled_from(fixed), st.integers(0, most)), label="tokens")
+
+        def _mapping(self, data, T: int) -> list:
+            """Per-token slots: any of -1 and every slot, or one slot for all (-1: a base-model batch)."""
+            one = st.integers(-1, L - 1).map(lambda s: [s] * T)
+            return data.draw(st.one_of(st.lists(st.integers(-1, L - 1), min_size=T, max_size=T), one), label="mapping")
+
+        @rule(data=st.data(), seed=st.integers(0, 99))
+        def forward(self, data, seed):
+            T = self._tokens(data, config.max_tokens)
+            self._step({"do": "forward", "mapping": self._mapping(data, T), "seed": seed}, run=True)
+
+        @precondition(lambda self: graphs and bool(set(sizes) - self._captured()))
+        @rule(data=st.data())
+        def capture(self, data):
+            size = data.draw(st.sampled_from(sorted(set(sizes) - self._captured())))
+            self._step({"do": "capture", "size": size}, run=False)
+
+        @precondition(lambda self: bool(self._captured()))
+        @rule(data=st.data(), seed=st.integers(0, 99))
+        def replay(self, data, seed):
+            size = data.draw(st.sampled_from(sorted(self._captured())), label="size")
+            T = self._tokens(data, size)
+            self._step({"do": "replay", "size": size, "mapping": self._mapping(data, T), "seed": seed}, run=True)
+
+        def _captured(self) -> set:
+            return {s["size"] for s in self.scenario.steps if s["do"] == "capture"}
+
+        def teardown(self):
+            self._flush()     # a load or capture that crashes with no forward after it is still judged
+
+    return LayerMachine
+
+
+def minimize(spec: BackendSpec, scenario: Scenario, failure: LayerFailure, device: str, executor):
+    """Remove steps one at a time while the scenario still fails with the same signature (hypothesis's shrink
+    of a state machine keeps steps whose removal it never tried within its limits); returns (scenario,
+    failure, log) of the shortest found."""
+    want = _signature(failure, scenario)
+    best, best_f, log = scenario.with_steps(scenario.steps[:failure.step + 1]), failure, ""
+    i = 0
+    while i < len(best.steps) - 1:     # the failing (last) step stays
+        trial = best.with_steps(best.steps[:i] + best.steps[i + 1:])
+        if trial.problems():
+            i += 1
+            continue
+        ex = executor.execute_scenario(spec, trial, device, 0)
+        f = first_failure(spec, trial, device, ex)
+        if f is not None and _signature(f, trial) == want:
+            best, best_f, log = trial.with_steps(trial.steps[:f.step + 1]), f, ex.log
+        else:
+            i += 1
+    return best, best_f, log
+
+
+def search_layer(spec: BackendSpec, config: LayerConfig, device: str, *, executor=None, budget_s: float | None = None,
+                 max_examples: int = 50, derandomize: bool = False, database=None, rounds: int = 4) -> SearchResult:
+    """Search for distinct failures: each round runs the machine until a failure (shrunk) or `max_examples`;
+    a found failure's signature is then skipped and the search goes on, up to `rounds` failures."""
+    executor = executor or InProcess()
+    result, known, t0 = SearchResult(), [], time.monotonic()
+    for _ in range(rounds):
+        record: dict = {}
+        deadline = None if budget_s is None else t0 + budget_s
+        if deadline is not None and time.monotonic() >= deadline:
+            result.exhausted = "budget"
+            break
+        machine = machine_for(spec, config, device, executor, known, record, deadline)
+        s = settings(max_examples=max_examples, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
+                     derandomize=derandomize, database=database, print_blob=False, report_multiple_bugs=False,
+                     suppress_health_check=list(HealthCheck))
+        try:
+            run_state_machine_as_test(machine, settings=s)
+        except LayerFailed:
+            pass
+        except (Flaky, BaseExceptionGroup):   # the budget ended during the shrink (examples then run nothing):
+            if "failure" not in record:         # the last failing scenario is the shrink's best so far
+                raise
+        result.examples += record.get("examples", 0)
+        if "failure" not in record:
+            result.exhausted = result.exhausted or "examples"
+            break
+        f, sc = record["failure"], record["scenario"]
+        known.append(_signature(f, sc))
+        sc, f, log = minimize(spec, sc, f, device, executor)
+        result.found.append(failed_outcome(spec, sc, device, f, log or record.get("log", ""),
+                                           seconds=time.monotonic() - t0))
+    result.seconds = time.monotonic() - t0
+    return result

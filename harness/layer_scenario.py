@@ -1,0 +1,163 @@
+"""A scenario: a layer configuration and the steps that drive it (load, unload, forward, capture, replay),
+plain data that replays alone; and every tensor a step needs, made from its seed.
+
+  {"config": {LayerConfig fields}, "seed": 0, "steps": [
+     {"do": "load", "slot": 0, "rank": 4, "seed": 5},            # "zero_b": true for an adapter with B = 0
+     {"do": "forward", "mapping": [0, -1, 1], "seed": 3},        # T = len(mapping)
+     {"do": "capture", "size": 4},
+     {"do": "replay", "size": 4, "mapping": [0, -1], "seed": 9},  # 2 tokens padded to the captured 4
+     {"do": "unload", "slot": 0}]}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moe_lora_harness.harness.builders import ADAPTER_SCALING
+from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
+from moe_lora_harness.reference.activations import is_gated
+from moe_lora_harness.reference.adapters import ExpertAdapter
+from moe_lora_harness.reference.routing import fused_topk
+
+STEP_KINDS = ("load", "unload", "forward", "capture", "replay")
+RUNS = ("forward", "replay")   # the steps that produce an output to judge
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A layer configuration (its device is the run's) and the steps that drive it."""
+
+    config: LayerConfig
+    steps: tuple = ()
+    seed: int = 0
+
+    def with_steps(self, steps) -> "Scenario":
+        return dataclasses.replace(self, steps=tuple(steps))
+
+    def to_dict(self) -> dict:
+        cfg = self.config.to_dict()
+        cfg.pop("device")
+        return {"config": cfg, "seed": self.seed, "steps": [dict(s) for s in self.steps]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | dict) -> "Scenario":
+        d = json.loads(text) if isinstance(text, str) else dict(text)
+        unknown = sorted(set(d) - {"config", "seed", "steps"})
+        if unknown:
+            raise ValueError(f"unknown scenario field(s) {unknown}; a scenario has config, seed, steps")
+        steps = tuple(dict(s) for s in d.get("steps", ()))
+        for i, s in enumerate(steps):
+            if s.get("do") not in STEP_KINDS:
+                raise ValueError(f"steps[{i}]: 'do' must be one of {STEP_KINDS}; got {s.get('do')!r}")
+        return cls(LayerConfig.from_dict(d["config"]), steps, int(d.get("seed", 0)))
+
+    def problems(self) -> list:
+        """What makes the scenario impossible for any layer of its config (malformed, not a layer's fault)."""
+        c, out, captured = self.config, [], set()
+        for i, s in enumerate(self.steps):
+            kind = s["do"]
+            if kind in ("load", "unload") and not 0 <= s["slot"] < c.max_loras:
+                out.append(f"steps[{i}]: slot {s['slot']} outside [0, max_loras={c.max_loras})")
+            if kind == "load" and not 1 <= s["rank"] <= c.max_rank:
+                out.append(f"steps[{i}]: rank {s['rank']} outside [1, max_rank={c.max_rank}]")
+            if kind in RUNS:
+                T = len(s["mapping"])
+                size = s.get("size", T)
+                if not 0 <= T <= size <= c.max_tokens:
+                    out.append(f"steps[{i}]: {T} tokens in a batch of {size}, max_tokens={c.max_tokens}")
+                if any(not -1 <= m < c.max_loras for m in s["mapping"]):
+                    out.append(f"steps[{i}]: mapping values must lie in [-1, {c.max_loras})")
+            if kind == "capture":
+                captured.add(s["size"])
+                if s["size"] not in c.capture_sizes:
+                    out.append(f"steps[{i}]: capture size {s['size']} not in capture_sizes {list(c.capture_sizes)}")
+            if kind == "replay" and s["size"] not in captured:
+                out.append(f"steps[{i}]: replay at size {s['size']} before any capture at that size")
+        return out
+
+
+def _gen(seed: int, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + salt)
+
+
+def base_weights(scenario: Scenario, device) -> LayerWeights:
+    """The layer's base weights (randn / sqrt(fan-in), biases 0.5 randn), from the scenario's seed."""
+    c = scenario.config
+    dt, g = c.torch_dtype, _gen(scenario.seed, 1)
+    n1 = 2 * c.I if is_gated(c.activation) else c.I
+    w13 = (torch.randn(c.E, n1, c.H, generator=g, dtype=torch.float64) / math.sqrt(c.H)).to(dt)
+    w2 = (torch.randn(c.E, c.H, c.I, generator=g, dtype=torch.float64) / math.sqrt(c.I)).to(dt)
+    if c.quant != "none":   # snapped to the scheme's grid: a layer that quantizes what it is given loses nothing
+        from moe_lora_harness.reference.quant import dequantize, quantize
+        w13, w2 = (dequantize(*quantize(w, c.quant, dt), c.quant, dt) for w in (w13, w2))
+    b13 = (0.5 * torch.randn(c.E, n1, generator=g)).to(dt) if c.bias else None
+    b2 = (0.5 * torch.randn(c.E, c.H, generator=g)).to(dt) if c.bias else None
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return LayerWeights(mv(w13), mv(w2), mv(b13), mv(b2))
+
+
+def adapter(config: LayerConfig, step: dict) -> ExpertAdapter:
+    """The adapter a load step loads (float32 checkpoint factors, scaling ADAPTER_SCALING); zero_b: B = 0."""
+    a = ExpertAdapter.random(config.E, config.H, config.I, step["rank"], is_gated(config.activation),
+                             scaling=ADAPTER_SCALING, generator=_gen(step["seed"], 2))
+    if step.get("zero_b"):
+        a = dataclasses.replace(a, gate_b=torch.zeros_like(a.gate_b), down_b=torch.zeros_like(a.down_b),
+                                up_b=None if a.up_b is None else torch.zeros_like(a.up_b))
+    return a
+
+
+def batch(config: LayerConfig, step: dict, device) -> LayerBatch:
+    """The batch of a forward (T = len(mapping) tokens) or a replay (its captured size): random hidden
+    states with a few -0.0, router logits, and the router's choice (softmax, top-k, renormalized)."""
+    size = step.get("size", len(step["mapping"]))
+    g = _gen(step["seed"], 3)
+    x = torch.randn(size, config.H, generator=g).to(config.torch_dtype)
+    x[::3, ::7] = -0.0            # a token's sign of zero must survive the layer's untouched paths
+    logits = torch.randn(size, config.E, generator=g, dtype=torch.float32)
+    w, ids = fused_topk(logits, config.top_k, config.renormalize)
+    return LayerBatch(x.to(device), logits.to(device), w.to(device), ids.to(device))
+
+
+def mapping(step: dict, device) -> torch.Tensor:
+    """The step's token -> slot mapping, (T,) int32."""
+    return torch.tensor(list(step["mapping"]), dtype=torch.int32, device=device)
+
+
+class LayerState:
+    """What the layer should hold after each step: the adapter steps per slot (None: empty) and the sizes
+    captured. The model the judge reads after every forward."""
+
+    def __init__(self, config: LayerConfig):
+        self.config = config
+        self.slots: list = [None] * config.max_loras
+        self.captured: set = set()
+
+    def apply(self, step: dict) -> None:
+        kind = step["do"]
+        if kind == "load":
+            self.slots[step["slot"]] = dict(step)
+        elif kind == "unload":
+            self.slots[step["slot"]] = None
+        elif kind == "capture":
+            self.captured.add(step["size"])
+
+    def adapters(self) -> list:
+        """ExpertAdapter per slot (None: empty), as the reference packs them."""
+        return [None if s is None else adapter(self.config, s) for s in self.slots]
+
+    def effective_mapping(self, step: dict) -> torch.Tensor:
+        """The slot each row of the step's output is judged with: -1 where the token has no adapter (mapped
+        to -1 or to an empty slot) and for padding rows; (S,) int32 on the CPU."""
+        size = step.get("size", len(step["mapping"]))
+        m = torch.full((size,), -1, dtype=torch.int32)
+        for t, s in enumerate(step["mapping"]):
+            if s >= 0 and self.slots[s] is not None:
+                m[t] = s
+        return m
