@@ -106,13 +106,23 @@ def cmd_check(args) -> int:
     levels = {lv for s in specs.values() for lv in s.capabilities.levels}   # rows only at levels a backend has
     features = [f for f in FEATURES if f.level in levels
                 and (not args.feature or any(want in f.name for want in args.feature))]
-    if not features:
+    layer_rows = []
+    if "layer" in levels:
+        from moe_lora_harness.harness.layer_scenarios import layer_scenarios
+        layer_rows = [(label, sc) for label, sc in layer_scenarios(device)
+                      if not args.feature or any(want in label for want in args.feature)]
+    if not features and not layer_rows:
         raise UsageError(f"--feature {args.feature}: no feature name at the levels of these backends "
                          f"({', '.join(sorted(levels))}) contains it; features: "
                          f"{', '.join(f.name for f in FEATURES if f.level in levels)}")
     cases = feature_cases(features, device, n)
-    plan = [(name, spec, feat, case) for name, spec in specs.items() for feat, _, case in cases
+    plan = [(name, spec, feat.name, case) for name, spec in specs.items() for feat, _, case in cases
             if case.level in spec.capabilities.levels]   # a backend is asked only at the levels it has
+    if layer_rows:   # the named layer scenarios, at a configuration each layer claims (harness.layer_scenarios)
+        from moe_lora_harness.harness.layer_runner import run_scenario
+        from moe_lora_harness.harness.layer_scenarios import claimed_scenario
+        plan += [(name, spec, label, claimed_scenario(spec, sc, device)) for name, spec in specs.items()
+                 if "layer" in spec.capabilities.levels for label, sc in layer_rows]
     feature_of, outcomes = {}, []
     t0 = time.time()
     interrupted = in_flight = harness_error = None
@@ -125,9 +135,12 @@ def cmd_check(args) -> int:
                 if current is not None:
                     print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
                 current, t1 = name, time.time()
-            in_flight = (name, feat.name, case)
-            o = run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
-            feature_of[id(o)] = feat.name
+            in_flight = (name, feat, case)
+            if hasattr(case, "steps"):
+                o = run_scenario(spec, case, device, executor=executor, probe=args.probe_unsupported)
+            else:
+                o = run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
+            feature_of[id(o)] = feat
             outcomes.append(o)
             if o.failed and args.verbose:
                 print(o.detail, file=sys.stderr)
@@ -144,7 +157,7 @@ def cmd_check(args) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         executor.close()
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
-    names = [f.name for f in features]
+    names = [f.name for f in features] + [label for label, _ in layer_rows]
     print(to_text(matrix, names))
     failures = [o for o in outcomes if o.failed]
     for o in outcomes:
@@ -223,16 +236,46 @@ def read_case_arg(arg: str):
     return case
 
 
+def read_scenario_arg(arg: str):
+    """--scenario: the scenario JSON itself, a file holding it, or '-' -> a well-formed Scenario (or UsageError)."""
+    from moe_lora_harness.harness.layer_scenario import Scenario
+    text = sys.stdin.read() if arg == "-" else arg
+    if arg != "-" and not arg.lstrip().startswith("{"):
+        path = pathlib.Path(arg)
+        if not path.is_file():
+            raise UsageError(f"--scenario: expected the scenario JSON (as printed after SCENARIO:), a file holding it, "
+                             f"or '-'; got {arg[:80]!r}, which is neither JSON nor an existing file")
+        text = path.read_text()
+    try:
+        scenario = Scenario.from_json(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--scenario: not valid JSON ({e})") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"--scenario: {e}") from None
+    problems = scenario.problems()
+    if problems:
+        raise UsageError(f"--scenario: malformed scenario: {'; '.join(problems)}")
+    return scenario
+
+
 def cmd_replay(args) -> int:
-    case = read_case_arg(args.case)
+    if (args.case is None) == (args.scenario is None):
+        raise UsageError("replay needs exactly one of --case (an op or expert case) and --scenario (a layer scenario)")
+    case = read_case_arg(args.case) if args.case is not None else read_scenario_arg(args.scenario)
     device = _device(args)
     from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.layer_runner import run_scenario
     specs = _backends(args)
     rc = 0
     executor = _executor(args)
+
+    def run(spec):
+        if args.scenario is not None:
+            return run_scenario(spec, case, device, executor=executor, probe=True)
+        return run_case(spec, case, device, probe=True, executor=executor, reruns=0)
     try:
         for name, spec in specs.items():
-            runs = [run_case(spec, case, device, probe=True, executor=executor, reruns=0) for _ in range(args.repeat)]
+            runs = [run(spec) for _ in range(args.repeat)]
             seen = [o.status + (f" ({o.kind})" if o.kind else "") for o in runs]
             if len(set(seen)) > 1:
                 print(f"{name}: NONDETERMINISTIC over {args.repeat} runs: " + ", ".join(seen))
@@ -280,13 +323,14 @@ def cmd_list(args) -> int:
 
 def fuzz_level(spec, asked: str | None) -> str:
     """The level to fuzz: the one the backend provides, or the one asked for (which it must provide)."""
-    provided = [lv for lv, fn in (("op", spec.op), ("expert", spec.experts))
+    provided = [lv for lv, fn in (("op", spec.op), ("expert", spec.experts), ("layer", spec.layer))
                 if fn is not None and lv in spec.capabilities.levels]
     if not provided:
         raise UsageError(f"{spec.name} provides no entry point to fuzz (levels {sorted(spec.capabilities.levels)})")
     if asked is None:
         if len(provided) > 1:
-            raise UsageError(f"{spec.name} provides both op and expert levels: pass --level op or --level expert")
+            raise UsageError(f"{spec.name} provides the {', '.join(provided)} levels: pass --level "
+                             + " or --level ".join(provided))
         return provided[0]
     if asked not in provided:
         raise UsageError(f"{spec.name} provides no {asked}-level entry point (it provides: {', '.join(provided)})")
@@ -321,6 +365,8 @@ def cmd_fuzz(args) -> int:
         raise UsageError(f"fuzz one backend at a time (--only NAME); have {sorted(specs)}")
     (name, spec), = specs.items()
     level = fuzz_level(spec, args.level)
+    if level == "layer":
+        return fuzz_layer(args, spec, device)
     sizes = draw_sizes(device, level)
     # the search spends itself on what it claims (shapes from compile classes on a GPU unless --palette free)
     classes = wants_compile_classes(args.palette, device)
@@ -369,6 +415,66 @@ def cmd_fuzz(args) -> int:
         print(f"{name}: NOTHING TESTED: no drawn {level}-level case is claimed by its declarations on {device}")
         return 1
     return 1 if result.found else 0
+
+
+def fuzz_layer(args, spec, device: str) -> int:
+    """A layer-level campaign: the state machine of harness.layer_machine at the device's layer configuration
+    (in the first dtype the layer claims), every distinct failure shrunk to a scenario with its REPRO."""
+    import dataclasses
+
+    from moe_lora_harness.harness.fuzz_report import FailureRecord, print_report, write_reports
+    from moe_lora_harness.harness.layer_machine import search_layer
+    from moe_lora_harness.harness.layer_runner import layer_support
+    from moe_lora_harness.harness.layer_scenario import Scenario
+    from moe_lora_harness.harness.layer_scenarios import claimed_scenario, layer_config
+    from moe_lora_harness.harness.profiles import layer_shapes_for
+    from moe_lora_harness.harness.signatures import Signature, failure_class
+    shapes = layer_shapes_for(device)
+    graph_steps = ({"do": "capture", "size": min(shapes.capture_sizes)},) if spec.capabilities.graphs else ()
+    config = None
+    for dtype in shapes.dtypes:
+        sc = claimed_scenario(spec, Scenario(layer_config(shapes, dtype), graph_steps), device)
+        if layer_support(spec, sc, device)[0]:
+            config = sc.config
+            break
+    name = spec.name
+    if not args.quiet:
+        print(f"[fuzz] {name}, layer level on {device}: " + (f"{config.dtype}, H={config.H} I={config.I} "
+              f"E={config.E} top_k={config.top_k}, {config.max_loras} slots, max_tokens {config.max_tokens}"
+              if config else "no layer configuration it claims"), file=sys.stderr)
+    records, examples, seconds, stopped = [], 0, 0.0, "nothing claimed"
+    executor = _executor(args)
+    interrupted = False
+    try:
+        if config is not None:
+            result = search_layer(spec, config, device, executor=executor, budget_s=args.budget,
+                                  max_examples=args.max_examples or (10**9 if args.budget else 100),
+                                  derandomize=args.seed is None and os.environ.get("MOE_LORA_HARNESS_PROFILE") == "ci")
+            examples, seconds, stopped = result.examples, result.seconds, result.exhausted
+            for o in result.found:
+                m = re.match(r"step \d+ \((\w+)\)", o.message)
+                step = m.group(1) if m else ""
+                sig = Signature(failure_class(o), (("failing step", step),) if step else ())
+                scenario = next((ln[len("SCENARIO: "):] for ln in o.detail.splitlines() if ln.startswith("SCENARIO: ")), "")
+                records.append(FailureRecord(sig, o.case, o.kind, o.status, o.seconds, repro=o.repro,
+                                             detail=o.detail, scenario=scenario))
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        executor.close()
+    summary = {"backend": name, "origin": spec.origin, "level": "layer", "device": device, "examples": examples,
+               "seconds": round(seconds, 1), "stopped": stopped, "interrupted": interrupted,
+               "config": dataclasses.asdict(config) if config else None, "claimed": config is not None}
+    write_reports(records, summary, args.out, args.junit, name=name, level="layer", seconds=seconds,
+                  claimed=config is not None)
+    print_report(records, [], name=name, level="layer", device=device, examples=examples, seconds=seconds,
+                 stopped="interrupted" if interrupted else stopped, out=args.out)
+    if interrupted:
+        return 130
+    if config is None:
+        print(f"{name}: NOTHING TESTED: it claims no layer configuration on {device}")
+        return 1
+    return 1 if records else 0
 
 
 def cmd_selftest(args) -> int:
@@ -469,8 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_check)
     r = sub.add_parser("replay", help="replay one case (JSON) against the backends")
     common(r)
-    r.add_argument("--case", required=True,
+    r.add_argument("--case", default=None,
                    help="the case JSON printed by a failure (after CASE:), a file holding it, or - for stdin")
+    r.add_argument("--scenario", default=None,
+                   help="a layer scenario's JSON (printed after SCENARIO:), a file holding it, or - for stdin")
     r.add_argument("--repeat", type=_positive(int), default=3, metavar="N",
                    help="run the case N times (default 3); differing outcomes are reported as nondeterministic")
     r.set_defaults(fn=cmd_replay)
@@ -491,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--junit", metavar="PATH", help="write JUnit XML (one test case per distinct failure)")
     f.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
                                                               "terminal, or when $CI is set)")
-    f.add_argument("--level", choices=("op", "expert"), default=None,
+    f.add_argument("--level", choices=("op", "expert", "layer"), default=None,
                    help="attack the op (fused_moe_lora) or an expert backend's forward (default: the level the "
                         "backend provides)")
     f.add_argument("--seed", type=int, default=None, help="fix hypothesis' random seed (reproducible search)")

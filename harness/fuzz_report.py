@@ -25,6 +25,7 @@ class FailureRecord:
     repro: str = ""
     detail: str = ""
     job: int | None = None         # fuzz --jobs: the job that found it
+    scenario: str = ""             # a layer failure: its shrunk scenario (JSON); `case` then describes one batch
 
     @property
     def environment(self) -> bool:
@@ -43,6 +44,8 @@ class FailureRecord:
              "detail": self.detail}
         if self.job is not None:
             d["job"] = self.job
+        if self.scenario:
+            d["scenario"] = json.loads(self.scenario)
         if also_fits:
             d["also_fits"] = also_fits
         return d
@@ -52,7 +55,8 @@ class FailureRecord:
         """Inverse of `to_json` (`also_fits` is recomputed, not read)."""
         return cls(Signature(d["class"], tuple(sorted(d["needs"].items())), d.get("semantics", "")),
                    Case.from_json(d["case"]), d["kind"],
-                   d["status"], d["seconds"], d["regression"], d["shrunk"], d["repro"], d["detail"], d.get("job"))
+                   d["status"], d["seconds"], d["regression"], d["shrunk"], d["repro"], d["detail"], d.get("job"),
+                   json.dumps(d["scenario"], sort_keys=True, separators=(",", ":")) if "scenario" in d else "")
 
 
 def also_fits(records: list) -> list:
@@ -76,7 +80,7 @@ def records_table(records: list) -> str:
                 + (" [environment, not a kernel bug]" if r.environment else ""))
         job = f" (job {r.job})" if r.job is not None else ""
         lines.append(f"#{i} at {r.seconds:.0f}s{job}{tags}: {r.signature.text}")
-        lines.append(f"   CASE: {r.case.to_json()}")
+        lines.append(f"   SCENARIO: {r.scenario}" if r.scenario else f"   CASE: {r.case.to_json()}")
         lines.append(f"   REPRO: {r.repro}")
         if fits:
             lines.append(f"   ALSO FITS the signature of #{', #'.join(map(str, fits))}: perhaps one bug met in two forms")

@@ -111,6 +111,23 @@ def layer_config(shapes: LayerShapes, dtype: str, **overrides) -> LayerConfig:
                        capture_sizes=tuple(shapes.capture_sizes), **overrides)
 
 
+def claimed_scenario(spec, scenario: Scenario, device: str) -> Scenario:
+    """`scenario` at a configuration `spec` claims: its own, else the first of the declared quant schemes and
+    activations that makes the layer claim it (a Marlin-style layer takes quantized weights, an OAI-style one
+    swigluoai); the scenario unchanged when none does (its row then says why it is declined)."""
+    import dataclasses
+    from moe_lora_harness.harness.layer_runner import layer_support
+    cap = spec.capabilities
+    quants = ["none", *sorted(q for q in cap.quant if q != "none")]
+    acts = [scenario.config.activation, *sorted(a for a in (cap.activations or ()) if a != scenario.config.activation)]
+    for q in quants:
+        for a in acts:   # the configuration alone (a row the steps make declined says so with its own reason)
+            config = dataclasses.replace(scenario.config, quant=q, activation=a)
+            if layer_support(spec, Scenario(config), device)[0]:
+                return dataclasses.replace(scenario, config=config)
+    return scenario
+
+
 def layer_scenarios(device: str) -> list:
     """[(row name, Scenario)]: every named scenario in the device's first dtype; in each other dtype every one
     too on a GPU, the first (the #42008 sequence) on the CPU (neutrality is judged in every dtype claimed)."""
