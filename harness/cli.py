@@ -423,20 +423,9 @@ def fuzz_layer(args, spec, device: str) -> int:
     import dataclasses
 
     from moe_lora_harness.harness.fuzz_report import FailureRecord, print_report, write_reports
-    from moe_lora_harness.harness.layer_machine import search_layer
-    from moe_lora_harness.harness.layer_runner import layer_support
-    from moe_lora_harness.harness.layer_scenario import Scenario
-    from moe_lora_harness.harness.layer_scenarios import claimed_scenario, layer_config
-    from moe_lora_harness.harness.profiles import layer_shapes_for
+    from moe_lora_harness.harness.layer_machine import fuzz_config, search_layer
     from moe_lora_harness.harness.signatures import Signature, failure_class
-    shapes = layer_shapes_for(device)
-    graph_steps = ({"do": "capture", "size": min(shapes.capture_sizes)},) if spec.capabilities.graphs else ()
-    config = None
-    for dtype in shapes.dtypes:
-        sc = claimed_scenario(spec, Scenario(layer_config(shapes, dtype), graph_steps), device)
-        if layer_support(spec, sc, device)[0]:
-            config = sc.config
-            break
+    config = fuzz_config(spec, device)
     name = spec.name
     if not args.quiet:
         print(f"[fuzz] {name}, layer level on {device}: " + (f"{config.dtype}, H={config.H} I={config.I} "

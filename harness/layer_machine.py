@@ -1,6 +1,7 @@
-"""Hypothesis's stateful testing of a layer: a rule-based state machine draws the steps (load, replace and
-unload adapters, a zero-B adapter, batches of 0 to max_tokens tokens, mappings over loaded, unloaded and -1
-slots, capture and replay), runs each on the live layer and its twin, and judges every forward. A failure
+"""Hypothesis's stateful testing of a layer: a rule-based state machine draws the steps (from a start with an
+adapter in slot 0 and every graph captured: load, replace and unload adapters, a zero-B adapter, batches of 0
+to max_tokens tokens, mappings over loaded, unloaded and -1 slots, replays at the captured sizes), runs each
+on the live layer and its twin, and judges every forward. A failure
 shrinks to its shortest step sequence: the scenario JSON and the REPRO that replays it alone.
 
 `search_layer` is the search `fuzz` runs at the layer level and the random test of suites/layer runs.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
@@ -51,11 +52,15 @@ def machine_for(spec: BackendSpec, config: LayerConfig, device: str, executor, k
     `deadline` (time.monotonic) an example runs nothing."""
     L, R, graphs = config.max_loras, config.max_rank, spec.capabilities.graphs
     sizes = tuple(config.capture_sizes)
+    ranks = sorted({1, R // 2 or 1, R})
 
     class LayerMachine(RuleBasedStateMachine):
-        @initialize(seed=st.integers(0, 2**16))
-        def build(self, seed):
-            self.scenario = Scenario(config, (), seed)
+        @initialize(seed=st.integers(0, 2**16), rank=st.sampled_from(ranks), adapter=st.integers(0, 99))
+        def build(self, seed, rank, adapter):
+            # as a server starts: an adapter in slot 0 and every graph captured (later steps replace, unload, ...)
+            start = [{"do": "load", "slot": 0, "rank": rank, "seed": adapter}]
+            start += [{"do": "capture", "size": size} for size in (sizes if graphs else ())]
+            self.scenario = Scenario(config, tuple(start), seed)
             self.state = LayerState(config)
             self.done = 0          # steps sent to the layer
             record["examples"] = record.get("examples", 0) + 1
@@ -80,17 +85,23 @@ def machine_for(spec: BackendSpec, config: LayerConfig, device: str, executor, k
             record["failure"], record["scenario"], record["log"] = failure, self.scenario, ex.log
             raise LayerFailed(failed_outcome(spec, self.scenario, device, failure, ex.log).detail)
 
-        @rule(slot=st.integers(0, L - 1), rank=st.sampled_from(sorted({1, R // 2 or 1, R})), seed=st.integers(0, 99),
+        def _slot(self, data) -> int:
+            """A slot: one loaded before (a replacement, an unload) or any."""
+            used = sorted({s["slot"] for s in self.scenario.steps if s["do"] == "load"})
+            return data.draw(st.one_of(st.sampled_from(used), st.integers(0, L - 1)) if used else st.integers(0, L - 1),
+                             label="slot")
+
+        @rule(data=st.data(), rank=st.sampled_from(ranks), seed=st.integers(0, 99),
               zero_b=st.sampled_from([False, False, False, True]))
-        def load(self, slot, rank, seed, zero_b):
-            step = {"do": "load", "slot": slot, "rank": rank, "seed": seed}
+        def load(self, data, rank, seed, zero_b):
+            step = {"do": "load", "slot": self._slot(data), "rank": rank, "seed": seed}
             if zero_b:
                 step["zero_b"] = True
             self._step(step, run=False)
 
-        @rule(slot=st.integers(0, L - 1))
-        def unload(self, slot):
-            self._step({"do": "unload", "slot": slot}, run=False)
+        @rule(data=st.data())
+        def unload(self, data):
+            self._step({"do": "unload", "slot": self._slot(data)}, run=False)
 
         def _tokens(self, data, most: int) -> int:
             """A batch size: 0, 1, the largest, the last batch's again (a stale tail shows then), or any."""
@@ -107,12 +118,6 @@ def machine_for(spec: BackendSpec, config: LayerConfig, device: str, executor, k
         def forward(self, data, seed):
             T = self._tokens(data, config.max_tokens)
             self._step({"do": "forward", "mapping": self._mapping(data, T), "seed": seed}, run=True)
-
-        @precondition(lambda self: graphs and bool(set(sizes) - self._captured()))
-        @rule(data=st.data())
-        def capture(self, data):
-            size = data.draw(st.sampled_from(sorted(set(sizes) - self._captured())))
-            self._step({"do": "capture", "size": size}, run=False)
 
         @precondition(lambda self: bool(self._captured()))
         @rule(data=st.data(), seed=st.integers(0, 99))
@@ -151,10 +156,37 @@ def minimize(spec: BackendSpec, scenario: Scenario, failure: LayerFailure, devic
     return best, best_f, log
 
 
+def fuzz_config(spec: BackendSpec, device: str) -> LayerConfig | None:
+    """The configuration a layer search runs at: the device's layer shapes in the first dtype the layer claims,
+    at its quant scheme and activation (harness.layer_scenarios.claimed_scenario); None if it claims none."""
+    from moe_lora_harness.harness.layer_runner import layer_support
+    from moe_lora_harness.harness.layer_scenarios import claimed_scenario, layer_config
+    from moe_lora_harness.harness.profiles import layer_shapes_for
+    shapes = layer_shapes_for(device)
+    for dtype in shapes.dtypes:
+        sc = claimed_scenario(spec, Scenario(layer_config(shapes, dtype)), device)
+        if layer_support(spec, sc, device)[0]:
+            return sc.config
+    return None
+
+
+def first_layer_failure(spec: BackendSpec, device: str, executor, budget_s: float, max_examples: int):
+    """(the first failure's one-line summary or None, examples run, whether a configuration was claimed): the
+    search without its shrink, for selftest's time to detection."""
+    config = fuzz_config(spec, device)
+    if config is None:
+        return None, 0, False
+    r = search_layer(spec, config, device, executor=executor, budget_s=budget_s, max_examples=max_examples,
+                     derandomize=True, rounds=1, shrink=False)
+    return (f"{r.found[0].kind}: {r.found[0].message[:120]}" if r.found else None), r.examples, True
+
+
 def search_layer(spec: BackendSpec, config: LayerConfig, device: str, *, executor=None, budget_s: float | None = None,
-                 max_examples: int = 50, derandomize: bool = False, database=None, rounds: int = 4) -> SearchResult:
-    """Search for distinct failures: each round runs the machine until a failure (shrunk) or `max_examples`;
-    a found failure's signature is then skipped and the search goes on, up to `rounds` failures."""
+                 max_examples: int = 50, derandomize: bool = False, database=None, rounds: int = 4,
+                 shrink: bool = True) -> SearchResult:
+    """Search for distinct failures: each round runs the machine until a failure (shrunk, unless `shrink` is
+    False) or `max_examples`; a found failure's signature is then skipped and the search goes on, up to
+    `rounds` failures."""
     executor = executor or InProcess()
     result, known, t0 = SearchResult(), [], time.monotonic()
     for _ in range(rounds):
@@ -166,6 +198,7 @@ def search_layer(spec: BackendSpec, config: LayerConfig, device: str, *, executo
         machine = machine_for(spec, config, device, executor, known, record, deadline)
         s = settings(max_examples=max_examples, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
                      derandomize=derandomize, database=database, print_blob=False, report_multiple_bugs=False,
+                     phases=tuple(Phase) if shrink else (Phase.explicit, Phase.reuse, Phase.generate),
                      suppress_health_check=list(HealthCheck))
         try:
             run_state_machine_as_test(machine, settings=s)
@@ -180,7 +213,9 @@ def search_layer(spec: BackendSpec, config: LayerConfig, device: str, *, executo
             break
         f, sc = record["failure"], record["scenario"]
         known.append(_signature(f, sc))
-        sc, f, log = minimize(spec, sc, f, device, executor)
+        log = ""
+        if shrink:
+            sc, f, log = minimize(spec, sc, f, device, executor)
         result.found.append(failed_outcome(spec, sc, device, f, log or record.get("log", ""),
                                            seconds=time.monotonic() - t0))
     result.seconds = time.monotonic() - t0

@@ -59,6 +59,10 @@ CORPORA = (
     Corpus("schedule", "moe_lora_harness.suites.schedule.planted_backends:BACKENDS", ("schedule-control",),
            "expert", lambda f: f.name in ("experts: silu", "experts: tokens without adapter (-1)",
                                           "experts: fp32", "experts: rank padding"), devices=("cpu",)),
+    # the layer's life across calls: check runs the named scenarios (harness.layer_scenarios), fuzz the state
+    # machine (harness.layer_machine); `features` is unused at this level
+    Corpus("layer", "moe_lora_harness.suites.layer.layer_mutants:BACKENDS", ("layer-control", "layer-control-dual-stream"),
+           "layer", lambda f: False),
 )
 
 
@@ -100,16 +104,30 @@ class SelftestResult:
         return [k for k, fails in self.controls.items() if fails]
 
 
+def _check_rows(corpus: Corpus, spec, device: str):
+    """(row name, run) for each check row of the corpus: feature cases, or the named layer scenarios."""
+    if corpus.level == "layer":
+        from moe_lora_harness.harness.layer_runner import run_scenario
+        from moe_lora_harness.harness.layer_scenarios import claimed_scenario, layer_scenarios
+        for label, sc in layer_scenarios(device):
+            yield label, lambda executor, diagnose, sc=claimed_scenario(spec, sc, device): run_scenario(
+                spec, sc, device, executor=executor)
+        return
+    for feat, _, case in feature_cases([f for f in FEATURES if corpus.features(f)], device, 1):
+        # a mutant whose mechanism is in the table is diagnosed (only a failure costs a diagnosis)
+        yield feat.name, lambda executor, diagnose, case=case: run_case(spec, case, device, executor=executor,
+                                                                        reruns=0, diagnose=diagnose)
+
+
 def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: bool, expected: str = "") -> Kill:
     t0, runs, claimed = time.monotonic(), 0, 0
     failures = []
-    for feat, _, case in feature_cases([f for f in FEATURES if corpus.features(f)], device, 1):
-        # a mutant whose mechanism is in the table is diagnosed (only a failure costs a diagnosis)
-        o = run_case(spec, case, device, executor=executor, reruns=0, diagnose=bool(expected))
+    for row, run in _check_rows(corpus, spec, device):
+        o = run(executor, bool(expected))
         runs += 1
         claimed += o.judged
         if o.failed:
-            failures.append(f"{feat.name}: {o.kind} {o.message[:120]}"
+            failures.append(f"{row}: {o.kind} {o.message[:120]}"
                             + (f" [consistent with {o.semantics}]" if o.semantics else ""))
             if stop_at_first:
                 return Kill(True, time.monotonic() - t0, runs, failures[0], named=o.semantics, expected=expected)
@@ -120,8 +138,14 @@ def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: 
 
 def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int,
                    palette: str = "auto", expected: str = "") -> Kill:
-    sizes = selftest_draw_sizes(device)
     t0 = time.monotonic()
+    if corpus.level == "layer":   # time to detection: the first failing scenario, unshrunk
+        from moe_lora_harness.harness.layer_machine import first_layer_failure
+        found, examples, claimed = first_layer_failure(spec, device, executor, budget_s, max_examples)
+        if not claimed:
+            return Kill(False, time.monotonic() - t0, examples, error="nothing claimed")
+        return Kill(found is not None, time.monotonic() - t0, examples, found or "")
+    sizes = selftest_draw_sizes(device)
     c = Campaign(spec, device, corpus.level, executor, budget_s=budget_s, max_examples=max_examples, seed=0,
                  reruns=0, max_found=1, shrink=False)     # time to detection: the first failing example
     r = c.run(claimed_cases(spec, device, corpus.fuzz_level or corpus.level,

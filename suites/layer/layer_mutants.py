@@ -165,6 +165,7 @@ CONTROL = [
     _spec("layer-control-dual-stream", "no defect: StatefulMoELoRALayer over DualStreamTritonExperts",
           experts_cls=DualStreamTritonExperts, origin=CONTROL_ORIGIN, precision=LAYER_DUAL_STREAM.precision),
 ]
+BACKENDS = [*MUTANTS, *CONTROL]     # selftest's layer corpus (each spec keeps the origin it loads by)
 CONTROL_FOR = {s.name: ("layer-control-dual-stream" if "dual-stream" in s.name else "layer-control")
                for s in MUTANTS}
 
