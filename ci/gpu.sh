@@ -11,6 +11,9 @@
 #   check     the conformance matrix on CUDA (not in `all`: over 220 s; run it alone)
 #   fuzz      fuzz throughput, free shapes against compile classes, and time to detection of the planted
 #             shape-class bugs (bench/bench_fuzz.py; not in `all`: about 390 s)
+#   layer     the layer's life across calls on CUDA: the layer suites (real CUDA graphs, every dtype), the named
+#             scenario rows of every layer, selftest's layer corpus, a 60 s layer fuzz of layer_triton, and
+#             bench/bench_layer.py (state handling and graph replay against a plain forward)
 #   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,10 +21,10 @@ targets=()
 while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
 [[ ${1:-} == -- ]] && shift
 [[ ${#targets[@]} -eq 0 ]] && targets=(all)
-[[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize)
+[[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize layer)
 for t in "${targets[@]}"; do
-  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz) ;;
-    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz)"; exit 2 ;; esac
+  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer)"; exit 2 ;; esac
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -78,6 +81,23 @@ for t in "${targets[@]}"; do
         --budget ${FUZZ_BUDGET:-150} --mutants --seeds ${FUZZ_SEEDS:-1} --detect-budget 45 --jobs 12 \
         --out "$OUT/fuzz" > "$OUT/fuzz.txt" 2>&1 || rc=1
       grep -E "^gain" "$OUT/fuzz.txt" ;;
+    layer)
+      MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-20} timeout ${LAYER_TIMEOUT:-300} \
+        python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-8} --moe-lora-device cuda \
+        src/moe_lora_harness/suites/layer -rs --junitxml="$OUT/layer_suites.junit.xml" > "$OUT/layer_suites.log" 2>&1 || rc=1
+      tail -3 "$OUT/layer_suites.log"
+      timeout 200 python3 -m moe_lora_harness check --device cuda --feature "layer:" --json "$OUT/check_layer_cuda.json" \
+        --markdown "$OUT/check_layer_cuda.md" > "$OUT/check_layer_cuda.txt" 2>&1 || rc=1
+      tail -3 "$OUT/check_layer_cuda.txt"
+      timeout 200 python3 -m moe_lora_harness selftest --device cuda --corpus layer --fuzz-budget 20s \
+        --json "$OUT/selftest_layer_cuda.json" > "$OUT/selftest_layer_cuda.txt" 2>&1 || rc=1
+      tail -3 "$OUT/selftest_layer_cuda.txt"
+      timeout 120 python3 -m moe_lora_harness fuzz --device cuda --only layer_triton --budget 60s \
+        --out "$OUT/fuzz_layer_triton" > "$OUT/fuzz_layer_triton.txt" 2>&1 || rc=1
+      tail -1 "$OUT/fuzz_layer_triton.txt"
+      timeout 200 python3 bench/bench_layer.py --budget-s 150 --out "$OUT/bench_layer.json" --md "$OUT/bench_layer.md" \
+        > "$OUT/bench_layer.txt" 2>&1 || rc=1
+      tail -12 "$OUT/bench_layer.txt" ;;
     check)
       timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.cli check --device cuda --json "$OUT/check_cuda.json" \
         --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1

@@ -38,6 +38,18 @@ def backends(request):
 
 
 @pytest.fixture(scope="session")
+def executor(request):
+    """The supervised worker of this test process (or in-process calls with --moe-lora-in-process)."""
+    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT, Supervisor
+    if request.config.getoption("moe_lora_in_process"):
+        yield InProcess()
+        return
+    with Supervisor(timeout=request.config.getoption("moe_lora_case_timeout") or DEFAULT_TIMEOUT) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
 def probe_unsupported(request) -> bool:
     return request.config.getoption("moe_lora_probe_unsupported")
 

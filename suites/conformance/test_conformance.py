@@ -50,18 +50,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend_name", [n for n in names if level in specs[n].capabilities.levels])
 
 
-@pytest.fixture(scope="session")
-def executor(request):
-    """The supervised worker of this test process (or in-process calls with --moe-lora-in-process)."""
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT, Supervisor
-    if request.config.getoption("moe_lora_in_process"):
-        yield InProcess()
-        return
-    with Supervisor(timeout=request.config.getoption("moe_lora_case_timeout") or DEFAULT_TIMEOUT) as s:
-        yield s
-
-
 def judge(outcome):
     """Turn an Outcome into a pytest result."""
     if outcome.status == "unsupported":

@@ -1,26 +1,32 @@
-"""Our stateful layer through the layer contract (CPU interpreter, tiny shapes): outputs within the float64
-reference's bound for the adapters loaded, tokens without an adapter bit-identical to the LoRA-disabled twin,
-replay equal to forward, and every planted layer mutant caught on its scenario while its control passes."""
+"""Our stateful layer through the layer contract (CPU interpreter, tiny shapes), judged by the harness's layer
+runner: outputs within the float64 reference's bound for the adapters loaded, tokens without an adapter
+bit-identical to the LoRA-disabled twin, replay equal to forward, what it refuses, and every planted layer
+mutant caught on its scenario, as the kind its mechanism shows, while its control passes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from moe_lora_harness.backends.layer import LAYER_DUAL_STREAM, LAYER_MARLIN, LAYER_OAI, LAYER_TRITON
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written, same_bits
-from moe_lora_harness.harness.interpreter import LaunchWatch
+from moe_lora_harness.harness.compare import same_bits
+from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
+from moe_lora_harness.harness.layer_runner import run_scenario as run_layer_scenario
+from moe_lora_harness.harness.layer_scenario import Scenario
 from moe_lora_harness.reference.activations import is_gated
-from moe_lora_harness.reference.adapters import ExpertAdapter, pack_moe_lora
-from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
-from moe_lora_harness.reference.precision import bound_dtype, precision
+from moe_lora_harness.reference.adapters import ExpertAdapter
 from moe_lora_harness.reference.routing import fused_topk
 from moe_lora_harness.suites.layer.layer_mutants import CONTROL, CONTROL_FOR, MECHANISMS, MUTANTS, SCENARIOS, SHOWS
 
 CONTROLS = {s.name: s for s in CONTROL}
+KINDS_SHOWN = {   # what layer_mutants.SHOWS says -> the harness's failure kinds
+    "not-neutral": lambda p: p.startswith("not-neutral:"),
+    "out-of-bound": lambda p: p.split(":")[0] in ("element", "aggregate"),
+    "raises ScheduleError": lambda p: p.startswith("raised:") and "ScheduleError" in p,
+}
 
 
 def config(dtype="float32", device="cpu", **kw) -> LayerConfig:
@@ -56,75 +62,14 @@ def batch(c: LayerConfig, size: int, seed: int) -> LayerBatch:
     return LayerBatch(*(t.to(c.device) for t in (x, logits, w, ids)))
 
 
-def judge(spec, c: LayerConfig, w: LayerWeights, slots: list, b: LayerBatch, mapping: list, out, twin_out) -> list:
-    """Problems of one output: beyond the reference's bound (the adapters in `slots`, padding and empty slots
-    get none), or a row without an adapter that is not bit-identical to the twin's."""
-    S, dt = b.num_tokens, c.torch_dtype
-    b = LayerBatch(*(t.cpu() for t in (b.hidden_states, b.router_logits, b.topk_weights, b.topk_ids)))
-    out, twin_out = out.cpu(), twin_out.cpu()
-    eff = torch.full((S,), -1, dtype=torch.int32)
-    for t, s in enumerate(mapping):
-        if s >= 0 and slots[s] is not None:
-            eff[t] = s
-    stacked = pack_moe_lora(slots, max_loras=c.max_loras, max_rank=c.max_rank, num_experts=c.E, hidden_size=c.H,
-                            intermediate_size=c.I, dtype=dt, gated=is_gated(c.activation))
-    case = Case(level="expert", T=S, H=c.H, I=c.I, E=c.E, top_k=c.top_k, dtype=c.dtype, max_loras=c.max_loras,
-                max_rank=c.max_rank, activation=c.activation, bias=c.bias, quant=c.quant)
-    preset = spec.precision_for(case, c.device)
-    args = (b.hidden_states, w.w13, w.w2, b.topk_weights, b.topk_ids)
-    kw = dict(activation=c.activation, w13_bias=w.w13_bias, w2_bias=w.w2_bias, lora=LoRAInputs(stacked, eff))
-    truth = moe_experts_forward(*args, precision=precision("exact", None), **kw)
-    emu = moe_experts_forward(*args, precision=precision(preset, dt), magnitudes=False, **kw)
-    problems = []
-    if tuple(out.shape) != (S, c.H):
-        return [f"output shape {tuple(out.shape)} != {(S, c.H)}"]
-    v = compare_written(out, truth.value, emu.value, truth.scale, torch.ones(S, c.H, dtype=torch.bool),
-                        dtype=bound_dtype(preset, dt), k_plus_r=c.H + c.I + c.max_rank, underflow=truth.underflow,
-                        work_dtype=dt, names=("t", "col"))
-    if not v.ok:
-        problems.append(f"out-of-bound: reference ({preset}): {v.kind}: {v.message}")
-    rows = (eff < 0).nonzero().flatten()
-    bad = [int(t) for t in rows if not bool(same_bits(out[t], twin_out[t]).all())]
-    if bad:
-        problems.append(f"not-neutral: token(s) {bad} without an adapter differ from the twin's rows")
-    return problems
-
-
-def run_scenario(spec, steps, c: LayerConfig | None = None, quant: str = "none") -> list:
-    """Drive `spec`'s layer and its twin through `steps` (harness.layer_scenario's format); every problem found,
-    or the exception a step raised."""
-    c = c or config()
-    w = weights(c, quant=quant)
-    on = LayerWeights(*(None if t is None else t.to(c.device) for t in (w.w13, w.w2, w.w13_bias, w.w2_bias)))
-    layer, twin = spec.layer(c, on), spec.layer(c.twin(), on)
-    slots = [None] * c.max_loras
-    problems = []
-    with LaunchWatch():      # as the harness drives a layer: the interpreter without its overflow checks
-        return _drive(spec, steps, c, w, layer, twin, slots, problems)
-
-
-def _drive(spec, steps, c, w, layer, twin, slots, problems) -> list:
-    for i, step in enumerate(steps):
-        kind = step["do"]
-        try:
-            if kind == "load":
-                slots[step["slot"]] = adapter(c, step["rank"], step["seed"])
-                layer.load_adapter(step["slot"], slots[step["slot"]])
-            elif kind == "unload":
-                slots[step["slot"]] = None
-                layer.unload_adapter(step["slot"])
-            elif kind == "capture":
-                layer.capture(step["size"])
-                twin.capture(step["size"])
-            else:
-                b = batch(c, step.get("size", len(step["mapping"])), step["seed"])
-                layer.set_mapping(torch.tensor(step["mapping"], dtype=torch.int32, device=c.device))
-                out = layer.forward(b) if kind == "forward" else layer.replay(b)
-                tw = twin.forward(b) if kind == "forward" else twin.replay(b)
-                problems += [f"step {i} ({kind}): {p}" for p in judge(spec, c, w, slots, b, step["mapping"], out, tw)]
-        except Exception as e:  # noqa: BLE001 - a raise is a finding of the scenario
-            return problems + [f"step {i} ({kind}): raises {type(e).__name__}: {e}"]
-    return problems
+def run_steps(spec, steps, c: LayerConfig | None = None) -> list:
+    """The harness's verdict (harness.layer_runner) on `steps` at config `c`: [] when every forward passes, else
+    the failure's kind and message."""
+    sc = Scenario(dataclasses.replace(c or config(), device="cpu"), tuple(steps))
+    o = run_layer_scenario(spec, sc, (c or config()).device, executor=InProcess())
+    if o.status == "unsupported":
+        pytest.skip(o.reason)
+    return [] if o.status == "pass" else [f"{o.kind}: {o.message}"]
 
 
 MIXED = [{"do": "load", "slot": 0, "rank": 8, "seed": 1}, {"do": "load", "slot": 1, "rank": 3, "seed": 2},
@@ -149,7 +94,7 @@ def on_device(c: LayerConfig):
 @pytest.mark.parametrize("spec", [LAYER_TRITON, LAYER_DUAL_STREAM], ids=lambda s: s.name)
 def test_layer_matches_reference_and_twin(spec, dtype, device):
     """Loads, a forward, a padded replay, an unload and a smaller rank reloaded over a used slot."""
-    assert run_scenario(spec, MIXED, on_device(config(dtype, device))) == []
+    assert run_steps(spec, MIXED, on_device(config(dtype, device))) == []
 
 
 def test_replay_equals_forward_on_the_same_contents(device):
@@ -190,7 +135,7 @@ def test_layer_refuses_what_it_cannot_run(device):
 ], ids=["oai", "marlin-int8", "triton-nongated-padded"])
 def test_other_experts_and_configs(spec, kw, device):
     steps = [{"do": "load", "slot": 1, "rank": 4, "seed": 1}, {"do": "forward", "mapping": [1, -1, 1, 0], "seed": 2}]
-    assert run_scenario(spec, steps, config(device=device, **kw), kw.get("quant", "none")) == []
+    assert run_steps(spec, steps, config(device=device, **kw)) == []
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda s: s.name)
@@ -199,7 +144,7 @@ def test_mutant_caught_and_its_control_passes(mutant, device):
     if device != "cpu" and SHOWS[mutant.name].startswith("raises"):
         pytest.skip("a race the CPU Recorder reports; on a GPU it shows only when the streams happen to interleave")
     assert mutant.name in MECHANISMS and mutant.origin.endswith(":MUTANTS")
-    assert run_scenario(CONTROLS[CONTROL_FOR[mutant.name]], steps, c) == []
-    found = run_scenario(mutant, steps, c)
-    assert any(f": {SHOWS[mutant.name]}" in p for p in found), \
+    assert run_steps(CONTROLS[CONTROL_FOR[mutant.name]], steps, c) == []
+    found = run_steps(mutant, steps, c)
+    assert any(KINDS_SHOWN[SHOWS[mutant.name]](p) for p in found), \
         f"{mutant.name} ({MECHANISMS[mutant.name]}) is not caught as {SHOWS[mutant.name]}: {found}"
