@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis.errors import Flaky
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
@@ -27,6 +27,11 @@ STEPS_PER_EXAMPLE = 12
 
 class LayerFailed(AssertionError):
     """A judged step failed (the message holds the scenario and its REPRO)."""
+
+
+class BudgetSpent(KeyboardInterrupt):
+    """The search's time is up: an interrupt, which hypothesis passes on at once (any other exception would be
+    a failure it shrinks); search_layer catches it."""
 
 
 @dataclass
@@ -55,16 +60,21 @@ def machine_for(spec: BackendSpec, config: LayerConfig, device: str, executor, k
     ranks = sorted({1, R // 2 or 1, R})
 
     class LayerMachine(RuleBasedStateMachine):
-        @initialize(seed=st.integers(0, 2**16), rank=st.sampled_from(ranks), adapter=st.integers(0, 99))
-        def build(self, seed, rank, adapter):
-            # as a server starts: an adapter in slot 0 and every graph captured (later steps replace, unload, ...)
-            start = [{"do": "load", "slot": 0, "rank": rank, "seed": adapter}]
+        @initialize(seed=st.integers(0, 2**16), adapter=st.integers(0, 99))
+        def build(self, seed, adapter):
+            # as a server starts: an adapter of the largest rank in slot 0 and every graph captured (later steps
+            # replace it with another rank, unload it, load the other slots ...)
+            start = [{"do": "load", "slot": 0, "rank": R, "seed": adapter}]
             start += [{"do": "capture", "size": size} for size in (sizes if graphs else ())]
             self.scenario = Scenario(config, tuple(start), seed)
             self.state = LayerState(config)
             self.done = 0          # steps sent to the layer
             record["examples"] = record.get("examples", 0) + 1
-            self.stopped = deadline is not None and time.monotonic() > deadline   # out of budget: no more runs
+            self.stopped = False
+            if deadline is not None and time.monotonic() > deadline:
+                if "failure" not in record:
+                    raise BudgetSpent()
+                self.stopped = True     # shrinking a failure found in time: its best so far is kept
 
         def _step(self, step: dict, run: bool) -> None:
             self.scenario = self.scenario.with_steps((*self.scenario.steps, step))   # what rules may follow
@@ -110,9 +120,12 @@ def machine_for(spec: BackendSpec, config: LayerConfig, device: str, executor, k
             return data.draw(st.one_of(st.sampled_from(fixed), st.integers(0, most)), label="tokens")
 
         def _mapping(self, data, T: int) -> list:
-            """Per-token slots: any of -1 and every slot, or one slot for all (-1: a base-model batch)."""
-            one = st.integers(-1, L - 1).map(lambda s: [s] * T)
-            return data.draw(st.one_of(st.lists(st.integers(-1, L - 1), min_size=T, max_size=T), one), label="mapping")
+            """Per-token slots (a loaded slot or -1 more often than any slot), or one slot for all (-1: a
+            base-model batch)."""
+            loaded = sorted({s["slot"] for s in self.scenario.steps if s["do"] == "load"})
+            slot = st.one_of(st.sampled_from([-1, *loaded]), st.integers(-1, L - 1))
+            one = slot.map(lambda s: [s] * T)
+            return data.draw(st.one_of(st.lists(slot, min_size=T, max_size=T), one), label="mapping")
 
         @rule(data=st.data(), seed=st.integers(0, 99))
         def forward(self, data, seed):
@@ -198,12 +211,15 @@ def search_layer(spec: BackendSpec, config: LayerConfig, device: str, *, executo
         machine = machine_for(spec, config, device, executor, known, record, deadline)
         s = settings(max_examples=max_examples, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None,
                      derandomize=derandomize, database=database, print_blob=False, report_multiple_bugs=False,
+                     verbosity=Verbosity.quiet,
                      phases=tuple(Phase) if shrink else (Phase.explicit, Phase.reuse, Phase.generate),
                      suppress_health_check=list(HealthCheck))
         try:
             run_state_machine_as_test(machine, settings=s)
         except LayerFailed:
             pass
+        except BudgetSpent:
+            result.exhausted = "budget"
         except (Flaky, BaseExceptionGroup):   # the budget ended during the shrink (examples then run nothing):
             if "failure" not in record:         # the last failing scenario is the shrink's best so far
                 raise
