@@ -48,7 +48,7 @@ def _cli(*args, cwd=None, timeout=600):
     (["check", "--only", "nosuchbackend"], "no such backend"),
     (["check", "--backend", "no_colon"], "expected 'module:attr'"),
     (["check", "--timeout", "0"], "expected a positive number"),
-    (["fuzz", "--only", "eager"], "provides both op and expert levels: pass --level"),
+    (["fuzz", "--only", "eager"], "provides the op, expert levels: pass --level op or --level expert"),
     (["fuzz", "--only", "triton_experts", "--level", "op"], "provides no op-level entry point"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, text, capsys):

@@ -76,3 +76,24 @@ def test_planted_layer_bug_fails_under_check_and_fuzz(mutant, device, executor):
     fuzz = _fuzz_detector(spec, corpus, device, executor, budget_s=600.0, max_examples=30)
     assert fuzz.caught, f"{mutant} survived 30 state-machine examples: {fuzz.error}"
 
+
+
+def test_a_layer_failure_replays_alone_from_its_repro(tmp_path):
+    """The REPRO of a failing scenario, run in a fresh shell elsewhere, fails the same way (and the scenario is
+    printed as JSON that `replay --scenario` reads back)."""
+    import os
+    import subprocess
+
+    from moe_lora_harness.harness.layer_scenarios import SCENARIOS, layer_config
+    from moe_lora_harness.harness.layer_scenario import Scenario
+    from moe_lora_harness.harness.profiles import SMALL_LAYER
+    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.suites.layer.layer_mutants import BACKENDS
+    spec = next(s for s in BACKENDS if s.name == "layer-mutant-stale-mapping")
+    sc = Scenario(layer_config(SMALL_LAYER, "float32"), tuple(SCENARIOS[0].steps(SMALL_LAYER)))
+    o = run_scenario(spec, sc, "cpu", executor=InProcess())
+    assert o.status == "fail" and o.kind == "not-neutral" and "SCENARIO: {" in o.detail, o.detail
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "MOE_LORA_HARNESS_PROFILE"))}
+    r = subprocess.run(["bash", "-c", o.repro.replace(" --scenario ", " --repeat 1 --scenario ", 1)], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "kind=not-neutral" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
