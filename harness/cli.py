@@ -212,50 +212,38 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def read_case_arg(arg: str):
-    """--case: the case JSON itself, a file holding it, or '-' for stdin -> a well-formed Case (or UsageError)."""
-    from moe_lora_harness.harness.case import Case
-    text = arg
-    if arg == "-":
-        text = sys.stdin.read()
-    elif not arg.lstrip().startswith("{"):
-        path = pathlib.Path(arg)
-        if not path.is_file():
-            raise UsageError(f"--case: expected the case JSON (as printed after CASE:), a file holding it, or '-'; "
-                             f"got {arg[:80]!r}, which is neither JSON nor an existing file")
-        text = path.read_text()
-    try:
-        case = Case.from_json(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--case: not valid JSON ({e})") from None
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"--case: {e}") from None
-    problems = case.problems()
-    if problems:
-        raise UsageError(f"--case: malformed case: {'; '.join(problems)}")
-    return case
-
-
-def read_scenario_arg(arg: str):
-    """--scenario: the scenario JSON itself, a file holding it, or '-' -> a well-formed Scenario (or UsageError)."""
-    from moe_lora_harness.harness.layer_scenario import Scenario
+def _read_json_arg(arg: str, option: str, label: str, parse):
+    """`option`'s value: the JSON itself (as printed after `label`:), a file holding it, or '-' for stdin ->
+    parse(text), well-formed (its `problems()` empty), or a UsageError naming the option."""
     text = sys.stdin.read() if arg == "-" else arg
     if arg != "-" and not arg.lstrip().startswith("{"):
         path = pathlib.Path(arg)
         if not path.is_file():
-            raise UsageError(f"--scenario: expected the scenario JSON (as printed after SCENARIO:), a file holding it, "
-                             f"or '-'; got {arg[:80]!r}, which is neither JSON nor an existing file")
+            raise UsageError(f"{option}: expected the JSON printed after {label}:, a file holding it, or '-'; "
+                             f"got {arg[:80]!r}, which is neither JSON nor an existing file")
         text = path.read_text()
     try:
-        scenario = Scenario.from_json(text)
+        obj = parse(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"--scenario: not valid JSON ({e})") from None
+        raise UsageError(f"{option}: not valid JSON ({e})") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(f"--scenario: {e}") from None
-    problems = scenario.problems()
+        raise UsageError(f"{option}: {e}") from None
+    problems = obj.problems()
     if problems:
-        raise UsageError(f"--scenario: malformed scenario: {'; '.join(problems)}")
-    return scenario
+        raise UsageError(f"{option}: malformed {label.lower()}: {'; '.join(problems)}")
+    return obj
+
+
+def read_case_arg(arg: str):
+    """--case: an op or expert case (harness.case.Case)."""
+    from moe_lora_harness.harness.case import Case
+    return _read_json_arg(arg, "--case", "CASE", Case.from_json)
+
+
+def read_scenario_arg(arg: str):
+    """--scenario: a layer scenario (harness.layer_scenario.Scenario)."""
+    from moe_lora_harness.harness.layer_scenario import Scenario
+    return _read_json_arg(arg, "--scenario", "SCENARIO", Scenario.from_json)
 
 
 def cmd_replay(args) -> int:
