@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 
@@ -18,20 +19,30 @@ from moe_lora_harness.harness.contract import BackendSpec, Capabilities
 from moe_lora_harness.kernels import eager_experts
 
 
+_REWRITE = threading.local()      # .fn: this thread's LoRA-call rewrite while a mutant runs (None: none)
+_OP = eager_experts.fused_moe_lora
+
+
+def _routed(y, x, a, b, **kw):
+    """The eager experts' LoRA op, through the calling thread's rewrite when one is set: a module attribute
+    swapped per call would leak into other threads' (and later) calls when calls overlap."""
+    rewrite = getattr(_REWRITE, "fn", None)
+    if rewrite is not None:
+        y, x, kw = rewrite(y, x, dict(kw))
+    _OP(y, x, a, b, **kw)
+
+
 @contextlib.contextmanager
 def _lora_calls(rewrite):
-    """Route the eager experts' LoRA op calls through `rewrite(kwargs) -> kwargs` (w13: mul_routed_weight
+    """Route this thread's eager LoRA op calls through `rewrite(kwargs) -> kwargs` (w13: mul_routed_weight
     False; w2: True) for the duration of one call."""
-    op = eager_experts.fused_moe_lora
-
-    def wrapped(y, x, a, b, **kw):
-        y2, x2, kw2 = rewrite(y, x, dict(kw))
-        op(y2, x2, a, b, **kw2)
-    eager_experts.fused_moe_lora = wrapped
+    eager_experts.fused_moe_lora = _routed     # idempotent; a pass-through for every other caller
+    outer = getattr(_REWRITE, "fn", None)
+    _REWRITE.fn = rewrite
     try:
         yield
     finally:
-        eager_experts.fused_moe_lora = op
+        _REWRITE.fn = outer
 
 
 def run_eager(call, rewrite=None):
