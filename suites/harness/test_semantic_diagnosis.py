@@ -19,7 +19,7 @@ from moe_lora_harness.harness.mutants import MUTANTS
 from moe_lora_harness.harness.profiles import selftest_draw_sizes
 from moe_lora_harness.harness.registry import load_attr, load_ref
 from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.selftest import CORPORA, kill_matrix_text, run_selftest
+from moe_lora_harness.harness.selftest import CORPORA
 from moe_lora_harness.harness.semantic_diagnosis import semantic_diagnosis
 from moe_lora_harness.harness.strategies import claimed_cases
 from moe_lora_harness.reference.precision import precision
@@ -62,16 +62,25 @@ def test_check_names_the_planted_mistake(planted):
     assert "semantics: consistent with " in o.detail and f"({mechanism})" in o.detail
 
 
-def test_fuzz_names_every_planted_mistake():
+def test_fuzz_names_every_planted_mistake(tmp_path):
     """The selftest's fuzz detector over the corpora whose mutants have a mechanism in the table: each caught
     and named as its mechanism (a misnamed catch fails the selftest; check's naming: the test above, and
     `moe-lora-harness selftest` runs both)."""
-    res = run_selftest("cpu", InProcess(), corpora=("op", "semantics", "tp"), detectors=("fuzz",),
-                       fuzz_budget_s=300, fuzz_max_examples=200)
-    text = kill_matrix_text(res, ("fuzz",))
-    assert not res.survivors and not res.failing_controls and not res.misnamed, text
-    named = [cells["fuzz"] for (_, b), cells in res.cells.items() if b in NAMED]
-    assert len(named) == len(NAMED) and all(k.caught and k.named == k.expected for k in named), text
+    # run as a user runs it, in a process of its own: in-process, after some other test in the same xdist worker
+    # (not identified), peft-b-layout's first failing example was named no-lora in two full -n runs (never alone)
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "selftest.json"
+    r = subprocess.run([sys.executable, "-m", "moe_lora_harness", "selftest", "--device", "cpu", "--corpus", "op",
+                        "--corpus", "semantics", "--corpus", "tp", "--detectors", "fuzz", "--fuzz-budget", "300s",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    text = r.stdout[-6000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert r.returncode == 0 and not res["survivors"] and not res["misnamed"], text
+    assert not any(res["controls"].values()), text
+    named = [cells["fuzz"] for key, cells in res["mutants"].items() if key.split("/", 1)[1] in NAMED]
+    assert len(named) == len(NAMED) and all(k["caught"] and k["named"] == k["expected"] for k in named), text
 
 
 def test_a_correct_backend_gets_no_semantic_diagnosis():
