@@ -16,6 +16,7 @@ from moe_lora_harness.backends.experts import capabilities_of, precision_for, un
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Rule
 from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
+from moe_lora_harness.harness.layer_judge import layer_case
 from moe_lora_harness.reference import activations as ref_act
 from moe_lora_harness.reference.adapters import ExpertAdapter
 
@@ -75,9 +76,7 @@ def as_case(obj) -> Case:
     """An expert-level Case for a LayerConfig (what the experts class's declarations are asked about)."""
     if not isinstance(obj, LayerConfig):
         return obj
-    return Case(level="expert", T=obj.max_tokens, H=obj.H, I=obj.intermediate_padded or obj.I, E=obj.E,
-                top_k=obj.top_k, dtype=obj.dtype, max_loras=obj.max_loras, max_rank=obj.max_rank,
-                activation=obj.activation, bias=obj.bias, lora=obj.lora_enabled, quant=obj.quant)
+    return layer_case(obj, obj.max_tokens).replace(I=obj.intermediate_padded or obj.I)
 
 
 def _pad_rows(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

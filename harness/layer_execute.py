@@ -31,11 +31,16 @@ class ScenarioExecution:
     launches: list = field(default_factory=list)
 
 
+def session_key(spec: BackendSpec, scenario: Scenario, device: str) -> tuple:
+    """What a live layer was built for: a request with another key gets a new layer."""
+    return spec.origin, spec.name, device, scenario.config, scenario.seed
+
+
 class _Session:
     def __init__(self, spec: BackendSpec, scenario: Scenario, device: str):
         config = dataclasses.replace(scenario.config, device=device)
         weights = base_weights(scenario, device)
-        self.key = (spec.origin, spec.name, device, scenario.config, scenario.seed)
+        self.key = session_key(spec, scenario, device)
         self._config = config
         self.steps: list = []
         self.layer = spec.layer(config, weights)
@@ -94,7 +99,7 @@ def execute_scenario(spec: BackendSpec, scenario: Scenario, device: str, start: 
         return ScenarioExecution(failure=setup_failure, seconds=time.perf_counter() - t0)
     steps = list(scenario.steps)
     live = _LIVE.get("session")
-    key = (spec.origin, spec.name, device, scenario.config, scenario.seed)
+    key = session_key(spec, scenario, device)
     result = ScenarioExecution()
     watch = LaunchWatch()
     index = None

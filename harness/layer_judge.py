@@ -39,16 +39,15 @@ def layer_case(config, tokens: int) -> Case:
                 max_rank=config.max_rank, bias=config.bias, quant=config.quant, lora=config.lora_enabled)
 
 
-def _expected(scenario: Scenario, state: LayerState, step: dict, precision_name: str, lora: bool):
+def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, mapping=None):
+    """(truth, emulation) of a batch: base only, or with the adapters loaded now and `mapping` (judged slots)."""
     c = scenario.config
-    w = base_weights(scenario, "cpu")
-    b = batch(c, step, "cpu")
     lora_in = None
-    if lora:
+    if mapping is not None:
         stacked = pack_moe_lora(state.adapters(), max_loras=c.max_loras, max_rank=c.max_rank, num_experts=c.E,
                                 hidden_size=c.H, intermediate_size=c.I, dtype=c.torch_dtype,
                                 gated=is_gated(c.activation))
-        lora_in = LoRAInputs(stacked, state.effective_mapping(step))
+        lora_in = LoRAInputs(stacked, mapping)
     args = (b.hidden_states, w.w13, w.w2, b.topk_weights, b.topk_ids)
     kw = dict(activation=c.activation, w13_bias=w.w13_bias, w2_bias=w.w2_bias, lora=lora_in)
     truth = moe_experts_forward(*args, precision=make_precision("exact", None), **kw)
@@ -84,11 +83,13 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     if size == 0:
         return StepVerdict(True)
     precision_name = spec.precision_for(layer_case(c, size), device)
-    twin_truth, twin_emu = _expected(scenario, state, step, precision_name, lora=False)
+    w, b = base_weights(scenario, "cpu"), batch(c, step, "cpu")     # what both expectations are computed from
+    twin_truth, twin_emu = _expected(scenario, state, w, b, precision_name)
     bad = _values(twin_rows, twin_truth, twin_emu, c, precision_name)
     if bad is not None:
         return StepVerdict(False, "twin-" + bad.kind, TWIN, "the LoRA-disabled twin is not the base layer: " + bad.message)
-    none = state.effective_mapping(step) < 0
+    effective = state.effective_mapping(step)
+    none = effective < 0
     diff = none[:, None] & ~same_bits(rows, twin_rows)
     if diff.any():
         tokens = sorted({int(t) for t in diff.nonzero()[:, 0]})
@@ -99,6 +100,6 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
                            f"{tokens[:8]}); token {t} ({_who(state, step, t)}), column {h}: layer "
                            f"{float(rows[t, h]):.8g} vs twin {float(twin_rows[t, h]):.8g} "
                            f"({int(diff[t].sum())} of {c.H} columns differ)")
-    truth, emu = _expected(scenario, state, step, precision_name, lora=True)
+    truth, emu = _expected(scenario, state, w, b, precision_name, effective)
     bad = _values(rows, truth, emu, c, precision_name)
     return bad or StepVerdict(True)
