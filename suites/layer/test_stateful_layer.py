@@ -5,7 +5,6 @@ mutant caught on its scenario, as the kind its mechanism shows, while its contro
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -15,10 +14,9 @@ from moe_lora_harness.harness.compare import same_bits
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
 from moe_lora_harness.harness.layer_runner import run_scenario as run_layer_scenario
-from moe_lora_harness.harness.layer_scenario import Scenario
-from moe_lora_harness.reference.activations import is_gated
+from moe_lora_harness.harness.layer_scenario import Scenario, base_weights
+from moe_lora_harness.harness.layer_scenario import adapter as scenario_adapter, batch as scenario_batch
 from moe_lora_harness.reference.adapters import ExpertAdapter
-from moe_lora_harness.reference.routing import fused_topk
 from moe_lora_harness.suites.layer.layer_mutants import CONTROL, CONTROL_FOR, MECHANISMS, MUTANTS, SCENARIOS, SHOWS
 
 CONTROLS = {s.name: s for s in CONTROL}
@@ -34,32 +32,17 @@ def config(dtype="float32", device="cpu", **kw) -> LayerConfig:
     return LayerConfig(device=device, **{**base, **kw})
 
 
-def weights(c: LayerConfig, seed: int = 0, quant: str = "none") -> LayerWeights:
-    """randn / sqrt(fan-in) base weights (snapped to the quant grid for a quantized layer), biases 0.5 randn."""
-    g = torch.Generator().manual_seed(seed)
-    n1 = 2 * c.I if is_gated(c.activation) else c.I
-    w13 = (torch.randn(c.E, n1, c.H, generator=g, dtype=torch.float64) / math.sqrt(c.H)).to(c.torch_dtype)
-    w2 = (torch.randn(c.E, c.H, c.I, generator=g, dtype=torch.float64) / math.sqrt(c.I)).to(c.torch_dtype)
-    if quant != "none":
-        from moe_lora_harness.reference.quant import dequantize, quantize
-        w13, w2 = (dequantize(*quantize(w, quant, c.torch_dtype), quant, c.torch_dtype) for w in (w13, w2))
-    b13 = (0.5 * torch.randn(c.E, n1, generator=g)).to(c.torch_dtype) if c.bias else None
-    b2 = (0.5 * torch.randn(c.E, c.H, generator=g)).to(c.torch_dtype) if c.bias else None
-    return LayerWeights(w13, w2, b13, b2)
+def weights(c: LayerConfig) -> LayerWeights:
+    """The base weights a scenario of `c` builds (harness.layer_scenario.base_weights), on c's device."""
+    return base_weights(Scenario(dataclasses.replace(c, device="cpu")), c.device)
 
 
 def adapter(c: LayerConfig, rank: int, seed: int) -> ExpertAdapter:
-    return ExpertAdapter.random(c.E, c.H, c.I, rank, is_gated(c.activation), scaling=0.5,
-                                generator=torch.Generator().manual_seed(1000 + seed))
+    return scenario_adapter(c, {"rank": rank, "seed": seed})
 
 
 def batch(c: LayerConfig, size: int, seed: int) -> LayerBatch:
-    g = torch.Generator().manual_seed(2000 + seed)
-    x = torch.randn(size, c.H, generator=g).to(c.torch_dtype)
-    x[::3, ::7] = -0.0
-    logits = torch.randn(size, c.E, generator=g)
-    w, ids = fused_topk(logits, c.top_k, True)
-    return LayerBatch(*(t.to(c.device) for t in (x, logits, w, ids)))
+    return scenario_batch(c, {"mapping": [-1] * size, "seed": seed}, c.device)
 
 
 def run_steps(spec, steps, c: LayerConfig | None = None) -> list:
@@ -100,7 +83,7 @@ def test_layer_matches_reference_and_twin(spec, dtype, device):
 def test_replay_equals_forward_on_the_same_contents(device):
     c = config(device=device)
     w = weights(c)
-    layer = LAYER_TRITON.layer(c, LayerWeights(w.w13.to(device), w.w2.to(device)))
+    layer = LAYER_TRITON.layer(c, LayerWeights(w.w13, w.w2))
     layer.load_adapter(0, adapter(c, 8, 1))
     layer.capture(8)
     b = batch(c, 8, 7)
@@ -113,7 +96,7 @@ def test_replay_equals_forward_on_the_same_contents(device):
 def test_layer_refuses_what_it_cannot_run(device):
     c = config(device=device)
     w = weights(c)
-    w = LayerWeights(w.w13.to(device), w.w2.to(device))
+    w = LayerWeights(w.w13, w.w2)
     with pytest.raises(ValueError, match="swiglu_alpha"):
         LAYER_OAI.layer(config(activation="swigluoai", swiglu_alpha=1.0, device=device), w)
     with pytest.raises(ValueError, match="declines"):
