@@ -65,7 +65,8 @@ def test_check_names_the_planted_mistake(planted):
 def test_fuzz_names_every_planted_mistake(tmp_path):
     """The selftest's fuzz detector over the corpora whose mutants have a mechanism in the table: each caught
     and named as its mechanism (a misnamed catch fails the selftest; check's naming: the test above, and
-    `moe-lora-harness selftest` runs both)."""
+    `moe-lora-harness selftest` runs both). It is also CI's fuzz kill of the op and TP corpora (no survivor):
+    suites/harness/test_selftest.py runs their check detector."""
     # run as a user runs it, in a process of its own: in-process, after some other test in the same xdist worker
     # (not identified), peft-b-layout's first failing example was named no-lora in two full -n runs (never alone)
     import json

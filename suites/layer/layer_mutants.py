@@ -194,6 +194,19 @@ SCENARIOS = {
     "layer-mutant-dual-stream-event-reuse": [_load(0, 8, 1), _fwd([0, -1, 0, -1], 2), _fwd([0, 0, -1, -1], 3)],
 }
 
+# the named scenario (harness.layer_scenarios, check's layer rows) each planted bug fails first: the suite runs
+# that row alone (check runs them all, so failing it is failing check); selftest runs every row
+FAILS_NAMED = {
+    "layer-mutant-stale-mapping": "layer: adapter, then base-model tokens (#42008)",
+    "layer-mutant-unload-leaves-live": "layer: unloaded slot still in the mapping",
+    "layer-mutant-reload-no-zero": "layer: smaller rank into a used slot",
+    "layer-mutant-metadata-cached": "layer: adapter, then base-model tokens (#42008)",
+    "layer-mutant-capture-time-metadata": "layer: graph: capture, replay with new contents and adapters",
+    "layer-mutant-padding-slot-zero": "layer: graph: padding tokens carry no adapter",
+    "layer-mutant-split-k-with-lora": "layer: adapter, then base-model tokens (#42008)",
+    "layer-mutant-dual-stream-event-reuse": "layer: adapter, then base-model tokens (#42008)",
+}
+
 # what each scenario shows: "not-neutral" (a token without an adapter differs from the twin), "out-of-bound"
 # (beyond the reference's bound), "raises ScheduleError" (the CPU Recorder found a race)
 SHOWS = {

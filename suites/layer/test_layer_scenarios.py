@@ -63,19 +63,20 @@ def _layer_corpus():
 @pytest.mark.parametrize("mutant", [m.name for m in __import__(
     "moe_lora_harness.suites.layer.layer_mutants", fromlist=["MUTANTS"]).MUTANTS])
 def test_planted_layer_bug_fails_under_check_and_fuzz(mutant, device, executor):
-    """Each planted layer bug fails a named scenario (check) and the state machine (fuzz, derandomized, within
-    30 examples: selftest's detectors, bounded by examples rather than seconds so a slow machine agrees)."""
-    from moe_lora_harness.harness.selftest import _check_detector, _fuzz_detector
-    from moe_lora_harness.suites.layer.layer_mutants import BACKENDS, SHOWS
+    """Each planted layer bug fails one of check's named scenarios (its row in FAILS_NAMED: check runs every
+    row, selftest too) and the state machine (fuzz, derandomized, within 30 examples: selftest's detector,
+    bounded by examples rather than seconds so a slow machine agrees)."""
+    from moe_lora_harness.harness.selftest import _fuzz_detector
+    from moe_lora_harness.suites.layer.layer_mutants import BACKENDS, FAILS_NAMED, SHOWS
     if device != "cpu" and SHOWS[mutant].startswith("raises"):
         pytest.skip("a race the CPU Recorder reports; on a GPU it shows only when the streams happen to interleave")
     spec = next(s for s in BACKENDS if s.name == mutant)
-    corpus = _layer_corpus()
-    check = _check_detector(spec, corpus, device, executor, stop_at_first=True)
-    assert check.caught, f"{mutant} survived every named scenario: {check.error}"
-    fuzz = _fuzz_detector(spec, corpus, device, executor, budget_s=600.0, max_examples=30)
+    sc = dict(layer_scenarios(device))[FAILS_NAMED[mutant]]
+    check = run_scenario(spec, claimed_scenario(spec, sc, device), device, executor=executor)
+    assert check.status == "fail" and check.kind != "environment", (
+        f"{mutant} passed check's row {FAILS_NAMED[mutant]!r}: {check.status} {check.reason}")
+    fuzz = _fuzz_detector(spec, _layer_corpus(), device, executor, budget_s=600.0, max_examples=30)
     assert fuzz.caught, f"{mutant} survived 30 state-machine examples: {fuzz.error}"
-
 
 
 def test_a_layer_failure_replays_alone_from_its_repro(tmp_path):
