@@ -109,13 +109,15 @@ def _context_free(text: str, path: pathlib.Path) -> bool:
 
 
 @needs_source
-def test_static_tools_resolve_every_import_of_the_repository():
+def test_static_tools_resolve_every_import_of_the_repository(tmp_path, monkeypatch):
     """Each distinct absolute module is resolved once (from one probe file: jedi resolves it the same from every
     file); relative imports and a script's sibling modules from their own file."""
     try:
         import jedi
     except ImportError:
         pytest.fail("this test runs jedi, as an editor does: pip install -e '.[test]'")
+    # a cache of its own: jedi's shared one (~/.cache/jedi) was read half-written while another jedi wrote it
+    monkeypatch.setattr(jedi.settings, "cache_directory", str(tmp_path / "jedi"))
     project = jedi.Project(str(ROOT), environment_path=sys.prefix)
     files = _repository_files()
     absolute, local = {}, []      # absolute module -> first place it is imported; (path, line, col, text)
