@@ -125,28 +125,30 @@ class ContractLayer:
         self.layer, self.config = layer, config
 
     def load_adapter(self, slot: int, adapter: ExpertAdapter) -> None:
-        """Cast every factor to the layer dtype, fold `scaling` into B in that dtype (vLLM's order), pad to the
-        padded intermediate size, and set the slot (non-gated: the gate factors only)."""
+        """Cast every factor to the layer dtype, fold each module's scaling into its B in that dtype (vLLM's
+        order; w13: `scaling`, w2: `w2_scaling`), pad to the padded intermediate size and each module's rank to
+        the adapter's largest (zeros add nothing), and set the slot (non-gated: the gate factors only)."""
         c, dt, dev = self.config, self.config.torch_dtype, self.layer.device
         if not isinstance(adapter, ExpertAdapter):
             raise TypeError(f"adapter must be a reference.adapters.ExpertAdapter; got {type(adapter).__name__}")
         gated = ref_act.is_gated(c.activation)
         if gated and not adapter.gated:
             raise ValueError("a gated layer needs the adapter's up_proj (w3) factors; up_a/up_b are None")
-        Ip = self.layer.config.I
+        Ip, r = self.layer.config.I, adapter.rank
 
         def a(t, pad_in=False):
-            t = t.to(dt)
+            t = _pad_rows(t.to(dt), 1, r)
             return (_pad_rows(t, 2, Ip) if pad_in else t).to(dev)
 
-        def b(t, pad_out=False):
+        def b(t, scaling, pad_out=False):
             t = t.to(dt).clone()
-            t.mul_(float(adapter.scaling))          # rounded once in dt, as `lora_b *= scaling`
+            t.mul_(float(scaling))                  # rounded once in dt, as `lora_b *= scaling`
+            t = _pad_rows(t, 2, r)
             return (_pad_rows(t, 1, Ip) if pad_out else t).to(dev)
 
         pairs = [(adapter.gate_a, adapter.gate_b)] + ([(adapter.up_a, adapter.up_b)] if gated else [])
-        self.layer.set_lora(slot, [a(x) for x, _ in pairs], [b(y, pad_out=True) for _, y in pairs],
-                            a(adapter.down_a, pad_in=True), b(adapter.down_b))
+        self.layer.set_lora(slot, [a(x) for x, _ in pairs], [b(y, adapter.scaling, pad_out=True) for _, y in pairs],
+                            a(adapter.down_a, pad_in=True), b(adapter.down_b, adapter.w2_scaling))
 
     def unload_adapter(self, slot: int) -> None:
         """The slot holds nothing afterwards (zeroed and disabled)."""

@@ -6,10 +6,12 @@ captured once as a CUDA graph and replayed later at a padded size. `BackendSpec.
 builds such a layer; the harness drives it through these methods (docs/architecture.md, "The layer level"):
 
   load_adapter(slot, adapter)  `adapter`: reference.adapters.ExpertAdapter (checkpoint layout: per-expert A
-                               (E, r, in), B (E, out, r), float32, unscaled, and its `scaling`). The layer
-                               casts every factor to its dtype and folds `scaling` into B in that dtype
-                               (vLLM: `lora_b *= scaling` after the cast); 1 <= r <= max_rank, the rest of
-                               the slot's rank is zero. A used slot is replaced (any rank).
+                               (E, r, in), B (E, out, r), float32, unscaled; w13 (gate, up) and w2 (down)
+                               may differ in rank, and each module has its scaling: `scaling` for w13,
+                               `w2_scaling` for w2). The layer casts every factor to its dtype and folds
+                               each module's scaling into its B in that dtype (vLLM: `lora_b *= scaling`
+                               after the cast); each module's rank r satisfies 1 <= r <= max_rank, the
+                               rest of the slot's rank is zero. A used slot is replaced (any rank).
   unload_adapter(slot)         the slot holds nothing: tokens mapped to it get no adapter.
   set_mapping(mapping)         (T,) int32 on the layer's device, each token's slot or -1 (no adapter); it
                                holds for the next forward or replay.

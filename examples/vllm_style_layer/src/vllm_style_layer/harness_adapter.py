@@ -3,7 +3,7 @@
 The harness drives a layer through four methods (harness/layer_contract.py); each is one call into the
 engine-facing API the layer already has, exactly as vLLM's LoRA manager and model runner make them:
 
-    load_adapter(slot, adapter)  -> cast to the layer dtype, fold the scaling into B, set_lora(slot, a, b)
+    load_adapter(slot, adapter)  -> cast to the layer dtype, fold each module's scaling into its B, set_lora
     unload_adapter(slot)         -> reset_lora(slot)
     set_mapping(mapping)         -> update_mapping(mapping)          (punica's per-batch metadata)
     forward(batch)               -> forward(hidden_states, router_logits)   (the layer routes itself)
@@ -37,22 +37,31 @@ class HarnessLayer:
 
     def load_adapter(self, slot: int, adapter: ExpertAdapter) -> None:
         """As vLLM's LoRA manager: every factor cast to the layer dtype, then `b *= scaling` in that dtype
-        (one rounding), the lists built in vLLM's [w1, w2, w3] order and handed to set_lora."""
-        dev = self.layer.device
+        (one rounding; w13 `scaling`, w2 `w2_scaling`), each module's rank zero-padded to the adapter's largest
+        (set_lora takes one rank), the lists built in vLLM's [w1, w2, w3] order and handed to set_lora."""
+        dev, r = self.layer.device, adapter.rank
+
+        def pad_rank(t, dim):
+            extra = r - t.shape[dim]
+            if extra == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
         def a(t):
-            return None if t is None else t.to(device=dev, dtype=self.dtype)
+            return None if t is None else pad_rank(t.to(device=dev, dtype=self.dtype), 1)
 
-        def b(t):
+        def b(t, scaling):
             if t is None:
                 return None
             t = t.to(device=dev, dtype=self.dtype).clone()    # clone: .to() may return the caller's tensor
-            t *= adapter.scaling
-            return t
+            t *= scaling
+            return pad_rank(t, 2)
 
         up_a, up_b = (adapter.up_a, adapter.up_b) if self.layer.gated else (None, None)  # non-gated: no w3
         lora_a = [a(adapter.gate_a), a(adapter.down_a), a(up_a)]
-        lora_b = [b(adapter.gate_b), b(adapter.down_b), b(up_b)]
+        lora_b = [b(adapter.gate_b, adapter.scaling), b(adapter.down_b, adapter.w2_scaling), b(up_b, adapter.scaling)]
         self.layer.set_lora(slot, lora_a, lora_b)
 
     def unload_adapter(self, slot: int) -> None:
