@@ -1,6 +1,8 @@
 """`moe-lora-harness`: check every registered backend (the matrix), replay one case, list, fuzz.
 
   moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
+  moe-lora-harness check --model NAME|--model-config PATH [--tp N] [--ep N] [--tokens LIST] [--only NAME]
+  moe-lora-harness models [--sources]
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
   moe-lora-harness fuzz --only NAME [--level op|expert] [--budget 10m] [--max-examples N] [--out DIR] [--junit F]
                         [--palette auto|free|classes]
@@ -106,8 +108,9 @@ def cmd_check(args) -> int:
     levels = {lv for s in specs.values() for lv in s.capabilities.levels}   # rows only at levels a backend has
     features = [f for f in FEATURES if f.level in levels
                 and (not args.feature or any(want in f.name for want in args.feature))]
+    model = _model_plan(args, specs, device, features)    # --model / --model-config: harness.model_plan
     layer_rows = []
-    if "layer" in levels:
+    if "layer" in levels and model is None:
         from moe_lora_harness.harness.layer_scenarios import layer_scenarios
         layer_rows = [(label, sc) for label, sc in layer_scenarios(device)
                       if not args.feature or any(want in label for want in args.feature)]
@@ -115,15 +118,22 @@ def cmd_check(args) -> int:
         raise UsageError(f"--feature {args.feature}: no feature name at the levels of these backends "
                          f"({', '.join(sorted(levels))}) contains it; features: "
                          f"{', '.join(f.name for f in FEATURES if f.level in levels)}")
-    cases = feature_cases(features, device, n)
+    cases = feature_cases(features, device, n) if model is None else []
     plan = [(name, spec, feat.name, case) for name, spec in specs.items() for feat, _, case in cases
             if case.level in spec.capabilities.levels]   # a backend is asked only at the levels it has
+    names = [f.name for f in features] + [label for label, _ in layer_rows]
+    if model is not None:
+        plan, names = model.runs, model.rows
     if layer_rows:   # the named layer scenarios, at a configuration each layer claims (harness.layer_scenarios)
         from moe_lora_harness.harness.layer_runner import run_scenario
         from moe_lora_harness.harness.layer_scenarios import claimed_scenario
         plan += [(name, spec, label, claimed_scenario(spec, sc, device)) for name, spec in specs.items()
                  if "layer" in spec.capabilities.levels for label, sc in layer_rows]
     feature_of, outcomes = {}, []
+    for feat, o in (model.prejudged if model is not None else []):   # cases too large for this machine
+        feature_of[id(o)] = feat
+        outcomes.append(o)
+    total = len(plan) + len(outcomes)
     t0 = time.time()
     interrupted = in_flight = harness_error = None
     executor = _executor(args)
@@ -157,8 +167,9 @@ def cmd_check(args) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         executor.close()
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
-    names = [f.name for f in features] + [label for label, _ in layer_rows]
     print(to_text(matrix, names))
+    if model is not None:
+        print("\n".join(model.notes()))
     failures = [o for o in outcomes if o.failed]
     for o in outcomes:
         if o.status == "works-unclaimed":
@@ -183,15 +194,19 @@ def cmd_check(args) -> int:
     restarts = getattr(executor, "restarts", 0)
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
-            "counts": counts, "planned_runs": len(plan), "worker_restarts": restarts,
+            "counts": counts, "planned_runs": total, "worker_restarts": restarts,
             "interrupted": bool(interrupted), "not_tested": untested if not interrupted else []}
+    if model is not None:
+        meta["model"] = model.meta()
     if harness_error:
         meta["harness_error"] = harness_error
     if interrupted:
-        meta["not_run"] = len(plan) - len(outcomes)
+        meta["not_run"] = total - len(outcomes)
         if in_flight:
             meta["in_flight"] = {"backend": in_flight[0], "feature": in_flight[1], "case": in_flight[2].to_json()}
-    _write_reports(args, matrix, names, meta, f"Conformance on {device} ({n} cases per feature)\n")
+    title = (f"Conformance on {device} ({n} cases per feature)" if model is None else
+             f"Conformance of {model.layer.name}'s layer on {device} ({meta['model']['layer']}; T in {model.tokens})")
+    _write_reports(args, matrix, names, meta, title + "\n")
     summary = (f"\n{len(outcomes)} runs: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
                + f" in {time.time() - t0:.0f}s on {device}" + (f"; {restarts} worker restart(s)" if restarts else ""))
     print(summary)
@@ -202,10 +217,75 @@ def cmd_check(args) -> int:
         return 3
     if interrupted:
         where = (f"; in flight: {in_flight[0]} / {in_flight[1]}: {in_flight[2].to_json()}" if in_flight else "")
-        print(f"INTERRUPTED: {len(plan) - len(outcomes)} of {len(plan)} planned runs not run{where}; "
+        print(f"INTERRUPTED: {total - len(outcomes)} of {total} planned runs not run{where}; "
               f"the partial matrix above" + (" and the reports were written" if (args.json or args.markdown) else ""))
         return 130
     return 1 if (failures or untested) else 0
+
+
+def _model_plan(args, specs, device, features):
+    """check --model NAME / --model-config PATH: every feature at that layer's shape (harness.model_plan), or None
+    without them; a bad option is a usage error naming it."""
+    if not (args.model or args.model_config):
+        for opt, v in (("--tp", args.tp), ("--ep", args.ep), ("--tokens", args.tokens)):
+            if v is not None:
+                raise UsageError(f"{opt} needs --model or --model-config (a served layer's shape)")
+        return None
+    if args.model and args.model_config:
+        raise UsageError("give one of --model (a catalogue name) and --model-config (a config.json), not both")
+    from moe_lora_harness.harness.model_plan import DEFAULT_TOKENS, plan_model
+    from moe_lora_harness.harness.models import ConfigError, layer_from_config, model_named
+    try:
+        layer = model_named(args.model) if args.model else layer_from_config(args.model_config)
+    except ConfigError as e:
+        raise UsageError(f"--model-config: {e}") from None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.more or args.cases_per_feature:
+        raise UsageError("--more / --cases-per-feature do not apply with --model: each feature runs at every --tokens "
+                         "count in every dtype of the device's profile")
+    if not features:
+        raise UsageError("no op- or expert-level feature for these backends" + (f" contains {args.feature}" if
+                                                                                args.feature else ""))
+    try:
+        return plan_model(layer, specs, device, features, tp=args.tp or 1, ep=args.ep or 1,
+                          tokens=args.tokens or DEFAULT_TOKENS)
+    except ValueError as e:   # a TP / EP degree the layer does not divide by
+        raise UsageError(str(e)) from None
+
+
+def _token_list(text: str) -> tuple:
+    """--tokens: comma-separated token counts, each an int >= 0 or a sum like 4096+17."""
+    try:
+        counts = tuple(sum(int(p) for p in item.split("+")) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts (e.g. 1,7,64,4096+17); "
+                                         f"got {text!r}") from None
+    if not counts or any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"token counts must be >= 0; got {text!r}")
+    return counts
+
+
+def cmd_models(args) -> int:
+    """The catalogue of served MoE layers (harness.models), one line each; --sources: where each number came from."""
+    from moe_lora_harness.harness.models import MODELS
+    head = ("model", "H", "I", "E", "top_k", "activation", "routing", "shared", "quant", "TP", "EP")
+    rows = [(m.name, m.H, m.I, m.E, m.top_k, m.activation + (" +bias" if m.bias else ""), m.routing_text(),
+             f"{m.shared_experts} x I={m.shared_I // max(1, m.shared_experts)}" if m.shared_experts else "-",
+             m.quant, ",".join(map(str, m.tp_degrees())), ",".join(map(str, m.ep_degrees()))) for m in MODELS]
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(f"{str(v):<{w}}" for v, w in zip(r, widths)).rstrip())
+    print("\nTP / EP: the degrees (of 1..16 / 1..64) at which I / tp and E / ep are whole; "
+          "`check --model NAME --tp N --ep N` runs one rank's slice")
+    if args.sources:
+        for m in MODELS:
+            print(f"\n{m.name}: {m.config_url}\n  read in: {m.read_in}" + (f"\n  note: {m.note}" if m.note else ""))
+            for fld, src in m.sources:
+                print(f"  {fld} = {getattr(m, fld)!r}: {src}")
+            for fld in m.unsourced:
+                print(f"  {fld} = {getattr(m, fld)!r}: NO SOURCE FOUND")
+    return 0
 
 
 def _raise_interrupt(signum, frame):
@@ -549,7 +629,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--markdown", metavar="PATH", help="write the matrix as Markdown (also on a failure or Ctrl-C)")
     c.add_argument("--junit", metavar="PATH", help="write JUnit XML, one test case per feature x backend")
     c.add_argument("-v", "--verbose", action="store_true")
+    c.add_argument("--model", metavar="NAME", default=None,
+                   help="run every feature at this served layer's shape (`moe-lora-harness models` lists them)")
+    c.add_argument("--model-config", metavar="PATH", default=None,
+                   help="the same for the MoE layer of a config.json (a file, or a folder holding one)")
+    c.add_argument("--tp", type=_positive(int), default=None, metavar="N",
+                   help="with --model: one TP rank's slice (I / N)")
+    c.add_argument("--ep", type=_positive(int), default=None, metavar="N",
+                   help="with --model: EP over N ranks (E / N local experts on the last rank, via the expert_map)")
+    c.add_argument("--tokens", type=_token_list, default=None, metavar="LIST",
+                   help="with --model: token counts (default 1,7,64,4096+17,16384)")
     c.set_defaults(fn=cmd_check)
+    m = sub.add_parser("models", help="list the catalogue of served MoE layers (shapes, routing, quant, TP/EP)")
+    m.add_argument("--sources", action="store_true", help="also where every number came from")
+    m.set_defaults(fn=cmd_models)
     r = sub.add_parser("replay", help="replay one case (JSON) against the backends")
     common(r)
     r.add_argument("--case", default=None,
@@ -602,6 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-v", "--verbose", action="store_true")
     palette_option(t)
     t.set_defaults(fn=cmd_selftest)
+    from moe_lora_harness.harness import cli_adapter
+    cli_adapter.add_parser(sub)
     return p
 
 

@@ -33,24 +33,25 @@ class Feature:
     vary_h: bool = True               # cases after the first take another H (when make leaves H alone)
     small_cases: int | None = None    # at most this many on the small profile (the interpreter's time)
 
-    def cases(self, device: str, n: int) -> list[Case]:
-        """`n` cases (distinct seeds; at most max_cases) for this feature on `device`. Case 0 is the feature
-        on the profile's base shapes; later ones vary H where the feature leaves it free (check's H is not
-        always 64) and whatever `per_case` varies."""
-        s = shapes_for(device)
+    def case_fields(self, s: Shapes, i: int = 0) -> dict:
+        """Case i's fields at the sizes `s`: the base, the feature's own fields, case i's and its seed. Case 0 is the
+        feature on `s`; later ones vary H where the feature leaves it free (check's H is not always 64) and
+        whatever `per_case` varies. (harness.model_plan calls it with a served layer's sizes.)"""
         base = dict(level=self.level, T=s.T, H=s.H, I=s.I, E=s.E, top_k=s.top_k, max_rank=s.max_rank,
                     dtype=s.dtype, max_loras=3, mapping="uniform")
         made = self.make(s)
-        out = []
+        fields = dict(base, **made)
+        if i and self.vary_h and "H" not in made:
+            fields["H"] = _other_h(s, self.name, i)
+        if self.per_case is not None:
+            fields.update(self.per_case(s, i))
+        return dict(fields, seed=1000 * (i + 1) + _stable(self.name))
+
+    def cases(self, device: str, n: int) -> list[Case]:
+        """`n` cases (distinct seeds; at most max_cases) for this feature on `device` (`case_fields`)."""
+        s = shapes_for(device)
         caps = [c for c in (self.max_cases, self.small_cases if s.small else None) if c is not None]
-        for i in range(min([n] + caps)):
-            fields = dict(base, **made)
-            if i and self.vary_h and "H" not in made:
-                fields["H"] = _other_h(s, self.name, i)
-            if self.per_case is not None:
-                fields.update(self.per_case(s, i))
-            out.append(Case(**dict(fields, seed=1000 * (i + 1) + _stable(self.name))))
-        return out
+        return [Case(**self.case_fields(s, i)) for i in range(min([n] + caps))]
 
 
 def _other_h(s: Shapes, name: str, i: int) -> int:

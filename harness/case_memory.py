@@ -1,0 +1,97 @@
+"""What one case needs in memory, and what this machine has free: model mode refuses a case that cannot fit.
+
+An estimate, not a measurement (docs/models.md): the inputs in the case's dtype, held three times (the judge's
+copy, the backend's, and the worker's bit-for-bit snapshot of the backend's), plus the float64 reference's
+working set (the weights and LoRA factors in float64, the weights' absolute values for the error magnitudes,
+and about ten float64 arrays per (token, expert) pair at each of the widths N1, I and H; twelve per output
+column at the op level).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.reference.activations import is_gated
+from moe_lora_harness.reference.align import align_sizes
+
+INPUT_COPIES = 3         # the judge's, the backend's, the worker's snapshot (harness.execute.InputWatch)
+# float64 arrays per pair and output column alive at the reference's peak (the truth's value, magnitude and
+# underflow exposure with their temporaries, the emulation's value); measured with suites/harness/test_models.py
+OP_PAIR_ARRAYS = 12
+EXPERT_PAIR_ARRAYS = 10
+# what the judge allocates whatever the case's size (the reference's chunked weight gathers, its temporaries):
+# 60-120 MiB measured at small cases
+FIXED = 256 * 2**20
+_ITEM = {"float16": 2, "bfloat16": 2, "float32": 4}
+_F64 = 8
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a case needs: its inputs once (in its dtype) and the float64 reference's working set (beyond FIXED)."""
+
+    inputs: int
+    reference: int
+
+    @property
+    def total(self) -> int:
+        return INPUT_COPIES * self.inputs + self.reference + FIXED
+
+    def describe(self) -> str:
+        return (f"needs {gib(self.total)} ({INPUT_COPIES} x {gib(self.inputs)} of inputs in the case's dtype + "
+                f"{gib(self.reference + FIXED)} for the float64 reference)")
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_need(case: Case) -> MemoryNeed:
+    """The estimate for an op- or expert-level case (harness.builders allocates these tensors)."""
+    item = _ITEM[case.dtype]
+    T, H, I, k, L, R = case.T, case.H, case.I, case.top_k, case.max_loras, case.max_rank
+    P = T * k
+    if case.level == "op":
+        E = case.local_experts
+        S = case.num_slices
+        lora = S * L * E * R * (case.K + case.N)
+        rows = P if case.mul_routed_weight else T
+        elems = rows * case.K + P * case.width + lora
+        ref = _F64 * (lora + OP_PAIR_ARRAYS * P * case.width + rows * case.K)
+        index = 16 * P + 4 * (case.E + T + 2 * L + 2)             # routing, mapping, expert_map, slot ids
+        if case.layout == "sorted":                               # the align's int32 buffers (L, M) and (L, MB)
+            M, MB = align_sizes(P, case.block_size_m, case.E)
+            index += 4 * L * (M + MB + 1)
+        return MemoryNeed(item * elems + index, ref)
+    gated = is_gated(case.activation)
+    E = case.E if case.dispatched else case.local_experts
+    N1 = 2 * I if gated else I
+    weights = E * (N1 * H + H * I)
+    lora = ((2 if gated else 1) + 1) * L * E * R * (H + I) if case.lora else 0
+    bias = E * (N1 + H) if case.bias else 0
+    elems = 2 * T * H + weights + lora + bias          # hidden states and the output, weights, adapters, biases
+    quant = weights if case.quant != "none" else 0      # int8 codes beside the dequantized weights
+    ref = _F64 * (2 * weights + lora + bias + EXPERT_PAIR_ARRAYS * P * (N1 + I + H) + 3 * T * H)
+    return MemoryNeed(item * elems + quant + 16 * P, ref)
+
+
+def _host_free() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def free_bytes(device: str) -> tuple[int, str]:
+    """(bytes free, what they are) where the case would live: host RAM on the CPU, GPU memory on CUDA."""
+    if str(device).startswith("cuda"):
+        import torch
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"free GPU memory on {device}"
+    return _host_free(), "available host RAM"
