@@ -1,5 +1,9 @@
 """Turn a `Case` into tensors on a device, deterministically from its seed.
 
+On a CUDA device every tensor is drawn there, from generators of that device seeded as on the CPU (the case and
+the device kind determine the values; they differ from the CPU's); on the CPU (and any other device, built on the
+CPU and moved) the values are what they always were. docs/architecture.md, "The judge on the device".
+
 Inputs are never zeros and are scaled so that every term matters: a LoRA delta is about as large as the
 value it is added to, routing weights are distinct, so a dropped expert, a missing delta or a wrong
 weight gives a gross error rather than a rounding-sized one.
@@ -25,16 +29,22 @@ def torch_dtype(case: Case) -> torch.dtype:
     return TORCH_DTYPES[case.dtype]
 
 
-def _gen(case: Case, salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed((case.seed * 1_000_003 + salt) % (2**63))
+def build_device(device) -> torch.device:
+    """Where a case's tensors are drawn for a run on `device`: that CUDA device, else the CPU."""
+    d = torch.device(device)
+    return d if d.type == "cuda" else torch.device("cpu")
 
 
-def outlier_tokens(case: Case) -> torch.Tensor:
+def _gen(case: Case, salt: int, device="cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed((case.seed * 1_000_003 + salt) % (2**63))
+
+
+def outlier_tokens(case: Case, device="cpu") -> torch.Tensor:
     """The `case.outliers` token indices (int64, ascending) whose hidden states are scaled OUTLIER_SCALE more;
     drawn from a generator of their own, so no other tensor of the case changes."""
     if case.outliers <= 0 or case.T <= 0:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.randperm(case.T, generator=_gen(case, 5))[:case.outliers].sort().values
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return torch.randperm(case.T, generator=_gen(case, 5, device), device=device)[:case.outliers].sort().values
 
 
 def scale_inputs(case: Case, x: torch.Tensor, rows_per_token: int = 1) -> torch.Tensor:
@@ -42,8 +52,8 @@ def scale_inputs(case: Case, x: torch.Tensor, rows_per_token: int = 1) -> torch.
     times OUTLIER_SCALE more. The defaults return `x` itself (bit-identical inputs for every existing case)."""
     if case.magnitude == 1 and case.outliers == 0:
         return x
-    scale = torch.full((x.shape[0], 1), float(case.magnitude), dtype=x.dtype)
-    for t in outlier_tokens(case).tolist():
+    scale = torch.full((x.shape[0], 1), float(case.magnitude), dtype=x.dtype, device=x.device)
+    for t in outlier_tokens(case, x.device).tolist():
         scale[t * rows_per_token:(t + 1) * rows_per_token] *= OUTLIER_SCALE
     return x * scale
 
@@ -62,46 +72,48 @@ def with_negative_zeros(case: Case, t: torch.Tensor, salt: int) -> torch.Tensor:
     -0.0 into +0.0, which the bit-for-bit comparison of untouched elements sees."""
     if t.numel() == 0:
         return t
-    pick = torch.rand(t.shape, generator=_gen(case, salt)) < NEGATIVE_ZERO_SHARE
+    pick = torch.rand(t.shape, generator=_gen(case, salt, t.device), device=t.device) < NEGATIVE_ZERO_SHARE
     return torch.where(pick, torch.full_like(t, -0.0), t)
 
 
 def make_routing(case: Case, g: torch.Generator):
-    """(topk_weights fp32 (T,k), topk_ids int32 (T,k)) with k distinct global experts per token."""
+    """(topk_weights fp32 (T,k), topk_ids int32 (T,k)) with k distinct global experts per token (on g's device)."""
     T, E, k = case.T, case.E, case.top_k
-    logits = torch.zeros(T, E, dtype=torch.float64)
+    dev = g.device
+    logits = torch.zeros(T, E, dtype=torch.float64, device=dev)
     if case.routing == "skewed":   # a few hot experts take most tokens
-        logits = logits - 1.5 * torch.arange(E, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, dtype=torch.float64).clamp_min(1e-12)))
+        logits = logits - 1.5 * torch.arange(E, dtype=torch.float64, device=dev)
+    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, dtype=torch.float64, device=dev).clamp_min(1e-12)))
     ids = torch.argsort(logits + gumbel, dim=1, descending=True)[:, :k].to(torch.int32)
-    w = torch.softmax(torch.randn(T, k, generator=g), dim=1)
+    w = torch.softmax(torch.randn(T, k, generator=g, device=dev), dim=1)
     if k == 1:   # a softmax over one slot is exactly 1.0 and would hide a missing or doubled weight
-        w = 0.25 + 0.75 * torch.rand(T, 1, generator=g)
+        w = 0.25 + 0.75 * torch.rand(T, 1, generator=g, device=dev)
     w = w.to(torch.float32)
     return w.contiguous(), ids.contiguous()
 
 
 def make_token_lora_mapping(case: Case, g: torch.Generator) -> torch.Tensor:
-    """Token -> LoRA slot index in [0, L) or -1, following `case.mapping`."""
+    """Token -> LoRA slot index in [0, L) or -1, following `case.mapping` (on g's device)."""
     T, L = case.T, case.max_loras
+    dev = g.device
     if case.mapping == "none":
-        return torch.full((T,), -1, dtype=torch.int32)
-    m = torch.randint(0, L, (T,), generator=g, dtype=torch.int32)
+        return torch.full((T,), -1, dtype=torch.int32, device=dev)
+    m = torch.randint(0, L, (T,), generator=g, dtype=torch.int32, device=dev)
     if case.mapping == "mixed":      # about a third of the tokens carry no adapter
-        m = torch.where(torch.rand(T, generator=g) < 0.35, torch.full_like(m, -1), m)
+        m = torch.where(torch.rand(T, generator=g, device=dev) < 0.35, torch.full_like(m, -1), m)
     elif case.mapping == "skewed":   # one adapter takes most tokens
-        m = torch.where(torch.rand(T, generator=g) < 0.8, torch.zeros_like(m), m)
+        m = torch.where(torch.rand(T, generator=g, device=dev) < 0.8, torch.zeros_like(m), m)
     elif case.mapping == "by_rank":  # EP rank r's tokens use slot r % L only (every third one none): each
         # adapter is used by one rank's tokens, and every other rank must still run it for them
         counts = case.ep_tokens or (T,)
-        m = torch.cat([torch.full((n,), r % L, dtype=torch.int32) for r, n in enumerate(counts)])
+        m = torch.cat([torch.full((n,), r % L, dtype=torch.int32, device=dev) for r, n in enumerate(counts)])
         m[1::3] = -1
     return m
 
 
-def adapter_enabled_for(case: Case) -> torch.Tensor:
+def adapter_enabled_for(case: Case, device="cpu") -> torch.Tensor:
     """(L+1,) int32: 1 where a slot holds an adapter; `disabled` turns slot 0 off; entry L is never set."""
-    en = torch.tensor([1 if r > 0 else 0 for r in case.slot_ranks] + [0], dtype=torch.int32)
+    en = torch.tensor([1 if r > 0 else 0 for r in case.slot_ranks] + [0], dtype=torch.int32, device=device)
     if case.mapping == "disabled":
         en[0] = 0
     return en
@@ -109,23 +121,24 @@ def adapter_enabled_for(case: Case) -> torch.Tensor:
 
 def make_lora_stack(case: Case, g: torch.Generator, *, num_slices: int, K: int, N: int, E_local: int,
                     dtype: torch.dtype):
-    """S x A (L, E|1, R, K) and S x B (L, E|1, N, R): slot ranks zero-padded to max_rank.
+    """S x A (L, E|1, R, K) and S x B (L, E|1, N, R): slot ranks zero-padded to max_rank (on g's device).
 
     A shared factor is made with expert-dim 1 and handed over as a stride-0 expanded view, as
     production's LoRA mixin does.
     """
     L, R = case.max_loras, case.max_rank
+    dev = g.device
     Ea = 1 if case.shared_a else E_local
     Eb = 1 if case.shared_b else E_local
     A_list, B_list = [], []
     for _ in range(num_slices):
-        A = torch.zeros(L, Ea, R, K, dtype=torch.float64)
-        B = torch.zeros(L, Eb, N, R, dtype=torch.float64)
+        A = torch.zeros(L, Ea, R, K, dtype=torch.float64, device=dev)
+        B = torch.zeros(L, Eb, N, R, dtype=torch.float64, device=dev)
         for l, r in enumerate(case.slot_ranks):
             if r == 0:
                 continue
-            A[l, :, :r, :] = torch.randn(Ea, r, K, generator=g, dtype=torch.float64) / math.sqrt(K)
-            B[l, :, :, :r] = torch.randn(Eb, N, r, generator=g, dtype=torch.float64) / math.sqrt(r)
+            A[l, :, :r, :] = torch.randn(Ea, r, K, generator=g, dtype=torch.float64, device=dev) / math.sqrt(K)
+            B[l, :, :, :r] = torch.randn(Eb, N, r, generator=g, dtype=torch.float64, device=dev) / math.sqrt(r)
         A, B = A.to(dtype), B.to(dtype)
         if case.shared_a:
             A = A.expand(L, E_local, R, K)
@@ -187,39 +200,42 @@ class OpInputs:
         return OpInputs(case=self.case, num_active_loras=self.num_active_loras, **kw)
 
 
-def expert_map_for(E: int, ep_size: int, ep_rank: int) -> torch.Tensor:
+def expert_map_for(E: int, ep_size: int, ep_rank: int, device="cpu") -> torch.Tensor:
     """Linear EP split: global expert -> local id on this rank, -1 elsewhere."""
     local = E // ep_size
-    m = torch.full((E,), -1, dtype=torch.int32)
-    m[ep_rank * local:(ep_rank + 1) * local] = torch.arange(local, dtype=torch.int32)
+    m = torch.full((E,), -1, dtype=torch.int32, device=device)
+    m[ep_rank * local:(ep_rank + 1) * local] = torch.arange(local, dtype=torch.int32, device=device)
     return m
 
 
 def build_op_inputs(case: Case, device="cpu") -> OpInputs:
-    """Tensors for an op-level case; the align (sorted layout) is the reference's, exact."""
+    """Tensors for an op-level case on `device` (drawn there when it is a CUDA device: `build_device`); the align
+    (sorted layout) is the reference's, exact. num_active_loras stays on the CPU, as in production."""
     probs = case.problems()
     if probs:
         raise ValueError(f"malformed case {case.to_json()}: " + "; ".join(probs))
     if case.level != "op":
         raise ValueError(f"build_op_inputs needs an op-level case, got level={case.level!r}")
     dt = torch_dtype(case)
+    at = build_device(device)
     T, k = case.T, case.top_k
-    w, ids = make_routing(case, _gen(case, 1))
-    mapping = make_token_lora_mapping(case, _gen(case, 2))
-    enabled = adapter_enabled_for(case)
-    A, B = make_lora_stack(case, _gen(case, 3), num_slices=case.num_slices, K=case.K, N=case.N,
+    w, ids = make_routing(case, _gen(case, 1, at))
+    mapping = make_token_lora_mapping(case, _gen(case, 2, at))
+    enabled = adapter_enabled_for(case, at)
+    A, B = make_lora_stack(case, _gen(case, 3, at), num_slices=case.num_slices, K=case.K, N=case.N,
                            E_local=case.local_experts, dtype=dt)
-    g = _gen(case, 4)
+    g = _gen(case, 4, at)
     rows = T * k if case.mul_routed_weight else T
-    x = with_negative_zeros(case, scale_inputs(case, torch.randn(rows, case.K, generator=g),
+    x = with_negative_zeros(case, scale_inputs(case, torch.randn(rows, case.K, generator=g, device=at),
                                                k if case.mul_routed_weight else 1).to(dt), 6)
     # the buffer's prior values at the inputs' scale, so the delta stays about as large as what it is added to
     # (with add_inputs and subnormal inputs, the sum is subnormal too: where a flush-to-zero kernel shows)
-    output = with_negative_zeros(case, scale_prior(case, torch.randn(T, k, case.width, generator=g)).to(dt), 7)
+    output = with_negative_zeros(case, scale_prior(case, torch.randn(T, k, case.width, generator=g, device=at)).to(dt),
+                                 7)
     lora_ids = ref_align.active_lora_ids(mapping, case.max_loras)
     n_active = case.max_loras + 1 if case.active_loras == "all" else int(torch.unique(mapping).numel())
     num_active = torch.tensor([n_active], dtype=torch.int32)
-    expert_map = expert_map_for(case.E, case.ep_size, case.ep_rank) if case.ep_size > 1 else None
+    expert_map = expert_map_for(case.E, case.ep_size, case.ep_rank, at) if case.ep_size > 1 else None
     if case.layout == "naive":
         sorted_ids = ntpp = None
         expert_ids = ids.reshape(-1).clone()
@@ -235,7 +251,7 @@ def build_op_inputs(case: Case, device="cpu") -> OpInputs:
                    sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=ntpp,
                    token_lora_mapping=mapping, lora_ids=lora_ids, num_active_loras=num_active,
                    adapter_enabled=enabled, expert_map=expert_map)
-    return inp if str(device) == "cpu" else inp.to(device)
+    return inp if torch.device(device) == at else inp.to(device)
 
 
 @dataclass
@@ -275,8 +291,22 @@ class ExpertInputs:
                 ("w13_q", "w13_scales", "w2_q", "w2_scales"), [mv(t) for t in self.quantized]))))
 
 
-def build_expert_inputs(case: Case) -> ExpertInputs:
-    """CPU tensors for an expert-level case (base weights, biases, routing, packed LoRA)."""
+def expert_weights(g: torch.Generator, E: int, N: int, K: int, dtype: torch.dtype, *, per_expert: bool) -> torch.Tensor:
+    """(E, N, K) base weights randn / sqrt(K) in `dtype`, on g's device. `per_expert`: drawn one expert at a time,
+    so only one expert ever exists in float64 (a CUDA build: a DeepSeek-V3 layer's w13 in one float64 draw is 60
+    GB); else in one draw, the values the CPU has always given (a split draw gives other values)."""
+    dev = g.device
+    if not per_expert:
+        return (torch.randn(E, N, K, generator=g, dtype=torch.float64, device=dev) / math.sqrt(K)).to(dtype)
+    w = torch.empty(E, N, K, dtype=dtype, device=dev)
+    for e in range(E):
+        w[e] = torch.randn(N, K, generator=g, dtype=torch.float64, device=dev) / math.sqrt(K)
+    return w
+
+
+def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
+    """Tensors for an expert-level case (base weights, biases, routing, packed LoRA), on `build_device(device)`:
+    drawn on a CUDA device, else on the CPU (`call(device)` moves them)."""
     from moe_lora_harness.reference.activations import is_gated
     from moe_lora_harness.reference.adapters import ExpertAdapter, pack_moe_lora
     probs = case.problems()
@@ -285,14 +315,16 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
     if case.level != "expert":
         raise ValueError(f"build_expert_inputs needs an expert-level case, got level={case.level!r}")
     dt = torch_dtype(case)
+    at = build_device(device)
+    per_expert = at.type == "cuda"
     gated = is_gated(case.activation)
     T, H, I, k = case.T, case.H, case.I, case.top_k
     El = case.E if case.dispatched else case.local_experts   # dispatched EP: the global layer (ranks slice it)
     N1 = 2 * I if gated else I
-    g = _gen(case, 11)
-    hidden = with_negative_zeros(case, scale_inputs(case, torch.randn(T, H, generator=g)).to(dt), 13)
-    w13 = (torch.randn(El, N1, H, generator=g, dtype=torch.float64) / math.sqrt(H)).to(dt)
-    w2 = (torch.randn(El, H, I, generator=g, dtype=torch.float64) / math.sqrt(I)).to(dt)
+    g = _gen(case, 11, at)
+    hidden = with_negative_zeros(case, scale_inputs(case, torch.randn(T, H, generator=g, device=at)).to(dt), 13)
+    w13 = expert_weights(g, El, N1, H, dt, per_expert=per_expert)
+    w2 = expert_weights(g, El, H, I, dt, per_expert=per_expert)
     quantized = ()
     if case.quant != "none":   # snap to the quantization grid; the reference uses the dequantized weights
         from moe_lora_harness.reference.quant import dequantize, quantize
@@ -300,20 +332,22 @@ def build_expert_inputs(case: Case) -> ExpertInputs:
         q2, s2 = quantize(w2, case.quant, dt)
         w13, w2 = dequantize(q13, s13, case.quant, dt), dequantize(q2, s2, case.quant, dt)
         quantized = (q13, s13, q2, s2)
-    b13 = (0.5 * torch.randn(El, N1, generator=g)).to(dt) if case.bias else None
-    b2 = (0.5 * torch.randn(El, H, generator=g)).to(dt) if case.bias else None
-    w, ids = make_routing(case, _gen(case, 1))
-    mapping = make_token_lora_mapping(case, _gen(case, 2))
-    expert_map = (expert_map_for(case.E, case.ep_size, case.ep_rank)
+    b13 = (0.5 * torch.randn(El, N1, generator=g, device=at)).to(dt) if case.bias else None
+    b2 = (0.5 * torch.randn(El, H, generator=g, device=at)).to(dt) if case.bias else None
+    w, ids = make_routing(case, _gen(case, 1, at))
+    mapping = make_token_lora_mapping(case, _gen(case, 2, at))
+    expert_map = (expert_map_for(case.E, case.ep_size, case.ep_rank, at)
                   if case.ep_size > 1 and not case.dispatched else None)
     stacked = None
     if case.lora:
-        ga = _gen(case, 12)
-        adapters = [None if r == 0 else ExpertAdapter.random(El, H, I, r, gated, scaling=ADAPTER_SCALING, generator=ga)
+        ga = _gen(case, 12, at)
+        adapters = [None if r == 0 else ExpertAdapter.random(El, H, I, r, gated, scaling=ADAPTER_SCALING, generator=ga,
+                                                             device=at)
                     for r in case.slot_ranks]
         stacked = pack_moe_lora(adapters, max_loras=case.max_loras, max_rank=case.max_rank, num_experts=El,
                                 hidden_size=H, intermediate_size=I, dtype=dt, gated=gated,
-                                shared_a=case.shared_a, shared_b=case.shared_b)
+                                shared_a=case.shared_a, shared_b=case.shared_b, device=at)
+        del adapters
         if case.mapping == "disabled":
             stacked.adapter_enabled[0] = 0
     return ExpertInputs(case, hidden, w13, w2, b13, b2, w, ids, stacked, mapping, expert_map, quantized)

@@ -73,13 +73,17 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
     (when `before` is given). `underflow` (the reference's exposure, None: no allowance) is in half
     subnormal spacings of `work_dtype`, the dtype the kernel rounds to (default `dtype`, the bound's).
+    Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
-    o = out.detach().to("cpu")
-    written = written.to("cpu").bool()
+    dev = truth.device
+    o = out.detach().to(dev)
+    written = written.to(dev).bool()
+    emulation, scale = emulation.to(dev), scale.to(dev)
+    underflow = underflow.to(dev) if underflow is not None else None
     if before is not None:
-        b = before.detach().to("cpu")
+        b = before.detach().to(dev)
         if o.dtype != b.dtype:
             return Verdict(False, "shape", f"output dtype {o.dtype} != the buffer's original dtype {b.dtype}")
         same = same_bits(o, b)

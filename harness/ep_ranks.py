@@ -243,7 +243,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         setup_failure = run_setup(spec)
         if setup_failure is not None:
             raise RuntimeError(setup_failure.message)
-        built = build_expert_inputs(case)
+        built = build_expert_inputs(case, device)     # drawn on this rank's GPU, as the judge draws on its own
         result["digest"] = inputs_digest(built)
         call = rank_call(built, case, rank, device, TorchDistributedCommunicator())
         watch = InputWatch()

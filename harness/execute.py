@@ -1,7 +1,8 @@
 """The backend side of a run: build a case's inputs on the device, call the backend, watch its inputs.
 
 `execute` runs wherever the backend runs: in the supervised worker process (harness/worker.py), or in
-the caller's process (`InProcess`). It returns an `Execution` of plain CPU data, which the judge
+the caller's process (`InProcess`). The inputs are drawn on the run's device (harness.builders.build_device),
+as the judge draws its own. It returns an `Execution` of plain CPU data, which the judge
 (harness/runner.py) compares with the float64 reference it computed on its own. The judge checks that
 the inputs the backend saw are the ones it judged (`built_digest`), and every input tensor handed to
 the backend is compared bit for bit before and after the call (`inputs_written`).
@@ -89,11 +90,15 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def inputs_digest(built) -> str:
-    """sha1 over every tensor of a built inputs record (names, shapes, dtypes, bytes): same digest, same inputs."""
+    """A digest of every tensor of a built inputs record (names, shapes, dtypes, bytes): same digest, same inputs.
+    On the CPU the sha1 of the bytes; a record with a tensor on another device is digested where it lies
+    (harness.tensor_digest: no copy of its bytes to the host)."""
+    named = [(name, t) for name, t in _tensors(built) if name != "case"]
+    if any(t.device.type != "cpu" for _, t in named):
+        from moe_lora_harness.harness.tensor_digest import digest
+        return "device:" + digest(named)
     h = hashlib.sha1()
-    for name, t in _tensors(built):
-        if name == "case":
-            continue
+    for name, t in named:
         c = _raw(t.cpu())
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         flat = c.numpy().reshape(-1)
@@ -124,10 +129,16 @@ def _sync(device: str):
         torch.cuda.synchronize()
 
 
+def release_device_memory(device) -> None:
+    """Hand the cached blocks of a CUDA device back to the driver (the judge and the worker share one GPU: what
+    one process's allocator keeps after a case, the other cannot use)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch):
-    built = build_op_inputs(case, "cpu")
-    digest = inputs_digest(built)
-    inp = built.to(device) if str(device) != "cpu" else built
+    inp = build_op_inputs(case, device)     # drawn on a CUDA device itself, as the judge's are
+    digest = inputs_digest(inp)
     if poison is not None:   # elements the contract neither reads nor must keep: NaN, so a missed write shows
         inp.output[poison.to(inp.output.device)] = float("nan")
     kw = inp.call_kwargs()
@@ -139,7 +150,7 @@ def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatc
 
 def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, launches: LaunchWatch):
     from moe_lora_harness.harness.expert_runner import run_tp_ranks
-    built = build_expert_inputs(case)
+    built = build_expert_inputs(case, device)     # drawn on a CUDA device itself, as the judge's are
     digest = inputs_digest(built)
     if case.dispatched:
         from moe_lora_harness.harness import ep_ranks
@@ -227,6 +238,9 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
     seconds = time.perf_counter() - t0
     written = watch.written() if failure is None else []
     cpu_out = out.detach().cpu().clone() if (out is not None and failure is None) else None
+    del out, watch
+    if failure is None or not failure.fatal:   # after a fatal device error the context is not touched again
+        release_device_memory(device)
     return Execution(cpu_out, failure, digest, written, seconds, launches=launches.launches)
 
 

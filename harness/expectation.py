@@ -1,34 +1,36 @@
 """What an output is judged against: an op-level case's float64 truth and the emulation of a declared rounding
 model (the expert level's: harness.expert_runner), and the elements compared at either level. The runner
-judges with them; the precision diagnosis (harness.diagnose) re-judges a failure against other models."""
+judges with them; the precision diagnosis (harness.diagnose) re-judges a failure against other models. Everything
+is computed where the inputs lie: on a CUDA run's device (the judge's own process), else on the CPU."""
 from __future__ import annotations
 
 import torch
 
-from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
+from moe_lora_harness.harness.builders import build_device, build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import precision as make_precision
 
 
-def op_reference(case: Case, cpu, precision_name: str | None = None):
+def op_reference(case: Case, inputs, precision_name: str | None = None):
     """The float64 truth with its magnitudes (precision_name None), or the emulation of `precision_name`
-    (its value only: every emulation is judged with the truth's magnitudes)."""
+    (its value only: every emulation is judged with the truth's magnitudes), on the inputs' device."""
     prec = (make_precision("exact", None) if precision_name is None
             else make_precision(precision_name, torch_dtype(case)))
-    return fused_moe_lora_expected(validate_call(**cpu.call_kwargs()), precision=prec,
+    return fused_moe_lora_expected(validate_call(**inputs.call_kwargs()), precision=prec,
                                    magnitudes=precision_name is None)
 
 
-def op_expectations(case: Case, backend_precision: str):
-    """(cpu inputs, truth, emulation) for an op-level case."""
-    cpu = build_op_inputs(case, "cpu")
-    return cpu, op_reference(case, cpu), op_reference(case, cpu, backend_precision)
+def op_expectations(case: Case, backend_precision: str, device="cpu"):
+    """(inputs, truth, emulation) for an op-level case, built and computed on `build_device(device)`."""
+    inputs = build_op_inputs(case, build_device(device))
+    return inputs, op_reference(case, inputs), op_reference(case, inputs, backend_precision)
 
 
 def judging(case: Case, truth) -> tuple:
     """(written mask, K+R, index names): what a case's output is compared over."""
     if case.level == "op":
         return truth.written, case.K + case.max_rank, ("t", "j", "col")
-    return torch.ones(case.T, case.H, dtype=torch.bool), case.H + case.I + case.max_rank, ("t", "h")
+    return (torch.ones(case.T, case.H, dtype=torch.bool, device=truth.value.device), case.H + case.I + case.max_rank,
+            ("t", "h"))

@@ -9,15 +9,46 @@ import torch
 from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec
-from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
+from moe_lora_harness.reference.activations import is_gated
+from moe_lora_harness.reference.experts import ExpertExpected, LoRAInputs, moe_experts_forward
 from moe_lora_harness.reference.precision import precision as make_precision
 from moe_lora_harness.reference.sharding import all_reduce_sum, sharded_experts_forward, tp_slice_base, tp_slice_lora
+
+
+# a CUDA judge runs the forward over chunks of tokens whose float64 intermediates hold at most this many values
+# per (pair, width) array: a DeepSeek-V3 layer at 16384 tokens needs about 190 GB in one piece, about 45 in chunks
+PAIR_VALUES_PER_CHUNK = 1 << 28
+
+
+def token_chunk(case: Case) -> int:
+    """Tokens per piece of a CUDA judge's forward: top_k pairs per token, each with float64 values at the widths
+    N1 (w13 out), I (activation) and H (w2 out); a function of the case alone, so a REPRO computes the same."""
+    n1 = 2 * case.I if is_gated(case.activation) else case.I
+    return max(1, PAIR_VALUES_PER_CHUNK // (case.top_k * (n1 + case.I + case.H)))
+
+
+def _in_token_chunks(forward, chunk: int):
+    """`forward` run on consecutive slices of `chunk` tokens (every step of it is per token), the pieces of its
+    result concatenated: the same values up to the order of float64 sums inside the GEMMs."""
+    def chunked(hidden, w13, w2, topk_weights, topk_ids, *, lora=None, **kw):
+        pieces = []
+        for lo in range(0, hidden.shape[0], chunk):
+            s = slice(lo, lo + chunk)
+            part_lora = (None if lora is None
+                         else dataclasses.replace(lora, token_lora_mapping=lora.token_lora_mapping[s]))
+            pieces.append(forward(hidden[s], w13, w2, topk_weights[s], topk_ids[s], lora=part_lora, **kw))
+        return ExpertExpected(**{f.name: None if getattr(pieces[0], f.name) is None
+                                 else torch.cat([getattr(p, f.name) for p in pieces])
+                                 for f in dataclasses.fields(ExpertExpected)})
+    return chunked
 
 
 def expert_forward(case: Case, inp):
     """(forward, positional args, keywords) of the reference forward for an expert-level case's inputs: the
     layer's, or (tp_size > 1, dispatched EP) the sharded forward over every simulated rank, recombined with
-    the collectives. `precision` (and `magnitudes`, `semantics`) are the caller's."""
+    the collectives. `precision` (and `magnitudes`, `semantics`) are the caller's. On a CUDA device a case of more
+    than `token_chunk(case)` tokens is computed in pieces of that many (not dispatched EP, whose token split is
+    the ranks'); on the CPU in one piece, as always."""
     lora = LoRAInputs(inp.stacked, inp.token_lora_mapping) if inp.stacked is not None else None
     kw = dict(activation=case.activation, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, lora=lora,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
@@ -30,12 +61,16 @@ def expert_forward(case: Case, inp):
     else:
         forward = moe_experts_forward
         kw.update(expert_map=inp.expert_map)
+    chunk = token_chunk(case)
+    if inp.hidden.device.type == "cuda" and not case.dispatched and case.T > chunk:
+        forward = _in_token_chunks(forward, chunk)
     return forward, (inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids), kw
 
 
-def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False):
-    """(cpu inputs, truth, emulation) for an expert-level case; `emulation_only`: truth None."""
-    inp = build_expert_inputs(case)
+def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False, device="cpu"):
+    """(inputs, truth, emulation) for an expert-level case, built and computed on `build_device(device)` (a CUDA
+    device, else the CPU); `emulation_only`: truth None."""
+    inp = build_expert_inputs(case, device)
     forward, args, kw = expert_forward(case, inp)
     truth = None if emulation_only else forward(*args, precision=make_precision("exact", None), **kw)
     # the emulation's value only: it is judged with the truth's magnitudes

@@ -90,45 +90,72 @@ def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
 
 @dataclass
 class Expectation:
-    """The judge's side of a case: its own CPU inputs, the truth, the emulation, the poison mask."""
+    """The judge's side of a case: its own inputs, the truth, the emulation, the poison mask, all where the judge
+    computes (a CUDA run's device, else the CPU: harness.builders.build_device). A judge on a GPU releases the
+    inputs once the reference is computed (they are the size of the layer); `inputs` rebuilds them from the case,
+    bit for bit, if a failure's report needs them."""
 
-    inputs: object
+    built: object                              # the inputs, or None once released
     digest: str
     truth: object
     emulation: object
-    poison: torch.Tensor | None = None
+    poison: torch.Tensor | None = None         # on the CPU: it is sent to the worker
     before: torch.Tensor | None = None
     bound_dtype: torch.dtype | None = None     # the dtype whose epsilon the bound uses (the declared model's)
     precision: str = ""                        # the rounding model the backend declares for the case here
+    case: Case | None = None
+    device: str = "cpu"                        # where the inputs are (re)built
+
+    @property
+    def inputs(self):
+        if self.built is None:
+            self.built = _build(self.case, self.device)
+        return self.built
+
+    def release_inputs(self) -> None:
+        """Drop the inputs (the comparison needs only the truth, the emulation and `before`)."""
+        self.built = None
+
+
+def _build(case: Case, device):
+    from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs
+    return build_op_inputs(case, device) if case.level == "op" else build_expert_inputs(case, device)
 
 
 def expectations(spec: BackendSpec, case: Case, device: str) -> Expectation:
-    """Everything the judge needs before the backend runs on `device` (computed once for all reruns)."""
+    """Everything the judge needs before the backend runs on `device` (computed once for all reruns), computed on
+    that device when it is a CUDA device (in this process, never the backend's)."""
+    from moe_lora_harness.harness.builders import build_device
+    from moe_lora_harness.harness.execute import release_device_memory
     precision = spec.precision_for(case, device)
-    exp = _expectations(case, precision)
-    exp.precision = precision
+    at = str(build_device(device))
+    exp = _expectations(case, precision, at)
+    exp.precision, exp.case, exp.device = precision, case, at
     if exp.truth is not None:
         from moe_lora_harness.reference.precision import bound_dtype
         exp.bound_dtype = bound_dtype(precision, torch_dtype(case))
+    if at != "cpu":     # the worker needs the GPU next: keep the (T, H)-sized results, not the layer
+        exp.release_inputs()
+        release_device_memory(at)
     return exp
 
 
-def _expectations(case: Case, precision: str) -> Expectation:
+def _expectations(case: Case, precision: str, device: str = "cpu") -> Expectation:
     if case.level == "op":
-        cpu, truth, emu = op_expectations(case, precision)
-        digest = inputs_digest(cpu)   # before poisoning: the worker digests its inputs as built, too
+        inputs, truth, emu = op_expectations(case, precision, device)
+        digest = inputs_digest(inputs)   # before poisoning: the worker digests its inputs as built, too
         poison = None
-        before = cpu.output.clone()
+        before = inputs.output.clone()
         if not case.add_inputs:      # the contract does not read these: poison them so a missed write shows
-            poison = truth.written.clone()
-            before[poison] = float("nan")
-        return Expectation(cpu, digest, truth, emu, poison, before)
+            poison = truth.written.to("cpu", copy=True)
+            before[truth.written] = float("nan")
+        return Expectation(inputs, digest, truth, emu, poison, before)
     if must_reject(case) is not None:   # nothing to compute: the backend must refuse to run
         from moe_lora_harness.harness.builders import build_expert_inputs
-        inp = build_expert_inputs(case)
+        inp = build_expert_inputs(case, device)
         return Expectation(inp, inputs_digest(inp), None, None)
     from moe_lora_harness.harness.expert_runner import expert_expectations
-    inp, truth, emu = expert_expectations(case, precision)
+    inp, truth, emu = expert_expectations(case, precision, device=device)
     return Expectation(inp, inputs_digest(inp), truth, emu)
 
 

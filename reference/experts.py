@@ -74,8 +74,9 @@ class ExpertExpected:
     cache3: Tensor | None = None
 
 
-def _f64(name: str, t: Tensor | None, shape: tuple[int, ...] | None) -> Tensor | None:
-    """Float tensor -> float64, checking the shape; ValueError/TypeError names the argument."""
+def _f64(name: str, t: Tensor | None, shape: tuple[int, ...] | None, *, convert: bool = True) -> Tensor | None:
+    """Float tensor -> float64, checking the shape; ValueError/TypeError names the argument. `convert=False`: the
+    checks only (a layer's weights are converted one expert at a time: `_per_expert_gemm`)."""
     if t is None:
         return None
     if not isinstance(t, Tensor) or not t.is_floating_point():
@@ -83,7 +84,14 @@ def _f64(name: str, t: Tensor | None, shape: tuple[int, ...] | None) -> Tensor |
                         + (f" of shape {shape}" if shape else "") + f", got {getattr(t, 'dtype', type(t).__name__)}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    return t.to(_F64)
+    return t.to(_F64) if convert else t
+
+
+def _check_devices(device: torch.device, **tensors) -> None:
+    """Every given tensor on `device` (hidden's): a ValueError names the first that is elsewhere."""
+    for name, t in tensors.items():
+        if isinstance(t, Tensor) and t.device != device:
+            raise ValueError(f"{name} must be on hidden's device {device}, got {t.device}")
 
 
 def _int(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -96,22 +104,35 @@ def _int(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
     return t.to(torch.int64)
 
 
-def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | None = None) -> Tensor:
-    """Row p: x[p] @ w[experts[p]]^T for experts[p] >= 0, else 0. x (P, K), w (E, N, K) float64.
+def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | None = None, *,
+                     absolute: bool = False) -> Tensor:
+    """Row p: x[p] @ w[experts[p]]^T for experts[p] >= 0, else 0. x (P, K) float64, w (E, N, K) of any float dtype.
 
-    `prec` with an alternative GEMM model computes the products by `prec.mm` (None: exact float64)."""
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=_F64)
-    for e in torch.unique(experts).tolist():
-        if e < 0:
+    Only the weights of the expert in hand are converted to float64 (|w[e]| with `absolute`: a magnitude), so a
+    layer of many large experts never exists in float64 at once. Each expert's rows, in ascending order, are
+    found by one stable sort (one host sync for the counts, not one per expert). `prec` with an alternative GEMM
+    model computes the products by `prec.mm` (None: exact float64)."""
+    out = torch.zeros(x.shape[0], w.shape[1], dtype=_F64, device=x.device)
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts + 1, minlength=w.shape[0] + 1).tolist()   # [rows of -1 (not local), of 0, ...]
+    start = counts[0]
+    for e, c in enumerate(counts[1:]):
+        if c == 0:
             continue
-        m = experts == e
-        out[m] = x[m] @ w[e].T if prec is None or prec.plain_gemm else prec.mm(x[m], w[e])
+        rows = order[start:start + c]
+        start += c
+        we = w[e].to(_F64)
+        if absolute:
+            we = we.abs()
+        xe = x[rows]
+        out[rows] = xe @ we.T if prec is None or prec.plain_gemm else prec.mm(xe, we)
+        del we, xe
     return out
 
 
 def _per_expert_rows(b: Tensor, experts: Tensor) -> Tensor:
     """Row p: b[experts[p]] (0 where experts[p] < 0). b (E, N) float64."""
-    out = torch.zeros(experts.shape[0], b.shape[1], dtype=_F64)
+    out = torch.zeros(experts.shape[0], b.shape[1], dtype=_F64, device=b.device)
     m = experts >= 0
     out[m] = b[experts[m]]
     return out
@@ -265,9 +286,11 @@ def forward_steps(
     k = int(topk_ids.shape[1])
     if k < 1:
         raise ValueError("topk_ids must have at least one column (top_k >= 1)")
+    _check_devices(hidden.device, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids, w13_bias=w13_bias,
+                   w2_bias=w2_bias, expert_map=expert_map)
     x = _f64("hidden", hidden, (T, H))
-    W13 = _f64("w13", w13, (E, N1, H))
-    W2 = _f64("w2", w2, (E, H, I))
+    W13 = _f64("w13", w13, (E, N1, H), convert=False)     # converted one expert at a time
+    W2 = _f64("w2", w2, (E, H, I), convert=False)
     b13 = _f64("w13_bias", w13_bias, (E, N1))
     b2 = _f64("w2_bias", w2_bias, (E, H))
     if (not isinstance(topk_weights, Tensor) or not topk_weights.is_floating_point()
@@ -294,7 +317,8 @@ def forward_steps(
 
     P = T * k
     e_flat = local.reshape(P)
-    tok = torch.arange(P) // k
+    dev = x.device
+    tok = torch.arange(P, device=dev) // k
     w_pair = w64.reshape(P, 1)
 
     # underflow exposure (`under*`): every rounding point adds 1, linear steps carry it by absolute values
@@ -307,14 +331,16 @@ def forward_steps(
     cache1 = prec.r(c1).reshape(T, k, N1)
     scale1 = under1 = None
     if magnitudes:
-        s1 = _per_expert_gemm(xr.abs(), W13.abs(), e_flat)
+        s1 = _per_expert_gemm(xr.abs(), W13, e_flat, absolute=True)
         u1 = torch.ones_like(s1)                                # cache1's own rounding
         if apply_router_weight_on_input:                        # r(w), then r(x * r(w)), through |w13|
-            u1 = u1 + _per_expert_gemm(1.0 + x[tok].abs(), W13.abs(), e_flat)
+            u1 = u1 + _per_expert_gemm(1.0 + x[tok].abs(), W13, e_flat, absolute=True)
         if b13 is not None:
             s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
         scale1 = s1.reshape(T, k, N1)
         under1 = u1.reshape(T, k, N1)
+        del s1, u1
+    del x_in, xr, c1      # (P, H) and (P, N1) float64: freed as soon as they are spent (production sizes)
 
     layout = None
     coll = lora_collectives or LoRACollectives()
@@ -325,6 +351,10 @@ def forward_steps(
             raise TypeError(f"lora must be a LoRAInputs, got {type(lora).__name__}")
         st = lora.stacked
         _check_lora(st, E, H, I, spec.gated, sharded=lora_collectives is not None)
+        _check_devices(dev, **{"lora.token_lora_mapping": lora.token_lora_mapping,
+                               "lora.stacked.adapter_enabled": st.adapter_enabled},
+                       **{f"lora.stacked.{n}[{i}]": t for n in ("w13_a", "w13_b", "w2_a", "w2_b")
+                          for i, t in enumerate(getattr(st, n))})
         if st.w2_b[0].shape[2] + w2_lora_offset > H:
             raise ValueError(f"w2_lora_offset={w2_lora_offset} + w2_b rows {st.w2_b[0].shape[2]} exceeds H={H}")
         layout = _layout(lora, local, T, k)
@@ -339,7 +369,7 @@ def forward_steps(
         # w13 LoRA (x row = token, unweighted hidden states, mul_routed_weight False)
         if spec.interleaved and st.num_slices == 2:
             # delta computed in split layout into a zeroed dt buffer, then added interleaved: r(c + r(d))
-            zeros = torch.zeros(T, k, 2 * I, dtype=_F64)
+            zeros = torch.zeros(T, k, 2 * I, dtype=_F64, device=dev)
             d, m, du = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32, layout,
                                               k, mul13, 0, prec, w13_join, add_inputs=False)
             cache1 = prec.r(cache1 + _interleave(d, I))
@@ -351,6 +381,7 @@ def forward_steps(
                                                        w32, layout, k, mul13, 0, prec, w13_join)
             if magnitudes:
                 scale1 = scale1 + m
+        del x13, x_abs, x_zero
 
     # activation
     a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
@@ -358,6 +389,9 @@ def forward_steps(
     if magnitudes:
         s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
         under2 = activation_scale(cache1.reshape(P, N1), under1.reshape(P, N1), spec.name, own=False) + 1.0
+    del scale1, under1
+    if not return_intermediates:
+        del cache1
 
     # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input)
     c3 = _per_expert_gemm(a, W2, e_flat, prec)
@@ -367,17 +401,19 @@ def forward_steps(
     if weight_out:
         c3 = w_pair * c3
     cache3 = prec.r(c3).reshape(T, k, H)
+    del c3
     scale3 = under3 = None
     if magnitudes:
-        s3 = _per_expert_gemm(s2, W2.abs(), e_flat)
+        s3 = _per_expert_gemm(s2, W2, e_flat, absolute=True)
         if b2 is not None:
             s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
-        u3 = _per_expert_gemm(under2, W2.abs(), e_flat)
+        u3 = _per_expert_gemm(under2, W2, e_flat, absolute=True)
         if weight_out:
             s3 = w_pair.abs() * s3
             u3 = w_pair.abs() * u3
         scale3 = s3.reshape(T, k, H)
         under3 = (u3 + 1.0).reshape(T, k, H)
+        del s3, u3
 
     # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
     if lora is not None:
@@ -388,6 +424,9 @@ def forward_steps(
                                                    layout, k, True, w2_lora_offset, prec, w2_join)
         if magnitudes:
             scale3 = scale3 + m
+    del s2, under2
+    if not return_intermediates:
+        del a
 
     # moe_sum: fp32 accumulation (float64 here) of the k pair outputs, one rounding; non-local skipped
     keep = (local >= 0).to(_F64).unsqueeze(-1)
@@ -421,15 +460,16 @@ def _layout(lora: LoRAInputs, local: Tensor, T: int, k: int) -> PairLayout:
     st = lora.stacked
     L = st.max_loras
     mapping = _int("lora.token_lora_mapping", lora.token_lora_mapping, (T,)).to(torch.int32)
-    active = torch.full((L + 1,), -1, dtype=torch.int32)
+    dev = local.device
+    active = torch.full((L + 1,), -1, dtype=torch.int32, device=dev)
     uniq = torch.unique(mapping)
     active[:uniq.numel()] = uniq[: L + 1].to(torch.int32)
     layout = qualifying_pairs(
         None, local.reshape(-1).to(torch.int32), None, mapping, k, active,
-        torch.tensor([L + 1], dtype=torch.int32), st.adapter_enabled.to(torch.int32), T * k, L, 16,
+        L + 1, st.adapter_enabled.to(torch.int32), T * k, L, 16,
     )
     if lora.lora_ids is not None:
         allowed = {int(v) for v in lora.lora_ids.reshape(-1).tolist() if v >= 0}
-        keep = torch.tensor([int(l) in allowed for l in layout.lora.tolist()], dtype=torch.bool)
+        keep = torch.tensor([int(l) in allowed for l in layout.lora.tolist()], dtype=torch.bool, device=dev)
         layout = PairLayout(pair=layout.pair[keep], lora=layout.lora[keep], expert=layout.expert[keep])
     return layout

@@ -60,12 +60,34 @@ def rnd(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return _round_bits(x, bits, emin, torch.finfo(dtype).max)
 
 
+ROUND_CHUNK = 1 << 24   # elements per pass of _round_bits over a large tensor: its temporaries stay ~0.5 GiB
+
+
 def _round_bits(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:
+    """`_round_elements` over a large contiguous `x` in ROUND_CHUNK slices (every step is per element, so the bits
+    are the same; a production-size (T*k, H) float64 tensor would otherwise need several float64 temporaries)."""
+    if x.numel() <= ROUND_CHUNK or not x.is_contiguous():
+        return _round_elements(x, bits, emin, fmax, toward_zero)
+    out = torch.empty_like(x)
+    flat_in, flat_out = x.view(-1), out.view(-1)
+    for start in range(0, x.numel(), ROUND_CHUNK):
+        sl = slice(start, start + ROUND_CHUNK)
+        flat_out[sl] = _round_elements(flat_in[sl], bits, emin, fmax, toward_zero)
+    return out
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0 ** e for int64 exponents in float64's normal range, exact on every device: the bits are written
+    (CUDA's pow(2.0, e) is not exact; it made a GPU emulation round to values off the dtype's grid)."""
+    return ((e.clamp(-1022, 1023) + 1023) << 52).view(torch.float64)
+
+
+def _round_elements(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:
     """float64 `x` rounded (nearest-even) to `bits` significant bits, exponent >= emin (subnormals below),
     |values| above `fmax` to inf; `toward_zero`: truncated instead (the dropped bits cleared)."""
     _, ex = torch.frexp(x)  # x = m * 2**ex with 0.5 <= |m| < 1, so the leading bit is 2**(ex-1)
-    ulp_exp = torch.clamp(ex.to(torch.float64) - 1, min=emin) - (bits - 1)
-    ulp = torch.pow(2.0, ulp_exp)
+    ulp_exp = torch.clamp(ex.to(torch.int64) - 1, min=emin) - (bits - 1)
+    ulp = _pow2(ulp_exp)
     if toward_zero:
         y = torch.trunc(x / ulp) * ulp
     else:

@@ -19,31 +19,37 @@ def _scheme(name: str):
 
 
 def quantize(w: torch.Tensor, scheme: str, dtype: torch.dtype):
-    """w (E, N, K) -> (q int8 (E, N, K), scales dtype (E, N, K/group) or (E, N)).
+    """w (E, N, K) -> (q int8 (E, N, K), scales dtype (E, N, K/group) or (E, N)), on w's device.
 
-    Scales are amax / qmax per group (per channel for int8), stored in `dtype`, never zero.
+    Scales are amax / qmax per group (per channel for int8), stored in `dtype`, never zero. One expert at a
+    time (every step is per element or per group), so an fp32 copy of a whole layer never exists.
     """
     qmax, qmin, group = _scheme(scheme)
     if w.dim() != 3:
         raise ValueError(f"w must be (E, N, K); got shape {tuple(w.shape)}")
     E, N, K = w.shape
-    w32 = w.float()
-    if group is None:
-        amax = w32.abs().amax(dim=2)
-        scales = (amax / qmax).clamp_min(1e-8).to(dtype)
-        s = scales.float().unsqueeze(2)
-    else:
-        if K % group:
-            raise ValueError(f"{scheme} needs K (the input dim) divisible by {group}; got K={K}")
-        amax = w32.view(E, N, K // group, group).abs().amax(dim=3)
-        scales = (amax / qmax).clamp_min(1e-8).to(dtype)
-        s = scales.float().repeat_interleave(group, dim=2)
-    q = torch.clamp(torch.round(w32 / s), qmin, qmax).to(torch.int8)
+    if group is not None and K % group:
+        raise ValueError(f"{scheme} needs K (the input dim) divisible by {group}; got K={K}")
+    q = torch.empty((E, N, K), dtype=torch.int8, device=w.device)
+    scales = torch.empty((E, N) if group is None else (E, N, K // group), dtype=dtype, device=w.device)
+    for e in range(E):
+        w32 = w[e].float()
+        if group is None:
+            scales[e] = (w32.abs().amax(dim=1) / qmax).clamp_min(1e-8).to(dtype)
+            s = scales[e].float().unsqueeze(1)
+        else:
+            amax = w32.view(N, K // group, group).abs().amax(dim=2)
+            scales[e] = (amax / qmax).clamp_min(1e-8).to(dtype)
+            s = scales[e].float().repeat_interleave(group, dim=1)
+        q[e] = torch.clamp(torch.round(w32 / s), qmin, qmax).to(torch.int8)
     return q, scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
-    """(q, scales) -> weights in `dtype`: fp32(q) * fp32(scale), rounded once."""
+    """(q, scales) -> weights in `dtype`: fp32(q) * fp32(scale), rounded once (one expert at a time)."""
     _, _, group = _scheme(scheme)
-    s = scales.float().unsqueeze(2) if group is None else scales.float().repeat_interleave(group, dim=2)
-    return (q.float() * s).to(dtype)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for e in range(q.shape[0]):
+        s = scales[e].float().unsqueeze(1) if group is None else scales[e].float().repeat_interleave(group, dim=1)
+        out[e] = (q[e].float() * s).to(dtype)
+    return out

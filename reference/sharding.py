@@ -135,8 +135,9 @@ def tp_slice_lora(stacked: StackedMoELoRA, tp_size: int, tp_rank: int, fully_sha
 # Expert parallelism
 # ----------------------------------------------------------------------------------------------
 
-def ep_expert_map(num_experts_global: int, ep_size: int, ep_rank: int, *, allow_uneven: bool = False) -> Tensor:
-    """int32 (E_global,) map global expert id -> local id on `ep_rank`, -1 where not local.
+def ep_expert_map(num_experts_global: int, ep_size: int, ep_rank: int, *, allow_uneven: bool = False,
+                  device: torch.device | str | None = None) -> Tensor:
+    """int32 (E_global,) map global expert id -> local id on `ep_rank`, -1 where not local (on `device`; None: CPU).
 
     Linear split as vLLM's `determine_expert_map("linear")`: rank r owns experts from
     r*base + min(r, remainder). With LoRA the adapter slicing keeps [r*E/ep, (r+1)*E/ep), which
@@ -153,8 +154,8 @@ def ep_expert_map(num_experts_global: int, ep_size: int, ep_rank: int, *, allow_
             "(spec 4.1 'uneven split caveat'); pass allow_uneven=True only for base weights without LoRA")
     start = ep_rank * base + min(ep_rank, rem)
     count = base + (1 if ep_rank < rem else 0)
-    emap = torch.full((num_experts_global,), -1, dtype=torch.int32)
-    emap[start:start + count] = torch.arange(count, dtype=torch.int32)
+    emap = torch.full((num_experts_global,), -1, dtype=torch.int32, device=device)
+    emap[start:start + count] = torch.arange(count, dtype=torch.int32, device=device)
     return emap
 
 
@@ -222,7 +223,7 @@ def all_reduce_sum(parts: Sequence[Tensor], dtype: torch.dtype | None = None) ->
     shapes = {tuple(p.shape) for p in parts}
     if len(shapes) != 1:
         raise ValueError(f"all_reduce_sum: parts must share one shape, got {sorted(shapes)}")
-    total = torch.zeros(parts[0].shape, dtype=torch.float64)
+    total = torch.zeros(parts[0].shape, dtype=torch.float64, device=parts[0].device)
     for p in parts:
         total = total + p.to(torch.float64)
     if dtype is not None:
@@ -403,7 +404,7 @@ def _ep_forward(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, lora
                                                  None if mapping is None else chunks(mapping))
     outs = []
     for rank in range(ep_size):
-        emap = ep_expert_map(E, ep_size, rank)
+        emap = ep_expert_map(E, ep_size, rank, device=hidden.device)
         w13_r, w2_r, (b13_r, b2_r) = ep_slice_base(w13, w2, (w13_bias, w2_bias), ep_size, rank)
         lora_r = None
         if lora is not None:

@@ -1,0 +1,315 @@
+"""Fingerprints of the judge's CPU work on a spread of op and expert cases (inputs, digest, truth, emulations,
+verdicts), RECORDED before the judge learned to build and compute on a CUDA device: on the CPU every bit must
+stay as it was (suites/harness/test_judge_device.py). `python -m moe_lora_harness.suites.harness.judge_golden`
+prints the current fingerprints as JSON."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+from moe_lora_harness.harness.case import Case
+
+EMULATIONS = ("one_shot", "small_batch")   # two rounding models: one rounds the rank intermediate, one not
+
+CASES = [Case.from_json(js) for js in (
+    "{}",
+    '{"H":40,"I":24,"T":17,"dtype":"float32","mul_routed_weight":true,"num_slices":1,"seed":5,"which":"w2"}',
+    '{"T":9,"layout":"naive","mapping":"mixed","max_loras":3,"ranks":[1,4,8],"seed":11}',
+    '{"T":13,"E":6,"top_k":3,"dtype":"bfloat16","shared_a":true,"shared_b":true,"routing":"skewed","seed":2}',
+    '{"T":11,"E":8,"ep_size":2,"ep_rank":1,"mapping":"skewed","active_loras":"unique","seed":3}',
+    '{"T":10,"add_inputs":false,"offset":8,"num_slices":1,"dtype":"float32","seed":4}',
+    '{"T":12,"fully_sharded":true,"max_rank":16,"ranks":[16,4],"seed":6}',
+    '{"T":8,"magnitude":4.0,"outliers":2,"mapping":"disabled","block_size_m":32,"seed":7}',
+    '{"T":0,"seed":8}',
+    '{"level":"expert"}',
+    '{"T":17,"activation":"swigluoai","bias":true,"dtype":"float32","level":"expert","seed":3}',
+    '{"E":8,"T":6,"activation":"relu2_no_mul","ep_size":2,"ep_tokens":[2,4],"level":"expert","seed":7}',
+    '{"level":"expert","T":9,"tp_size":2,"bias":true,"activation":"gelu","seed":9}',
+    '{"level":"expert","T":7,"tp_size":2,"fully_sharded":true,"max_rank":8,"ranks":[8,2],"seed":10}',
+    '{"level":"expert","T":6,"H":128,"I":128,"quant":"int4_g128","dtype":"bfloat16","seed":11}',
+    '{"level":"expert","T":6,"quant":"int8_channel","mapping":"mixed","seed":12}',
+    '{"level":"expert","T":5,"top_k":1,"apply_router_weight_on_input":true,"dtype":"float32","seed":13}',
+    '{"level":"expert","T":9,"E":8,"ep_size":2,"ep_rank":1,"shared_a":true,"seed":14}',
+    '{"level":"expert","T":8,"lora":false,"activation":"silu_no_mul","seed":15}',
+    '{"level":"expert","T":10,"magnitude":8.0,"outliers":2,"activation":"swiglustep","dtype":"bfloat16","seed":16}',
+    '{"level":"expert","T":6,"mapping":"disabled","activation":"situ","max_loras":3,"ranks":[4,0,8],"seed":17}',
+)]
+
+
+def _sha(tensors) -> str:
+    """sha1 over (name, shape, dtype, bytes) of (name, tensor) pairs, written independently of harness.execute."""
+    h = hashlib.sha1()
+    for name, t in tensors:
+        if t is None:
+            h.update(f"{name}:None;".encode())
+            continue
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        if t.dtype == torch.bfloat16:
+            t = t.view(torch.int16)
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _fields(obj, prefix=""):
+    if isinstance(obj, torch.Tensor) or obj is None:
+        yield prefix, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _fields(v, f"{prefix}[{i}]")
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            if f.name != "case":
+                yield from _fields(getattr(obj, f.name), f"{prefix}.{f.name}")
+
+
+def _expected(obj) -> str:
+    return _sha((n, t) for n, t in _fields(obj) if n.split(".")[-1] in (
+        "value", "scale", "underflow", "written"))
+
+
+def _off_by_2_pow_6(spec):
+    """`spec` with every output scaled by 1 + 2^-6 after the call: a failing verdict, fingerprinted too."""
+    def op(**kw):
+        spec.op(**kw)
+        kw["output"].mul_(1 + 2.0 ** -6)
+
+    def experts(call):
+        spec.experts(call)
+        call.output.mul_(1 + 2.0 ** -6)
+    return dataclasses.replace(spec, name="eager_off", op=op, experts=experts, origin="")
+
+
+def _verdict(outcome) -> str:
+    """status/kind/a digest of the verdict's exact numbers (aggregate ratio, worst ratio, worst elements)."""
+    v = outcome.verdict
+    numbers = "" if v is None else f"{float(v.ratio).hex()} {float(v.max_ulps).hex()} {v.worst!r}"
+    return f"{outcome.status}/{outcome.kind}/{hashlib.sha1(numbers.encode()).hexdigest()[:16]}"
+
+
+def fingerprint(case: Case) -> dict:
+    """What the judge makes of `case` on the CPU, as hex digests and exact floats."""
+    from moe_lora_harness.backends.eager import BACKEND as EAGER
+    from moe_lora_harness.harness.execute import InProcess, inputs_digest
+    from moe_lora_harness.harness.runner import expectations, run_case
+    out: dict = {}
+    exp = expectations(EAGER, case, "cpu")
+    out["tensors"] = _sha(_fields(exp.inputs))
+    out["digest"] = exp.digest
+    out["truth"] = _expected(exp.truth)
+    if case.level == "op":
+        from moe_lora_harness.harness.expectation import op_expectations
+        for name in EMULATIONS:
+            cpu, _, emu = op_expectations(case, name)
+            out[f"emulation:{name}"] = _expected(emu)
+            assert inputs_digest(cpu) == exp.digest
+    else:
+        from moe_lora_harness.harness.expert_runner import expert_expectations
+        for name in EMULATIONS:
+            out[f"emulation:{name}"] = _expected(expert_expectations(case, name, emulation_only=True)[2])
+    ex = InProcess()
+    out["verdict:eager"] = _verdict(run_case(EAGER, case, "cpu", executor=ex, reruns=0, diagnose=False, probe=True))
+    out["verdict:eager_off"] = _verdict(run_case(_off_by_2_pow_6(EAGER), case, "cpu", executor=ex, reruns=0, probe=True,
+                                                 diagnose=False))
+    return out
+
+
+# recorded 2026-12 at commit eed3c6c, before the judge ran on the device (the CPU must keep every bit)
+RECORDED = {
+    '{"E":6,"T":13,"dtype":"bfloat16","routing":"skewed","seed":2,"shared_a":true,"shared_b":true,"top_k":3}': {
+        'digest': 'c26252f1a563d95bf0bd1bbbf962f7e4947f6f75',
+        'emulation:one_shot': '5606e617abc74c1b',
+        'emulation:small_batch': 'c90ff2e69750ef03',
+        'tensors': '4cb19e480c08ff8d',
+        'truth': '47e2215b75acd39b',
+        'verdict:eager': 'pass//91788e1f4aa27298',
+        'verdict:eager_off': 'fail/aggregate/65cd6a5d2e800870',
+    },
+    '{"E":8,"T":11,"active_loras":"unique","ep_rank":1,"ep_size":2,"mapping":"skewed","seed":3}': {
+        'digest': '99c4a606fc70c20377b016e33639bd936d17984a',
+        'emulation:one_shot': 'b827ca47488395a6',
+        'emulation:small_batch': '5860652e1554dae8',
+        'tensors': '528132dc7c4020c9',
+        'truth': '4b32ed66259db696',
+        'verdict:eager': 'pass//e34cd4169e0638e4',
+        'verdict:eager_off': 'fail/untouched/73605c4857ff9fe2',
+    },
+    '{"E":8,"T":6,"activation":"relu2_no_mul","ep_size":2,"ep_tokens":[2,4],"level":"expert","seed":7}': {
+        'digest': '20a532ed5160a03f528121cb4381767c8c1bcb72',
+        'emulation:one_shot': '5fd50cca4e507fd5',
+        'emulation:small_batch': '9bb60e1e9cce92d5',
+        'tensors': 'd14e4d915acb8eec',
+        'truth': '5c02d6526b144000',
+        'verdict:eager': 'unsupported/raised/da39a3ee5e6b4b0d',
+        'verdict:eager_off': 'unsupported/raised/da39a3ee5e6b4b0d',
+    },
+    '{"E":8,"T":9,"ep_rank":1,"ep_size":2,"level":"expert","seed":14,"shared_a":true}': {
+        'digest': 'f354734c922443c4ab8e039200d58e4325451587',
+        'emulation:one_shot': '2e38faed0e7399cd',
+        'emulation:small_batch': '8ba5b69a3f772ef4',
+        'tensors': 'cf04cc0896cb4a24',
+        'truth': '48769a7f3ccd29e7',
+        'verdict:eager': 'pass//7e2299ab41947709',
+        'verdict:eager_off': 'fail/aggregate/e2a785815ed0d0b7',
+    },
+    '{"H":128,"I":128,"T":6,"dtype":"bfloat16","level":"expert","quant":"int4_g128","seed":11}': {
+        'digest': '39f1580b75eebc31c6421496dd40869a9823c794',
+        'emulation:one_shot': 'a8b769fdbb99529a',
+        'emulation:small_batch': '10504867073a3722',
+        'tensors': 'c89fb1ba2ef0a738',
+        'truth': 'ba433e63940349a3',
+        'verdict:eager': 'works-unclaimed//b6cf329aca6a7606',
+        'verdict:eager_off': 'unsupported/aggregate/1a1d0666b9b81f97',
+    },
+    '{"H":40,"I":24,"T":17,"dtype":"float32","mul_routed_weight":true,"num_slices":1,"seed":5,"which":"w2"}': {
+        'digest': 'b5be41b41da084a5827ee01dfa74031dc041c720',
+        'emulation:one_shot': '68dc9668cdc0d65f',
+        'emulation:small_batch': 'fed9c98eeb96e49e',
+        'tensors': 'd5053755dc45139f',
+        'truth': '38948cc424f70680',
+        'verdict:eager': 'pass//8b0748b190b0b7b0',
+        'verdict:eager_off': 'fail/element/385d224d42231e03',
+    },
+    '{"T":0,"seed":8}': {
+        'digest': 'c33d1d44f645a9b4ae03b8fd61625cc8f139c79d',
+        'emulation:one_shot': 'e803be9d125c6102',
+        'emulation:small_batch': 'e803be9d125c6102',
+        'tensors': '928ca0989f0ed069',
+        'truth': 'cbf605854d568812',
+        'verdict:eager': 'pass//73605c4857ff9fe2',
+        'verdict:eager_off': 'pass//73605c4857ff9fe2',
+    },
+    '{"T":10,"activation":"swiglustep","dtype":"bfloat16","level":"expert","magnitude":8.0,"outliers":2,"seed":16}': {
+        'digest': '52a144f36abc795239e0e6011f1bb793213ae817',
+        'emulation:one_shot': 'ebd89e4f4d2244aa',
+        'emulation:small_batch': '6d18a6bfaf7225a0',
+        'tensors': '793068fcdcef616e',
+        'truth': '2666c3422df55716',
+        'verdict:eager': 'pass//65c3b3e46a3b913c',
+        'verdict:eager_off': 'pass//208f16c131db83b4',
+    },
+    '{"T":10,"add_inputs":false,"dtype":"float32","num_slices":1,"offset":8,"seed":4}': {
+        'digest': 'abd8055c4411e95593e0249944ce78b098defff3',
+        'emulation:one_shot': '95c3e5aae7bec519',
+        'emulation:small_batch': '7baf77460bdde23d',
+        'tensors': '1bbd5e56e9e82bf3',
+        'truth': '012c7dd98a351703',
+        'verdict:eager': 'pass//6d80b64cdd7d1013',
+        'verdict:eager_off': 'fail/untouched/73605c4857ff9fe2',
+    },
+    '{"T":12,"fully_sharded":true,"max_rank":16,"ranks":[16,4],"seed":6}': {
+        'digest': '7978bfca281283757ee1c3d162e8c4e7c9ffecd5',
+        'emulation:one_shot': '34b7f8167a46406c',
+        'emulation:small_batch': 'b2e2b09ea527e175',
+        'tensors': 'a4fd22f8d81822fb',
+        'truth': '8a54e26f91c709d2',
+        'verdict:eager': 'pass//fa58f81dc33617fe',
+        'verdict:eager_off': 'fail/element/d494a80c7c1db995',
+    },
+    '{"T":17,"activation":"swigluoai","bias":true,"dtype":"float32","level":"expert","seed":3}': {
+        'digest': '5098558b88c2d88f728213e6636840205fefffdf',
+        'emulation:one_shot': '8108540bc9eecf68',
+        'emulation:small_batch': '73d864d087cc05df',
+        'tensors': '21df010af855869d',
+        'truth': 'abbf9565fefcfdfa',
+        'verdict:eager': 'pass//f49c1246bdef505d',
+        'verdict:eager_off': 'fail/element/f851850a51029420',
+    },
+    '{"T":5,"apply_router_weight_on_input":true,"dtype":"float32","level":"expert","seed":13,"top_k":1}': {
+        'digest': '778650b7fc16c24cc22e9366dbfab6dfae3c2a00',
+        'emulation:one_shot': 'acac5395328570de',
+        'emulation:small_batch': 'e6858c6303003b79',
+        'tensors': 'b021a5626c3d12c7',
+        'truth': '38a6c298d2c1ebe9',
+        'verdict:eager': 'pass//f25faf3fda34932b',
+        'verdict:eager_off': 'fail/element/c312788b7c3d4491',
+    },
+    '{"T":6,"activation":"situ","level":"expert","mapping":"disabled","max_loras":3,"ranks":[4,0,8],"seed":17}': {
+        'digest': '9b54afa6c514b9f9f0d7690a03b7d1a2fa998c64',
+        'emulation:one_shot': '7bf09030554958d9',
+        'emulation:small_batch': '9efa26214a21805b',
+        'tensors': 'f2b58f9cba952b09',
+        'truth': '9152095e8d6025dd',
+        'verdict:eager': 'pass//c7c60022f2f5d98a',
+        'verdict:eager_off': 'fail/aggregate/9866403118243efb',
+    },
+    '{"T":6,"level":"expert","mapping":"mixed","quant":"int8_channel","seed":12}': {
+        'digest': '6e65a1d6e14e5800137e764973ed3a3aa11a634e',
+        'emulation:one_shot': '026e650be276c4ae',
+        'emulation:small_batch': 'ee18e90ca7dfa993',
+        'tensors': '3dfdf09c9a7a25b2',
+        'truth': 'fafd5b08e521e4de',
+        'verdict:eager': 'works-unclaimed//fbfb55b8d8abd3bb',
+        'verdict:eager_off': 'unsupported/aggregate/32b9723ec5e1e101',
+    },
+    '{"T":7,"fully_sharded":true,"level":"expert","ranks":[8,2],"seed":10,"tp_size":2}': {
+        'digest': '28eec351db5cdfc816d6118dc084a0bfaffebabf',
+        'emulation:one_shot': 'f10c66440e5ded96',
+        'emulation:small_batch': '72e57407b8a4d5f9',
+        'tensors': 'e2d373d50f185288',
+        'truth': 'becec6f351556874',
+        'verdict:eager': 'pass//965975c7fcd157a5',
+        'verdict:eager_off': 'fail/aggregate/40b5d01dc674b58a',
+    },
+    '{"T":8,"activation":"silu_no_mul","level":"expert","lora":false,"seed":15}': {
+        'digest': 'dc8f3932fc18bfd1cabe62670c2ffd6be23ba7cd',
+        'emulation:one_shot': '9e2689c120b2dc1b',
+        'emulation:small_batch': '9e2689c120b2dc1b',
+        'tensors': '48b761dedaa90d55',
+        'truth': '299f3c553cc397bc',
+        'verdict:eager': 'pass//b44b30108f2aea19',
+        'verdict:eager_off': 'fail/aggregate/b2abdac367eee095',
+    },
+    '{"T":8,"block_size_m":32,"magnitude":4.0,"mapping":"disabled","outliers":2,"seed":7}': {
+        'digest': '7874ed1b4e3850e5f46250f6c0e85795ab393cc3',
+        'emulation:one_shot': 'cdda340177ac6f77',
+        'emulation:small_batch': 'da6a7b79da36529d',
+        'tensors': '3db12e9ee156ca77',
+        'truth': 'a2ba91ea1a99393b',
+        'verdict:eager': 'pass//e735288d5878b027',
+        'verdict:eager_off': 'fail/untouched/73605c4857ff9fe2',
+    },
+    '{"T":9,"activation":"gelu","bias":true,"level":"expert","seed":9,"tp_size":2}': {
+        'digest': '75b6deca51d6955fb1646b72c2eab6162228c81a',
+        'emulation:one_shot': '6928908400dc05c2',
+        'emulation:small_batch': '771237ab8f07b997',
+        'tensors': 'c8353b02d7b55bc6',
+        'truth': '6518d5bcbecfd344',
+        'verdict:eager': 'pass//80f6b262cf9d57b1',
+        'verdict:eager_off': 'fail/aggregate/469cfe9df9f1e034',
+    },
+    '{"T":9,"layout":"naive","mapping":"mixed","max_loras":3,"ranks":[1,4,8],"seed":11}': {
+        'digest': '11fce0e8f776a7fca849efe9a55003f262c28984',
+        'emulation:one_shot': '34ac2c08411134ec',
+        'emulation:small_batch': 'cf9fd310ce97a75c',
+        'tensors': '0a637fefd215ee2f',
+        'truth': '851c5712f81cd8df',
+        'verdict:eager': 'pass//20ea3f1534404181',
+        'verdict:eager_off': 'fail/untouched/73605c4857ff9fe2',
+    },
+    '{"level":"expert"}': {
+        'digest': '518399d18c0631228ebc9cca0ead5a5fd986321f',
+        'emulation:one_shot': 'dddc49c0bd7da29b',
+        'emulation:small_batch': 'bc0abe68d144c00b',
+        'tensors': 'b06481994f43fdd7',
+        'truth': '2ac37c4df6b4b40f',
+        'verdict:eager': 'pass//54207fa2501919c2',
+        'verdict:eager_off': 'fail/aggregate/32daaf3ea1803700',
+    },
+    '{}': {
+        'digest': '2ac63ebaa7718a7fc9b5754835db5c82b3370a4f',
+        'emulation:one_shot': 'bc0485233dff7446',
+        'emulation:small_batch': 'cfbb1e5ef3563d79',
+        'tensors': 'e811f1ae9e58898d',
+        'truth': 'd2f6d2c78ad47f12',
+        'verdict:eager': 'pass//fd43b24370db85ce',
+        'verdict:eager_off': 'fail/element/2788ee6b590048da',
+    },
+}
+
+
+if __name__ == "__main__":
+    print(json.dumps({c.to_json(): fingerprint(c) for c in CASES}, indent=1, sort_keys=True))
