@@ -93,11 +93,12 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     return [n for n in names if n != backend_precision]
 
 
-def _emulation(case: Case, name: str) -> torch.Tensor:
-    """The value of the rounding model `name` on the case's inputs (rebuilt from its seed)."""
+def _emulation(case: Case, name: str, device) -> torch.Tensor:
+    """The value of the rounding model `name` on the case's inputs (rebuilt from its seed on `device`, where the
+    truth is: a CUDA case's inputs are drawn there)."""
     if case.level == "op":
-        return op_reference(case, build_op_inputs(case, "cpu"), name).value
-    return expert_expectations(case, name, emulation_only=True)[2].value
+        return op_reference(case, build_op_inputs(case, device), name).value
+    return expert_expectations(case, name, emulation_only=True, device=device)[2].value
 
 
 def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelFit:
@@ -111,7 +112,7 @@ def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelF
 
 def worst_relative_error(output: torch.Tensor, truth, written: torch.Tensor) -> float:
     """max |out - truth| / scale over the written elements (inf where scale is 0 and they differ)."""
-    o = output.detach().cpu().to(torch.float64)[written]
+    o = output.detach().to(truth.value.device, torch.float64)[written]
     t, s = truth.value[written], truth.scale[written]
     err = (o - t).abs()
     rel = torch.where(s > 0, err / torch.where(s > 0, s, torch.ones_like(s)),
@@ -126,8 +127,8 @@ def model_fits(case: Case, backend_precision: str, output: torch.Tensor, truth) 
     follows most closely)."""
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
-    out = output.detach().cpu()
-    return [_fit(n, describe(n), out, truth, _emulation(case, n), written, dtype, k_plus_r)
+    out = output.detach().to(truth.value.device)
+    return [_fit(n, describe(n), out, truth, _emulation(case, n, out.device), written, dtype, k_plus_r)
             for n in [backend_precision] + alternatives(backend_precision, dtype)]
 
 
@@ -143,8 +144,8 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
         return None
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
-    out = output.detach().cpu()
-    declared_emu = _emulation(case, backend_precision)
+    out = output.detach().to(truth.value.device)
+    declared_emu = _emulation(case, backend_precision, out.device)
     verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,
                               dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
                               underflow=truth.underflow, work_dtype=dtype)
@@ -155,7 +156,7 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
         return None
     declared = _fit(backend_precision, describe(backend_precision), out, truth, declared_emu, written, dtype,
                     k_plus_r)
-    fits = [declared] + [_fit(n, describe(n), out, truth, _emulation(case, n), written, dtype, k_plus_r)
+    fits = [declared] + [_fit(n, describe(n), out, truth, _emulation(case, n, out.device), written, dtype, k_plus_r)
                          for n in alternatives(backend_precision, dtype)]
     fits.sort(key=lambda f: f.distance)
     best = fits[0]

@@ -109,7 +109,7 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
         return None
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
-    out = output.detach().cpu()
+    out = output.detach().to(truth.value.device)
     o64 = out.to(torch.float64)
     exact, declared = make_precision("exact", None), make_precision(backend_precision, dtype)
     judge = dict(dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r, work_dtype=dtype)
@@ -159,14 +159,14 @@ def failing_rows(case: Case, backend_precision: str, output: torch.Tensor, truth
     as handed over) an element the contract does not write that differs from it."""
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
-    o = output.detach().cpu().to(torch.float64)
+    o = output.detach().to(truth.value.device, torch.float64)
     bound = element_bound(truth.scale, dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
                           underflow=truth.underflow, work_dtype=dtype)
     bad = ((o - truth.value).abs() > bound) | (~torch.isfinite(o) & torch.isfinite(truth.value))
     bad = bad & written
     if before is not None:
-        o = output.detach().cpu()
-        bad = bad | (~written & ~same_bits(o, before.to(o.dtype)))
+        o = output.detach().to(truth.value.device)
+        bad = bad | (~written & ~same_bits(o, before.to(o.device, o.dtype)))
     return bad.reshape(-1, bad.shape[-1]).any(dim=1)
 
 
