@@ -10,6 +10,7 @@ weight gives a gross error rather than a rounding-sized one.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -277,7 +278,7 @@ class ExpertInputs:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         lst = lambda ts: None if ts is None else [t.to(device) for t in ts]  # noqa: E731
         s = self.stacked
-        out = torch.full((c.T, c.H), float("nan"), dtype=self.hidden.dtype, device=device)
+        out = torch.full((self.hidden.shape[0], c.H), float("nan"), dtype=self.hidden.dtype, device=device)
         return ExpertCall(
             output=out, hidden_states=mv(self.hidden), w13=mv(self.w13), w2=mv(self.w2),
             topk_weights=mv(self.topk_weights), topk_ids=mv(self.topk_ids), activation=c.activation,
@@ -314,6 +315,10 @@ def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
         raise ValueError(f"malformed case {case.to_json()}: " + "; ".join(probs))
     if case.level != "expert":
         raise ValueError(f"build_expert_inputs needs an expert-level case, got level={case.level!r}")
+    if case.view:   # the plain case's inputs, seen through the view (harness.properties)
+        from moe_lora_harness.harness.properties import view_inputs
+        return dataclasses.replace(view_inputs(build_expert_inputs(case.replace(view=""), device), case.view),
+                                   case=case)
     dt = torch_dtype(case)
     at = build_device(device)
     per_expert = at.type == "cuda"

@@ -21,6 +21,9 @@ WHICH = ("w13", "w2")
 # distinct slots in the mapping (-1 included), what specialize_active_lora launches at its smallest
 ACTIVE_LORAS = ("all", "unique")
 EP_COMMS = ("simulated", "processes")
+# a metamorphic view of an expert-level case (harness.properties): its inputs are the plain case's, then cut to the
+# first half of the tokens, put in reverse token order, or with every adapter moved one slot on; "" = the case
+VIEWS = ("", "half", "reversed", "slots_rotated")
 # input scale: `magnitude` scales every token's hidden state (op level: the LoRA input x); `outliers` tokens
 # are scaled a further OUTLIER_SCALE, as the massive-activation tokens of real models are
 OUTLIER_SCALE = 30.0
@@ -89,6 +92,8 @@ class Case:
     # chosen from the seed, times a further OUTLIER_SCALE (30x)
     magnitude: float = 1.0
     outliers: int = 0
+    # expert level: a view of this case's inputs (VIEWS; harness.properties), judged against the plain case's output
+    view: str = ""
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -195,6 +200,13 @@ class Case:
              "fully_sharded needs add_inputs=True (vLLM asserts add_inputs or not fully_sharded)")
         if self.apply_router_weight_on_input:
             need(self.top_k == 1, "apply_router_weight_on_input needs top_k == 1")
+        need(self.view in VIEWS, f"view must be one of {VIEWS}, got {self.view!r}")
+        if self.view:
+            need(self.level == "expert" and not self.dispatched and self.tp_size == 1,
+                 f"view={self.view!r} is an expert-level setting of one rank (no dispatched EP, tp_size 1)")
+            need(self.T >= 2, f"view={self.view!r} needs T >= 2 tokens (a view of one token is the token)")
+            if self.view == "slots_rotated":
+                need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")
         m = self.magnitude
         m_ok = isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and 0 < m <= MAX_MAGNITUDE
         need(m_ok, f"magnitude (the hidden states' scale) must be a number in (0, {MAX_MAGNITUDE:g}], got {m!r}")

@@ -63,6 +63,9 @@ class Capabilities:
     graphs: bool = False
     max_tokens: int | None = None
     slot_reuse: bool = True
+    # expert level: a token's output is the same bits whatever else is in its batch, its place in it and its
+    # adapter's slot number (vLLM's batch-invariant mode); the property views (harness.properties) hold it exactly
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

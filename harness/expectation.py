@@ -32,5 +32,5 @@ def judging(case: Case, truth) -> tuple:
     """(written mask, K+R, index names): what a case's output is compared over."""
     if case.level == "op":
         return truth.written, case.K + case.max_rank, ("t", "j", "col")
-    return (torch.ones(case.T, case.H, dtype=torch.bool, device=truth.value.device), case.H + case.I + case.max_rank,
+    return (torch.ones(truth.value.shape, dtype=torch.bool, device=truth.value.device), case.H + case.I + case.max_rank,
             ("t", "h"))

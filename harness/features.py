@@ -190,6 +190,15 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
 )
 
 
+# properties (harness.properties, docs/semantics.md 10.1): a view of the case judged against the reference and
+# against the plain case's run; they set no size, so they run at every model's shape too
+PROPERTY_FEATURES = tuple(
+    Feature(f"property: {what}", "expert", (lambda s, v=view: dict(view=v, mapping="mixed")), small_cases=1)
+    for view, what in (("half", "batch invariance (the first half of the batch alone)"),
+                       ("reversed", "token order (the batch reversed)"),
+                       ("slots_rotated", "slot relabelling (every adapter one slot on)")))
+
+
 def _pairwise(level: str) -> tuple:
     """One row per case of the level's pairwise covering design (harness.covering): every pair of values of
     the risky axes meets in one of them. One case each (another seed meets no other pair)."""
@@ -219,7 +228,7 @@ def _one_on_small(features):
 
 
 OP_FEATURES = _one_on_small(OP_FEATURES) + PAIRWISE_OP_FEATURES
-EXPERT_FEATURES = _one_on_small(EXPERT_FEATURES) + PAIRWISE_EXPERT_FEATURES
+EXPERT_FEATURES = _one_on_small(EXPERT_FEATURES) + PROPERTY_FEATURES + PAIRWISE_EXPERT_FEATURES
 FEATURES = OP_FEATURES + EXPERT_FEATURES
 
 

@@ -72,11 +72,13 @@ WRONG_VALUE_KINDS = ("element", "aggregate", "untouched")
 
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
 FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "inputs-differ",
-                 "nondeterministic", "declaration", "accepted", "unclear-error", "environment")
+                 "nondeterministic", "declaration", "accepted", "unclear-error", "environment", "not-invariant")
 # environment: the backend's setup failed, or it raised its own environment check (contract.ENVIRONMENT_ERRORS):
 # a failure of the run's environment, not of the kernel;
 # accepted: a configuration the contract rejects (contract.must_reject) ran instead of raising;
-# unclear-error: it raised, but the message does not name the setting
+# unclear-error: it raised, but the message does not name the setting;
+# not-invariant: a view of the case (harness.properties) gave other bits than the plain case, where the backend
+# declares batch invariance
 
 
 def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
@@ -211,6 +213,25 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     return "pass", "", verdict
 
 
+def _judge_view(spec: BackendSpec, case: Case, device: str, executor, ex: Execution) -> tuple[str, str, str]:
+    """(kind, message, note) of a view that passed the reference: its rows against the plain case's run, bit for
+    bit where the backend declares batch invariance; elsewhere identical rows are only noted."""
+    from moe_lora_harness.harness.properties import VIEW_MEANING, differing_tokens
+    plain = executor.execute(spec, case.replace(view=""), device, None)
+    if plain.failure is not None:
+        f = plain.failure
+        return f.kind, f"the plain case (no view) failed, so the view cannot be compared: {f.message}", ""
+    diff = differing_tokens(ex.output, plain.output, case.view)
+    if spec.capabilities.batch_invariant and diff:
+        return "not-invariant", (f"view {case.view!r} ({VIEW_MEANING[case.view]}): {len(diff)} token row(s) differ "
+                                 f"bit for bit from the plain run (tokens {diff[:8]}), but the backend declares "
+                                 f"batch invariance"), ""
+    if not spec.capabilities.batch_invariant and not diff:
+        return "pass", "", (f"view {case.view!r}: bit-identical to the plain run (batch invariance could be "
+                            f"declared)")
+    return "pass", "", ""
+
+
 def _signature(kind: str, ex: Execution) -> str:
     if kind in ("raised", "crash") and ex.failure is not None:
         return ex.failure.signature
@@ -268,6 +289,9 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
             kind = "nondeterministic"
             message = (f"the outcome changed between {len(runs)} runs of the same case: "
                        + ", ".join(f"run {i + 1} {r}" for i, r in enumerate(runs)) + f"; run 1: {message}")
+    note = ""
+    if case.view and ok and kind == "pass":
+        kind, message, note = _judge_view(spec, case, device, executor, ex)
     passed = kind == "pass"
     if not ok:   # probing an unclaimed case
         if passed:
@@ -286,7 +310,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         return Outcome(spec.name, case, device, "xfail", f"known bug {bug.issue}: {bug.description}", verdict,
                        kind=kind, seconds=seconds)
     if passed:
-        return Outcome(spec.name, case, device, "pass", "", verdict, seconds=seconds)
+        return Outcome(spec.name, case, device, "pass", note, verdict, seconds=seconds)
     repro = repro_command(spec, case, device)
     notes, semantics = _diagnoses(case, kind, verdict, ex, exp) if diagnose else ([], "")
     return Outcome(spec.name, case, device, "fail", kind, verdict,

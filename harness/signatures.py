@@ -26,7 +26,8 @@ PLAIN = {level: axes_of(Case(level=level)) for level in ("op", "expert")}   # a 
 
 _CLASS_OF_KIND = {"timeout": "hang", "element": "per-element bound", "aggregate": "aggregate bound",
                   "nonfinite": "non-finite output", "untouched": "untouched element changed",
-                  "not-neutral": "not neutral (a token without an adapter differs from the LoRA-disabled twin)"}
+                  "not-neutral": "not neutral (a token without an adapter differs from the LoRA-disabled twin)",
+                  "not-invariant": "not batch-invariant (a view of the case differs from the plain run)"}
 VALUE_CLASSES = tuple(_CLASS_OF_KIND[k] for k in WRONG_VALUE_KINDS)   # the classes of wrong values
 
 

@@ -1,0 +1,102 @@
+"""The property views (harness.properties): what each view does to the inputs, and the judge's claim both ways: a
+backend that declares batch invariance and is not fails with kind not-invariant; one that is passes; an undeclared
+backend whose rows happen to match gets a note, never a failure."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_lora_harness.backends.eager import BACKEND as EAGER
+from moe_lora_harness.backends.eager import run_experts
+from moe_lora_harness.harness.builders import build_expert_inputs
+from moe_lora_harness.harness.case import VIEWS, Case
+from moe_lora_harness.harness.compare import bit_equal
+from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.harness.properties import half_tokens, plain_rows
+from moe_lora_harness.harness.runner import run_case
+
+CASE = Case(level="expert", T=7, H=32, I=24, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed", seed=5,
+            dtype="float32")
+VIEWED = [v for v in VIEWS if v]
+
+
+def per_token(call):
+    """The eager experts one token at a time: each token's row depends on its own inputs only."""
+    for t in range(call.output.shape[0]):
+        sub = dataclasses.replace(call, output=call.output[t:t + 1], hidden_states=call.hidden_states[t:t + 1],
+                                  topk_weights=call.topk_weights[t:t + 1], topk_ids=call.topk_ids[t:t + 1],
+                                  token_lora_mapping=call.token_lora_mapping[t:t + 1])
+        run_experts(sub)
+
+
+def batch_dependent(call):
+    """Eager experts plus a last-bit change to the first row of an odd-sized batch: within every rounding bound,
+    but a token's bits follow its batch's size and its place in it (as a tile or split-K choice can)."""
+    run_experts(call)
+    if call.output.shape[0] % 2:
+        row = call.output[0]
+        row.copy_(torch.nextafter(row, torch.full_like(row, float("inf"))))
+
+
+def _spec(name, experts, invariant):
+    caps = dataclasses.replace(EAGER.capabilities, batch_invariant=invariant, tensor_parallel=False)
+    return dataclasses.replace(EAGER, name=name, experts=experts, capabilities=caps, op=None,
+                               description=f"test backend {name}")
+
+
+@pytest.mark.parametrize("view", VIEWED)
+def test_a_view_s_truth_is_the_plain_truth_mapped(view):
+    """The reference agrees with the property the view states (float64, to its rounding)."""
+    _, plain, _ = expert_expectations(CASE, "one_shot")
+    _, seen, _ = expert_expectations(CASE.replace(view=view), "one_shot")
+    want = plain_rows(plain.value, view)
+    assert seen.value.shape == want.shape
+    assert torch.allclose(seen.value, want, rtol=1e-12, atol=1e-12)
+
+
+def test_views_change_only_what_they_say():
+    plain = build_expert_inputs(CASE)
+    half = build_expert_inputs(CASE.replace(view="half"))
+    n = half_tokens(CASE.T)
+    assert half.hidden.shape[0] == n and bit_equal(half.hidden, plain.hidden[:n]) and bit_equal(half.w13, plain.w13)
+    rev = build_expert_inputs(CASE.replace(view="reversed"))
+    assert bit_equal(rev.topk_ids, plain.topk_ids.flip(0)) and bit_equal(rev.token_lora_mapping,
+                                                                        plain.token_lora_mapping.flip(0))
+    rot = build_expert_inputs(CASE.replace(view="slots_rotated"))
+    m, mr = plain.token_lora_mapping, rot.token_lora_mapping
+    assert bit_equal(mr, torch.where(m >= 0, (m + 1) % CASE.max_loras, m).to(m.dtype))
+    for s in range(CASE.max_loras):
+        assert bit_equal(rot.stacked.w13_b[0][(s + 1) % CASE.max_loras], plain.stacked.w13_b[0][s])
+    assert (mr >= 0).any() and (mr != m).any(), "the case must map tokens to slots for the view to show anything"
+
+
+@pytest.mark.parametrize("view", VIEWED)
+def test_declared_invariance_is_held_both_ways(view):
+    case = CASE.replace(view=view)
+    ok = run_case(_spec("per-token", per_token, True), case, "cpu", executor=InProcess(), reruns=0)
+    assert ok.status == "pass", ok.detail
+    if view == "slots_rotated":   # the batch is the same: a size-dependent change is the same bits in both runs
+        return
+    bad = run_case(_spec("batch-dependent", batch_dependent, True), case, "cpu", executor=InProcess(), reruns=0)
+    assert bad.status == "fail" and bad.kind == "not-invariant", bad.detail
+    assert "REPRO:" in bad.detail and '"view"' in bad.detail
+
+
+def test_an_undeclared_backend_is_noted_never_failed():
+    case = CASE.replace(view="half")
+    same = run_case(_spec("per-token-undeclared", per_token, False), case, "cpu", executor=InProcess(), reruns=0)
+    assert same.status == "pass" and "could be declared" in same.reason
+    differs = run_case(_spec("batch-dependent-undeclared", batch_dependent, False), case, "cpu",
+                       executor=InProcess(), reruns=0)
+    assert differs.status == "pass" and not differs.reason, differs.detail
+
+
+def test_a_view_is_an_expert_level_setting_of_one_rank():
+    assert Case(level="op", view="half").problems()
+    assert CASE.replace(view="sideways").problems()
+    assert CASE.replace(view="half", tp_size=2).problems()
+    assert CASE.replace(view="slots_rotated", max_loras=1).problems()
+    assert not CASE.replace(view="half").problems()
