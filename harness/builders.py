@@ -305,6 +305,27 @@ def expert_weights(g: torch.Generator, E: int, N: int, K: int, dtype: torch.dtyp
     return w
 
 
+def file_adapters(case: Case, local_experts: int, gated: bool) -> list:
+    """The ExpertAdapters of `case.adapters` (PEFT folders, decoder layer `case.adapter_layer`), cut to this EP
+    rank's experts; each must have the rank `case.ranks` gives its slot. GPT-OSS (swigluoai) files interleave
+    gate and up rows, as transformers stores them."""
+    if not case.adapters:
+        return []
+    from moe_lora_harness.harness.peft_adapters import read_adapter
+    lo = case.ep_rank * local_experts if case.ep_size > 1 else 0
+    out = []
+    for slot, path in enumerate(case.adapters):
+        ad = read_adapter(path, num_experts=case.E, hidden_size=case.H, intermediate_size=case.I, gated=gated,
+                          layer=case.adapter_layer, interleaved=case.activation == "swigluoai")
+        if ad.rank != case.ranks[slot]:
+            raise ValueError(f"adapters[{slot}] ({path}) has rank {ad.rank}, but the case's ranks[{slot}] is "
+                             f"{case.ranks[slot]}")
+        cut = {f.name: (v[lo:lo + local_experts] if isinstance(v, torch.Tensor) else v)
+               for f in dataclasses.fields(ad) for v in [getattr(ad, f.name)]}
+        out.append(type(ad)(**cut))
+    return out
+
+
 def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
     """Tensors for an expert-level case (base weights, biases, routing, packed LoRA), on `build_device(device)`:
     drawn on a CUDA device, else on the CPU (`call(device)` moves them)."""
@@ -348,7 +369,8 @@ def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
         ga = _gen(case, 12, at)
         adapters = [None if r == 0 else ExpertAdapter.random(El, H, I, r, gated, scaling=ADAPTER_SCALING, generator=ga,
                                                              device=at)
-                    for r in case.slot_ranks]
+                    for r in case.slot_ranks[len(case.adapters):]]
+        adapters = [*file_adapters(case, El, gated), *adapters]
         stacked = pack_moe_lora(adapters, max_loras=case.max_loras, max_rank=case.max_rank, num_experts=El,
                                 hidden_size=H, intermediate_size=I, dtype=dt, gated=gated,
                                 shared_a=case.shared_a, shared_b=case.shared_b, device=at)

@@ -94,6 +94,10 @@ class Case:
     outliers: int = 0
     # expert level: a view of this case's inputs (VIEWS; harness.properties), judged against the plain case's output
     view: str = ""
+    # expert level: PEFT adapter folders (harness.peft_adapters) loaded into slots 0.. instead of random adapters
+    # (`ranks` gives each slot's rank, the file's; slots past them stay empty), their decoder layer `adapter_layer`
+    adapters: tuple = ()
+    adapter_layer: int = 0
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -200,6 +204,16 @@ class Case:
              "fully_sharded needs add_inputs=True (vLLM asserts add_inputs or not fully_sharded)")
         if self.apply_router_weight_on_input:
             need(self.top_k == 1, "apply_router_weight_on_input needs top_k == 1")
+        if self.adapters:
+            need(self.level == "expert" and self.tp_size == 1 and not self.dispatched,
+                 "adapters (files) are an expert-level setting of one TP rank: the files hold the whole layer")
+            need(all(isinstance(a, str) and a for a in self.adapters), "adapters must be folder paths (strings)")
+            need(len(self.ranks) >= len(self.adapters) and all(r > 0 for r in self.ranks[:len(self.adapters)]),
+                 f"adapters: ranks must give each adapter file's rank (> 0); got ranks {list(self.ranks)} for "
+                 f"{len(self.adapters)} file(s)")
+            need(not (self.shared_a or self.shared_b), "adapters (files) hold per-expert factors: no shared A or B")
+        need(isinstance(self.adapter_layer, int) and self.adapter_layer >= 0,
+             f"adapter_layer must be an int >= 0, got {self.adapter_layer!r}")
         need(self.view in VIEWS, f"view must be one of {VIEWS}, got {self.view!r}")
         if self.view:
             need(self.level == "expert" and not self.dispatched and self.tp_size == 1,
@@ -239,7 +253,7 @@ class Case:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown Case field(s) {unknown}; known fields: {sorted(names)}")
-        for name in ("ranks", "ep_tokens"):
+        for name in ("ranks", "ep_tokens", "adapters"):
             if name in d:
                 d[name] = tuple(d[name])
         return cls(**d)

@@ -227,7 +227,7 @@ def _model_plan(args, specs, device, features):
     """check --model NAME / --model-config PATH: every feature at that layer's shape (harness.model_plan), or None
     without them; a bad option is a usage error naming it."""
     if not (args.model or args.model_config):
-        for opt, v in (("--tp", args.tp), ("--ep", args.ep), ("--tokens", args.tokens)):
+        for opt, v in (("--tp", args.tp), ("--ep", args.ep), ("--tokens", args.tokens), ("--adapter", args.adapter)):
             if v is not None:
                 raise UsageError(f"{opt} needs --model or --model-config (a served layer's shape)")
         return None
@@ -247,9 +247,20 @@ def _model_plan(args, specs, device, features):
     if not features:
         raise UsageError("no op- or expert-level feature for these backends" + (f" contains {args.feature}" if
                                                                                 args.feature else ""))
+    adapters = None
+    if args.adapter:
+        if (args.tp or 1) > 1:
+            raise UsageError("--adapter with --tp: the adapter files hold the whole layer; a TP slice of them is not "
+                             "modelled in model mode (run --tp 1, or --ep)")
+        from moe_lora_harness.harness.model_plan import adapter_fields
+        from moe_lora_harness.harness.peft_adapters import AdapterFileError
+        try:
+            adapters = adapter_fields(layer, [os.path.abspath(p) for p in args.adapter], args.adapter_layer)
+        except (AdapterFileError, ValueError, OSError) as e:
+            raise UsageError(f"--adapter: {e}") from None
     try:
         return plan_model(layer, specs, device, features, tp=args.tp or 1, ep=args.ep or 1,
-                          tokens=args.tokens or DEFAULT_TOKENS)
+                          tokens=args.tokens or DEFAULT_TOKENS, adapters=adapters)
     except ValueError as e:   # a TP / EP degree the layer does not divide by
         raise UsageError(str(e)) from None
 
@@ -639,6 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --model: EP over N ranks (E / N local experts on the last rank, via the expert_map)")
     c.add_argument("--tokens", type=_token_list, default=None, metavar="LIST",
                    help="with --model: token counts (default 1,7,64,4096+17,16384)")
+    c.add_argument("--adapter", action="append", default=[], metavar="DIR",
+                   help="with --model: a PEFT adapter folder loaded into the next slot instead of a random adapter "
+                        "(repeatable; each keeps its own rank and alpha)")
+    c.add_argument("--adapter-layer", type=int, default=0, metavar="N",
+                   help="with --adapter: the decoder layer whose expert factors are used (default 0)")
     c.set_defaults(fn=cmd_check)
     m = sub.add_parser("models", help="list the catalogue of served MoE layers (shapes, routing, quant, TP/EP)")
     m.add_argument("--sources", action="store_true", help="also where every number came from")

@@ -71,19 +71,36 @@ def layer_shapes(layer: MoELayer, device: str, tp: int = 1, ep: int = 1, T: int 
     return dataclasses.replace(shapes_for(device), T=T, H=f["H"], I=f["I"], E=f["E"], top_k=f["top_k"])
 
 
-def fixed_fields(layer: MoELayer, tp: int, ep: int, which: str = "w13") -> dict:
-    """The Case fields the layer fixes: case_fields, plus the w13 slice count of its form (op level, w13 only)."""
-    fixed = case_fields(layer, tp, ep)
+def fixed_fields(layer: MoELayer, tp: int, ep: int, which: str = "w13", adapters: dict | None = None) -> dict:
+    """The Case fields the layer fixes: case_fields, plus the w13 slice count of its form (op level, w13 only),
+    plus, with adapter files (`adapters`: adapter_fields), the slots and ranks they fill."""
+    fixed = dict(case_fields(layer, tp, ep), **(adapters or {}))
     if which == "w13":
         fixed["num_slices"] = 2 if layer.gated else 1
     return fixed
 
 
-def applicability(feature, layer: MoELayer, shapes: Shapes, tp: int = 1, ep: int = 1) -> str:
-    """'' when `feature` applies at the layer's shape, else why not (the fields it would change, or its only
-    point being a token count)."""
+MIN_SLOTS = 3   # with adapter files, at least this many slots: the ones past the files stay empty
+
+
+def adapter_fields(layer: MoELayer, paths, adapter_layer: int = 0) -> dict:
+    """The Case fields of PEFT adapter folders `paths` for `layer` (read once here: a file that does not fit the
+    layer raises naming it): slots 0.. hold them at their own ranks, max_rank the largest."""
+    from moe_lora_harness.harness.peft_adapters import read_adapter
+    f = case_fields(layer)
+    ranks = tuple(read_adapter(p, num_experts=f["E"], hidden_size=f["H"], intermediate_size=f["I"],
+                               gated=layer.gated, layer=adapter_layer,
+                               interleaved=f["activation"] == "swigluoai").rank for p in paths)
+    L = max(MIN_SLOTS, len(paths))
+    return dict(adapters=tuple(str(p) for p in paths), adapter_layer=adapter_layer, max_loras=L,
+                ranks=ranks + (0,) * (L - len(ranks)), max_rank=max(ranks), shared_a=False, shared_b=False)
+
+
+def applicability(feature, layer: MoELayer, shapes: Shapes, tp: int = 1, ep: int = 1, adapters=None) -> str:
+    """'' when `feature` applies at the layer's shape (and adapter files), else why not (the fields it would
+    change, or its only point being a token count)."""
     made = feature.make(shapes)
-    fixed = fixed_fields(layer, tp, ep, made.get("which", "w13"))
+    fixed = fixed_fields(layer, tp, ep, made.get("which", "w13"), adapters if feature.level == "expert" else None)
     clashes = [f"{k}={made[k]!r} (the layer's: {fixed[k]!r})" for k in made if k in fixed and made[k] != fixed[k]]
     if clashes:
         return "sets " + ", ".join(clashes)
@@ -98,22 +115,24 @@ def _budget(device: str, budget) -> tuple[int, str]:
 
 
 def plan_model(layer: MoELayer, specs: dict, device: str, features, *, tp: int = 1, ep: int = 1,
-               tokens=DEFAULT_TOKENS, budget: int | None = None) -> ModelPlan:
+               tokens=DEFAULT_TOKENS, budget: int | None = None, adapters: dict | None = None) -> ModelPlan:
     """Every feature of `features` at `layer`'s shape for every backend of `specs` (at the levels it has), at each
     token count and in each dtype of the device's profile (or the one the feature sets). `budget` overrides the
-    free memory a case must fit in (bytes)."""
+    free memory a case must fit in (bytes); `adapters` (adapter_fields) puts adapter files in the expert-level
+    cases' slots."""
     tokens = tuple(tokens)
     plan = ModelPlan(layer, device, tp, ep, tokens)
     shapes = layer_shapes(layer, device, tp, ep, T=tokens[0])
     free, where = _budget(device, budget)
     for feat in features:
-        why = applicability(feat, layer, shapes, tp, ep)
+        ad = adapters if feat.level == "expert" else None
+        why = applicability(feat, layer, shapes, tp, ep, ad)
         if why:
             plan.not_applicable[feat.name] = why
             plan.rows.append(feat.name + NOT_APPLICABLE)
             continue
         made = feat.make(shapes)
-        base = dict(feat.case_fields(shapes, 0), **fixed_fields(layer, tp, ep, made.get("which", "w13")))
+        base = dict(feat.case_fields(shapes, 0), **fixed_fields(layer, tp, ep, made.get("which", "w13"), ad))
         dtypes = (made["dtype"],) if "dtype" in made else shapes.dtypes
         cases = []
         for j, (T, dt) in enumerate((T, dt) for T in tokens for dt in dtypes):
