@@ -14,6 +14,8 @@
 #   layer     the layer's life across calls on CUDA: the layer suites (real CUDA graphs, every dtype), the named
 #             scenario rows of every layer, selftest's layer corpus, a 60 s layer fuzz of layer_triton, and
 #             bench/bench_layer.py (state handling and graph replay against a plain forward)
+#   models    `check --model` for every catalogued model (judge on the GPU; triton_experts, bf16, 1 to 16384 tokens), the
+#             property rows at prefill, and the production-size planted bugs (suites/kernels/test_production_mutants.py)
 #   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +25,8 @@ while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
 [[ ${#targets[@]} -eq 0 ]] && targets=(all)
 [[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize layer)
 for t in "${targets[@]}"; do
-  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer) ;;
-    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer)"; exit 2 ;; esac
+  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer|models) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer, models)"; exit 2 ;; esac
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -98,6 +100,26 @@ for t in "${targets[@]}"; do
       timeout 200 python3 bench/bench_layer.py --budget-s 150 --out "$OUT/bench_layer.json" --md "$OUT/bench_layer.md" \
         > "$OUT/bench_layer.txt" 2>&1 || rc=1
       tail -12 "$OUT/bench_layer.txt" ;;
+    models)
+      # every catalogued model's layer through `check --model` with the judge on the GPU (triton_experts, bf16, decode
+      # to prefill), the property rows at prefill for the smaller ones, and the production-size planted bugs
+      for m in $(python3 -c "from moe_lora_harness.harness.models import MODELS; print(' '.join(m.name for m in MODELS))"); do
+        s0=$(date +%s)
+        timeout ${MODEL_TIMEOUT:-150} python3 -m moe_lora_harness check --device cuda --model "$m" --only triton_experts \
+          --tokens ${MODEL_TOKENS:-1,64,4096+17,16384} --feature "experts: bf16" --json "$OUT/check_model_$m.json" \
+          --markdown "$OUT/check_model_$m.md" > "$OUT/check_model_$m.txt" 2>&1 || rc=1
+        echo "$m: $(tail -1 "$OUT/check_model_$m.txt" | cut -c1-160) [$(( $(date +%s) - s0 ))s wall]"
+      done | tee "$OUT/check_models_summary.txt"
+      for m in ${PROPERTY_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
+        timeout 150 python3 -m moe_lora_harness check --device cuda --model "$m" --only triton_experts --tokens 4096+17 \
+          --feature "property:" --json "$OUT/check_properties_$m.json" > "$OUT/check_properties_$m.txt" 2>&1 || rc=1
+        echo "$m properties: $(tail -1 "$OUT/check_properties_$m.txt" | cut -c1-160)"
+      done | tee -a "$OUT/check_models_summary.txt"
+      if [[ -f src/moe_lora_harness/suites/kernels/test_production_mutants.py ]]; then
+        timeout ${PRODUCTION_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --moe-lora-device cuda -m gpu \
+          src/moe_lora_harness/suites/kernels/test_production_mutants.py -rA > "$OUT/production_mutants.log" 2>&1 || rc=1
+        tail -3 "$OUT/production_mutants.log"
+      fi ;;
     check)
       timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.cli check --device cuda --json "$OUT/check_cuda.json" \
         --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1

@@ -2,9 +2,9 @@
 
 An estimate, not a measurement (docs/models.md): the inputs in the case's dtype, held three times (the judge's
 copy, the backend's, and the worker's bit-for-bit snapshot of the backend's), plus the float64 reference's
-working set (the weights and LoRA factors in float64, the weights' absolute values for the error magnitudes,
-and about ten float64 arrays per (token, expert) pair at each of the widths N1, I and H; twelve per output
-column at the op level).
+working set (one expert's weights in float64 at a time and their absolute values for the error magnitudes, the
+LoRA factors in float64, and about ten float64 arrays per (token, expert) pair at each of the widths N1, I and
+H, for a GPU's token chunk at a time; twelve per output column at the op level).
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 
 from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.expert_runner import token_chunk
+from moe_lora_harness.harness.profiles import on_gpu
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.align import align_sizes
 
@@ -47,8 +49,8 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def memory_need(case: Case) -> MemoryNeed:
-    """The estimate for an op- or expert-level case (harness.builders allocates these tensors)."""
+def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
+    """The estimate for an op- or expert-level case run on `device` (harness.builders allocates these tensors)."""
     item = _ITEM[case.dtype]
     T, H, I, k, L, R = case.T, case.H, case.I, case.top_k, case.max_loras, case.max_rank
     P = T * k
@@ -72,7 +74,11 @@ def memory_need(case: Case) -> MemoryNeed:
     bias = E * (N1 + H) if case.bias else 0
     elems = 2 * T * H + weights + lora + bias          # hidden states and the output, weights, adapters, biases
     quant = weights if case.quant != "none" else 0      # int8 codes beside the dequantized weights
-    ref = _F64 * (2 * weights + lora + bias + EXPERT_PAIR_ARRAYS * P * (N1 + I + H) + 3 * T * H)
+    # the reference holds one expert's weights in float64 at a time (value and magnitude), and on a GPU computes
+    # the pairs of `token_chunk` tokens at a time (harness.expert_runner); the (T, H) results are whole
+    one_expert = N1 * H + H * I
+    chunk_pairs = min(T, token_chunk(case)) * k if on_gpu(device) and not case.dispatched else P
+    ref = _F64 * (2 * one_expert + lora + bias + EXPERT_PAIR_ARRAYS * chunk_pairs * (N1 + I + H) + 3 * T * H)
     return MemoryNeed(item * elems + quant + 16 * P, ref)
 
 

@@ -151,7 +151,7 @@ def plan_model(layer: MoELayer, specs: dict, device: str, features, *, tp: int =
             if feat.level not in spec.capabilities.levels:
                 continue
             for case in cases:
-                need = memory_need(case)
+                need = memory_need(case, device)
                 if need.total > free:
                     plan.prejudged.append((feat.name, _too_large(spec, case, device, need, free, where)))
                 else:
