@@ -598,6 +598,11 @@ def cmd_selftest(args) -> int:
     return 1 if (res.survivors or res.failing_controls or res.misnamed) else 0
 
 
+def _corpora():
+    from moe_lora_harness.harness.selftest import CORPORA
+    return CORPORA
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="moe-lora-harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -701,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "matrix; fails if a planted bug survives or a correct backend fails")
     common(t)
     t.add_argument("--corpus", action="append", default=[], metavar="NAME",
-                   help="only these corpora (op, tp, ep, reach, schedule; repeatable)")
+                   help=f"only these corpora ({', '.join(c.name for c in _corpora())}; repeatable)")
     t.add_argument("--detectors", default="check,fuzz", metavar="LIST", help="comma-separated: check, fuzz")
     t.add_argument("--fuzz-budget", type=parse_budget, default=None, metavar="DURATION",
                    help="per mutant (default 20s; 5s with --quick)")

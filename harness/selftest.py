@@ -35,6 +35,10 @@ class Corpus:
     devices: tuple = ("cpu", "cuda")
     fuzz_level: str | None = None       # claimed_cases level (default: `level`; "ep" / "tp": those ranks only)
     mechanisms: str | None = None    # ref of {backend name: semantic alternative it commits} (None: no names)
+    # ref of a function backend name -> [(row label, Case)]: check's rows for that backend instead of feature rows
+    # (cases no feature reaches, e.g. a catalogue model's shape)
+    cases: str | None = None
+    not_here: tuple = ()             # (device, why the corpus does not run there) pairs
 
 
 def _is_level(level):
@@ -63,6 +67,13 @@ CORPORA = (
     # machine (harness.layer_machine); `features` is unused at this level
     Corpus("layer", "moe_lora_harness.suites.layer.layer_mutants:BACKENDS", ("layer-control", "layer-control-dual-stream"),
            "layer", lambda f: False),
+    # bugs past a size gate (2^31 elements, grid axis 65535, 4096 tokens, K 4096): a GPU only, at a catalogue model's
+    # shapes (production_mutants.PRODUCTION; CPU_REASON there says why not on the CPU); no feature row reaches them
+    Corpus("production", "moe_lora_harness.suites.kernels.production_mutants:BACKENDS", ("production-control",),
+           "expert", lambda f: False, devices=("cuda",),
+           cases="moe_lora_harness.suites.kernels.production_mutants:check_cases",
+           not_here=(("cpu", "Triton's CPU interpreter cannot run production shapes in CI time (a DeepSeek-V3 layer "
+                             "is 11e9 weights; the interpreter runs one program at a time)"),)),
 )
 
 
@@ -112,6 +123,11 @@ def _check_rows(corpus: Corpus, spec, device: str):
         for label, sc in layer_scenarios(device):
             yield label, lambda executor, diagnose, sc=claimed_scenario(spec, sc, device): run_scenario(
                 spec, sc, device, executor=executor)
+        return
+    if corpus.cases:
+        for label, case in load_attr(corpus.cases)(spec.name):
+            yield label, lambda executor, diagnose, case=case: run_case(spec, case, device, executor=executor,
+                                                                        reruns=0, diagnose=diagnose)
         return
     for feat, _, case in feature_cases([f for f in FEATURES if corpus.features(f)], device, 1):
         # a mutant whose mechanism is in the table is diagnosed (only a failure costs a diagnosis)
@@ -167,7 +183,7 @@ def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fu
         if corpora and corpus.name not in corpora:
             continue
         if dev not in corpus.devices:
-            res.skipped[corpus.name] = f"runs on {', '.join(corpus.devices)} only"
+            res.skipped[corpus.name] = dict(corpus.not_here).get(dev) or f"runs on {', '.join(corpus.devices)} only"
             continue
         try:
             specs = [s for s in load_ref(corpus.ref) if corpus.select(s)]
