@@ -228,7 +228,7 @@ def _model_plan(args, specs, device, features):
     without them; a bad option is a usage error naming it."""
     if not (args.model or args.model_config):
         for opt, v in (("--tp", args.tp), ("--ep", args.ep), ("--tokens", args.tokens), ("--adapter", args.adapter)):
-            if v is not None:
+            if v:
                 raise UsageError(f"{opt} needs --model or --model-config (a served layer's shape)")
         return None
     if args.model and args.model_config:

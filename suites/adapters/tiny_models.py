@@ -7,6 +7,10 @@ import pathlib
 
 import torch
 
+from moe_lora_harness.harness.hf_moe_block import hf_session   # transformers first imported with the checkout's
+                                                              # root off sys.path (its kernels/ folder shadows a hub
+                                                              # package transformers probes for)
+
 H, I, E = 32, 24, 8
 
 # family -> (model_type, config keys); every MoE family's experts are E x (H, I); DeepSeek-V3's layer 0 is dense
@@ -36,7 +40,8 @@ COMMON = dict(vocab_size=64, num_attention_heads=2, num_key_value_heads=1, head_
 
 def config(family: str):
     """The transformers config of a tiny model of `family`."""
-    from transformers import AutoConfig
+    with hf_session():
+        from transformers import AutoConfig
     model_type, keys = TINY[family]
     return AutoConfig.for_model(model_type, **COMMON, **keys)
 
@@ -51,7 +56,8 @@ def write_config(family: str, folder: pathlib.Path) -> pathlib.Path:
 
 def model(family: str, seed: int = 0):
     """The tiny model itself, float64, with random weights (what PEFT attaches to before saving)."""
-    from transformers import AutoModelForCausalLM
+    with hf_session():
+        from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(config(family)).to(torch.float64)
     with torch.no_grad():
@@ -65,7 +71,8 @@ def peft_adapter(family: str, folder: pathlib.Path, targets: tuple, *, seed: int
     """A PEFT adapter of the tiny `family` model on the experts' fused parameters `targets` (e.g. ('gate_up_proj',
     'down_proj')), saved by PEFT's save_pretrained with every B drawn non-zero (PEFT initializes B to 0; `zero_b`
     keeps that). (folder, the PeftModel in memory)."""
-    from peft import LoraConfig, get_peft_model
+    with hf_session():
+        from peft import LoraConfig, get_peft_model
     config = LoraConfig(target_modules=[], target_parameters=[f"experts.{t}" for t in targets], **lora)
     pm = get_peft_model(model(family), config)
     g = torch.Generator().manual_seed(seed)
