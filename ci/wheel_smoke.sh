@@ -71,10 +71,10 @@ log "built $(basename "$WHEEL")"
 
 STEP="install torch==2.13.0"
 log "installing torch==2.13.0, the wheel and the example backend"
-quiet "$VPY" -m pip install -q torch==2.13.0
+quiet "$VPY" -m pip install -q --no-compile torch==2.13.0   # (no byte-compiling of files never imported)
 
 STEP="install wheel"
-quiet "$VPY" -m pip install -q "$WHEEL"
+quiet "$VPY" -m pip install -q --no-compile "$WHEEL"
 
 STEP="install example backend"
 quiet "$VPY" -m pip install -q "$SRC/examples/moe_lora_example_backend"
