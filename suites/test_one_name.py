@@ -94,9 +94,12 @@ def _imports(path: pathlib.Path):
 
 def _ours_or_installed(text: str, path: pathlib.Path) -> bool:
     """Checked: relative imports, ours, modules beside a script, and third-party ones this environment has
-    (an optional dependency that is not installed cannot be resolved by anyone)."""
+    (an optional dependency that is not installed cannot be resolved by anyone). Not the standard library: no
+    packaging of ours can break it, and its stubs took jedi more than half of this test's time."""
     if text.startswith(".") or text.split(".")[0] == PKG or (path.parent / f"{text.split('.')[0]}.py").exists():
         return True
+    if text.split(".")[0] in sys.stdlib_module_names:
+        return False
     try:
         return importlib.util.find_spec(text.split(".")[0]) is not None
     except (ImportError, ValueError):
