@@ -326,6 +326,14 @@ def file_adapters(case: Case, local_experts: int, gated: bool) -> list:
     return out
 
 
+def _block_magnitudes(w: torch.Tensor, g: torch.Generator, block: int = 128) -> torch.Tensor:
+    """w (E, N, K) with each 128 x 128 block scaled by its own factor in [1/e, e] (drawn from g)."""
+    E, N, K = w.shape
+    f = torch.exp(torch.rand(E, N // block, K // block, generator=g, dtype=torch.float64, device=w.device) * 2 - 1)
+    f = f.repeat_interleave(block, 1).repeat_interleave(block, 2)
+    return (w.to(torch.float64) * f).to(w.dtype)
+
+
 def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
     """Tensors for an expert-level case (base weights, biases, routing, packed LoRA), on `build_device(device)`:
     drawn on a CUDA device, else on the CPU (`call(device)` moves them)."""
@@ -352,8 +360,10 @@ def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
     w13 = expert_weights(g, El, N1, H, dt, per_expert=per_expert)
     w2 = expert_weights(g, El, H, I, dt, per_expert=per_expert)
     quantized = ()
+    if case.quant == "fp8_block":   # blocks of unequal magnitude, as a checkpoint's are (a wrong block scale shows)
+        w13, w2 = (_block_magnitudes(w, _gen(case, 14, at)) for w in (w13, w2))
     if case.quant != "none":   # snap to the quantization grid; the reference uses the dequantized weights
-        from moe_lora_harness.reference.quant import dequantize, quantize
+        from moe_lora_harness.reference.quant import dequantize, quantize   # FP8: e4m3 codes, fp32 scales (fp8.py)
         q13, s13 = quantize(w13, case.quant, dt)
         q2, s2 = quantize(w2, case.quant, dt)
         w13, w2 = dequantize(q13, s13, case.quant, dt), dequantize(q2, s2, case.quant, dt)

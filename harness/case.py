@@ -16,6 +16,11 @@ MAPPINGS = ("uniform", "mixed", "skewed", "none", "disabled", "by_rank")
 ROUTINGS = ("uniform", "skewed")
 LAYOUTS = ("sorted", "naive")
 QUANTS = ("none", "int4_g128", "int8_channel")
+# quantized activations too (reference.fp8): e4m3 weights with per-channel / 128x128-block scales, activations per
+# token / per token-group of 128, dynamic. Kept out of QUANTS, which the strategies and covering designs draw from
+# (harness.axes.declared_values): the feature rows and explicit cases reach them; ALL_QUANTS is what a case may hold
+FP8_QUANTS = ("fp8_w8a8", "fp8_block")
+ALL_QUANTS = QUANTS + FP8_QUANTS
 WHICH = ("w13", "w2")
 # num_active_loras (the sorted path's grid over lora_ids): "all" = L+1, vLLM's default; "unique" = the count of
 # distinct slots in the mapping (-1 included), what specialize_active_lora launches at its smallest
@@ -76,7 +81,7 @@ class Case:
     bias: bool = False
     lora: bool = True
     apply_router_weight_on_input: bool = False
-    quant: str = "none"        # expert level: none | int4_g128 | int8_channel (weight-only)
+    quant: str = "none"        # expert level: none | int4_g128 | int8_channel (weight-only) | FP8_QUANTS
     # parallelism (expert level: simulated ranks; op level: EP gives an expert_map)
     tp_size: int = 1
     tp_rank: int = 0
@@ -152,9 +157,15 @@ class Case:
         need(self.mapping in MAPPINGS, f"mapping must be one of {MAPPINGS}, got {self.mapping!r}")
         need(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         need(self.layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        need(self.quant in QUANTS, f"quant must be one of {QUANTS}, got {self.quant!r}")
-        if self.quant == "int4_g128":
-            need(self.H % 128 == 0 and self.I % 128 == 0, "int4_g128 needs H and I divisible by 128")
+        need(self.quant in ALL_QUANTS, f"quant must be one of {ALL_QUANTS}, got {self.quant!r}")
+        if self.quant in ("int4_g128", "fp8_block"):
+            need(self.H % 128 == 0 and self.I % 128 == 0, f"{self.quant} needs H and I divisible by 128")
+        if self.quant in FP8_QUANTS:
+            # vLLM quantizes 16-bit activations to FP8; an fp32 model is not served with FP8 experts
+            need(self.level == "expert", f"{self.quant} is an expert-level setting")
+            need(self.dtype in ("float16", "bfloat16"), f"{self.quant} needs dtype float16 or bfloat16 (the "
+                                                        f"activations quantized to FP8), got {self.dtype!r}")
+            need(not self.dispatched, f"{self.quant} with dispatched EP (ep_tokens) is not modelled yet")
         need(self.which in WHICH, f"which must be one of {WHICH}, got {self.which!r}")
         need(self.active_loras in ACTIVE_LORAS, f"active_loras must be one of {ACTIVE_LORAS}, got {self.active_loras!r}")
         if self.active_loras != "all":

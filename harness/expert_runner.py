@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.contract import BackendSpec
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.experts import ExpertExpected, LoRAInputs, moe_experts_forward
@@ -52,6 +52,8 @@ def expert_forward(case: Case, inp):
     lora = LoRAInputs(inp.stacked, inp.token_lora_mapping) if inp.stacked is not None else None
     kw = dict(activation=case.activation, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, lora=lora,
               apply_router_weight_on_input=case.apply_router_weight_on_input)
+    if case.quant in FP8_QUANTS:   # the base GEMMs read the quantized activations (docs/semantics.md 9.1)
+        kw.update(act_quant=case.quant)
     if case.dispatched:   # the whole concatenated batch, dispatched and combined as the ranks must
         forward = sharded_experts_forward
         kw.update(ep_size=case.ep_size, tokens_per_rank=list(case.ep_tokens))

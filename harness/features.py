@@ -153,6 +153,14 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: fully-sharded LoRA, TP 2", "expert", lambda s: dict(tp_size=2, fully_sharded=True)),
     Feature("experts: int4 g128", "expert", lambda s: dict(quant="int4_g128", H=128, I=128)),
     Feature("experts: int8 per-channel", "expert", lambda s: dict(quant="int8_channel")),
+    # FP8 with quantized activations (reference.fp8): the base GEMMs read e4m3 activations, the LoRA the unquantized
+    # (one outlier token: a scale shared across tokens, not per token, shows)
+    Feature("experts: fp8 w8a8", "expert", lambda s: dict(quant="fp8_w8a8", dtype="bfloat16", outliers=1),
+            small_cases=1, note="e4m3 weights per channel, activations per token (dynamic), one outlier token; "
+                                "the LoRA reads the unquantized activations"),
+    Feature("experts: fp8 block", "expert",
+            lambda s: dict(quant="fp8_block", dtype="bfloat16", H=128, I=128, outliers=1), small_cases=1,
+            note="DeepSeek-V3's 128x128 weight blocks, activations per token-group of 128 (dynamic), one outlier"),
     # dispatched expert parallelism: every rank runs with its own tokens (harness.ep_ranks)
     Feature("experts: EP 2, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 2)),
     Feature("experts: EP 4, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 4)),

@@ -9,6 +9,7 @@ magnitude (`scale`) that the comparison uses for its per-element ulp bound.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -17,8 +18,10 @@ from torch import Tensor
 
 from moe_lora_harness.reference.activations import activation_scale, apply_activation, lookup_activation
 from moe_lora_harness.reference.adapters import StackedMoELoRA
+from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance
 from moe_lora_harness.reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
-from moe_lora_harness.reference.precision import Precision, precision as make_precision
+from moe_lora_harness.reference.precision import Precision, eps, precision as make_precision, tiny
+from moe_lora_harness.reference.quant import ACTIVATION_SCHEMES, SCHEMES as WEIGHT_ONLY_SCHEMES
 from moe_lora_harness.reference.semantics import CONTRACT, Semantics
 
 __all__ = ["LoRAInputs", "LoRACollectives", "ExpertExpected", "forward_steps", "moe_experts_forward"]
@@ -246,6 +249,7 @@ def forward_steps(
     return_intermediates: bool = False,
     magnitudes: bool = True,
     semantics: Semantics = CONTRACT,
+    act_quant: str = "none",
 ) -> Generator[tuple[str, Tensor], Tensor, ExpertExpected]:
     """Expected MoE expert output (T, H) with LoRA, rounded where vLLM's Triton path rounds (spec 5).
 
@@ -257,6 +261,10 @@ def forward_steps(
     weights the w2 delta. `lora_collectives`/`w2_lora_offset` serve fully-sharded TP ranks.
     magnitudes=False computes the value only (an emulation: the judge reads the truth's magnitudes).
     `semantics` other than the contract computes a named integration mistake (reference.semantics).
+    `act_quant` an FP8 scheme (reference.fp8): both base GEMMs read the dynamically quantized activation (the
+    hidden states, the activation's output), the LoRA deltas the unquantized ones (semantics 9.1); the truth's
+    underflow exposure carries the allowance for e4m3 flips (error model, "FP8 activations"). "none" and the
+    weight-only schemes quantize no activation, so a caller may pass the case's scheme as it is.
 
     A generator: at each fully-sharded LoRA join that `lora_collectives` sets (w13 all-gather, w2 all-reduce)
     it yields (which, this rank's partial) and resumes with the joined tensor; it returns the ExpertExpected.
@@ -314,6 +322,13 @@ def forward_steps(
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1 (vLLM asserts it), got k={k}")
     if not isinstance(w2_lora_offset, int) or w2_lora_offset < 0:
         raise ValueError(f"w2_lora_offset must be an int >= 0, got {w2_lora_offset!r}")
+    if act_quant != "none" and act_quant not in WEIGHT_ONLY_SCHEMES and act_quant not in ACTIVATION_SCHEMES:
+        raise ValueError(f"act_quant must be 'none', a weight-only scheme {sorted(WEIGHT_ONLY_SCHEMES)} or an FP8 "
+                         f"scheme {list(ACTIVATION_SCHEMES)}; got {act_quant!r}")
+    fp8 = act_quant if act_quant in ACTIVATION_SCHEMES else None
+    if fp8 is not None and hidden.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"act_quant={fp8!r} needs hidden in float16 or bfloat16 (vLLM's FP8 MoE quantizes 16-bit "
+                         f"activations); got {hidden.dtype}")
 
     P = T * k
     e_flat = local.reshape(P)
@@ -324,7 +339,8 @@ def forward_steps(
     # underflow exposure (`under*`): every rounding point adds 1, linear steps carry it by absolute values
     # base GEMM1: cache1 = r(x_in @ w13[e]^T + b1)
     x_in = prec.r(x * prec.r(w64)) if apply_router_weight_on_input else x  # k == 1 here: w64 is (T, 1)
-    xr = x_in[tok]
+    # FP8: the base GEMM reads the quantized input (per token / per group of 128, dynamic), the LoRA below x
+    xr = (fake_quantize_activation(x_in, fp8) if fp8 is not None else x_in)[tok]
     c1 = _per_expert_gemm(xr, W13, e_flat, prec)
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
@@ -335,6 +351,10 @@ def forward_steps(
         u1 = torch.ones_like(s1)                                # cache1's own rounding
         if apply_router_weight_on_input:                        # r(w), then r(x * r(w)), through |w13|
             u1 = u1 + _per_expert_gemm(1.0 + x[tok].abs(), W13, e_flat, absolute=True)
+        if fp8 is not None:   # e4m3 flips of the input (the weighted input's two roundings widen the window)
+            dt = hidden.dtype
+            err = x_in.abs() * (eps(dt) * (1 + eps(dt))) if apply_router_weight_on_input else torch.zeros_like(x_in)
+            u1 = u1 + _per_expert_gemm(flip_allowance(x_in, err, fp8)[tok], W13, e_flat, absolute=True) / tiny(dt)
         if b13 is not None:
             s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
         scale1 = s1.reshape(T, k, N1)
@@ -393,8 +413,10 @@ def forward_steps(
     if not return_intermediates:
         del cache1
 
-    # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input)
-    c3 = _per_expert_gemm(a, W2, e_flat, prec)
+    # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input); FP8: it reads
+    # the quantized activation, the w2 LoRA below the unquantized `a`
+    aq = fake_quantize_activation(a, fp8) if fp8 is not None else a
+    c3 = _per_expert_gemm(aq, W2, e_flat, prec)
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)
     weight_out = not apply_router_weight_on_input or semantics.weight_on_output_too
@@ -404,16 +426,22 @@ def forward_steps(
     del c3
     scale3 = under3 = None
     if magnitudes:
-        s3 = _per_expert_gemm(s2, W2, e_flat, absolute=True)
+        s3 = _per_expert_gemm(s2 if fp8 is None else torch.maximum(s2, aq.abs()), W2, e_flat, absolute=True)
         if b2 is not None:
             s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
         u3 = _per_expert_gemm(under2, W2, e_flat, absolute=True)
+        if fp8 is not None:   # e4m3 flips of the activation, whose error the model bounds by its own rule 2
+            dt = hidden.dtype
+            R = int(lora.stacked.w2_a[0].shape[2]) if lora is not None else 0
+            err = (A_BOUND_ULPS * eps(dt) + math.sqrt(H + R) * eps(torch.float32)) * s2 + tiny(dt) * under2
+            u3 = u3 + _per_expert_gemm(flip_allowance(a, err, fp8), W2, e_flat, absolute=True) / tiny(dt)
         if weight_out:
             s3 = w_pair.abs() * s3
             u3 = w_pair.abs() * u3
         scale3 = s3.reshape(T, k, H)
         under3 = (u3 + 1.0).reshape(T, k, H)
         del s3, u3
+    del aq
 
     # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
     if lora is not None:

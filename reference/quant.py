@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from moe_lora_harness.reference import fp8
+
 SCHEMES = {"int4_g128": (7, -8, 128), "int8_channel": (127, -127, None)}   # qmax, qmin, group (None=channel)
+# schemes whose activations are quantized too (reference.fp8): weights as e4m3 codes with fp32 scales
+ACTIVATION_SCHEMES = tuple(fp8.SCHEMES)
 
 
 def _scheme(name: str):
     if name not in SCHEMES:
-        raise ValueError(f"quant scheme must be one of {sorted(SCHEMES)}; got {name!r}")
+        raise ValueError(f"quant scheme must be one of {sorted(SCHEMES) + list(ACTIVATION_SCHEMES)}; got {name!r}")
     return SCHEMES[name]
 
 
@@ -23,7 +27,10 @@ def quantize(w: torch.Tensor, scheme: str, dtype: torch.dtype):
 
     Scales are amax / qmax per group (per channel for int8), stored in `dtype`, never zero. One expert at a
     time (every step is per element or per group), so an fp32 copy of a whole layer never exists.
+    An FP8 scheme: reference.fp8.quantize_weights (e4m3 codes, fp32 power-of-two scales; `dtype` unused).
     """
+    if scheme in ACTIVATION_SCHEMES:
+        return fp8.quantize_weights(w, scheme)
     qmax, qmin, group = _scheme(scheme)
     if w.dim() != 3:
         raise ValueError(f"w must be (E, N, K); got shape {tuple(w.shape)}")
@@ -47,6 +54,8 @@ def quantize(w: torch.Tensor, scheme: str, dtype: torch.dtype):
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
     """(q, scales) -> weights in `dtype`: fp32(q) * fp32(scale), rounded once (one expert at a time)."""
+    if scheme in ACTIVATION_SCHEMES:
+        return fp8.dequantize_weights(q, scales, scheme, dtype)
     _, _, group = _scheme(scheme)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     for e in range(q.shape[0]):
