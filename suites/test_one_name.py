@@ -4,6 +4,7 @@ the repository after a plain editable install."""
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import importlib.util
 import os
 import pathlib
@@ -100,8 +101,11 @@ def _ours_or_installed(text: str, path: pathlib.Path) -> bool:
         return True
     if text.split(".")[0] in sys.stdlib_module_names:
         return False
+    # installed = found in the environment's site-packages, not on a sys.path another test extended (an example's
+    # src/ folder put there made its uninstalled package look installed)
+    site = [p for p in sys.path if p and ("site-packages" in p or "dist-packages" in p)]
     try:
-        return importlib.util.find_spec(text.split(".")[0]) is not None
+        return importlib.machinery.PathFinder.find_spec(text.split(".")[0], site) is not None
     except (ImportError, ValueError):
         return False
 
