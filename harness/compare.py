@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lora_harness.reference.precision import tiny   # the unit of rule 4's underflow exposure
+
 ULPS = 4.0     # per element, in units of eps_dt at the element's forward-error scale
 RATIO = 3.0    # aggregate: at most this many times farther from the truth than the emulation
 EPS32 = torch.finfo(torch.float32).eps
@@ -39,12 +41,6 @@ class Verdict:
 
 def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
-
-
-def tiny(dtype: torch.dtype) -> float:
-    """The smallest positive subnormal of `dtype`: the spacing of its values below the smallest normal."""
-    f = torch.finfo(dtype)
-    return f.smallest_normal * f.eps
 
 
 def _fmt_worst(idx_tensor, out, truth, emu, bound, names, limit=6):
