@@ -327,11 +327,14 @@ def file_adapters(case: Case, local_experts: int, gated: bool) -> list:
 
 
 def _block_magnitudes(w: torch.Tensor, g: torch.Generator, block: int = 128) -> torch.Tensor:
-    """w (E, N, K) with each 128 x 128 block scaled by its own factor in [1/e, e] (drawn from g)."""
+    """w (E, N, K) with each 128 x 128 block scaled by its own factor in [1/e, e] (drawn from g), one expert at a
+    time in float64 (as expert_weights: a whole layer in float64 would not fit a GPU)."""
     E, N, K = w.shape
     f = torch.exp(torch.rand(E, N // block, K // block, generator=g, dtype=torch.float64, device=w.device) * 2 - 1)
-    f = f.repeat_interleave(block, 1).repeat_interleave(block, 2)
-    return (w.to(torch.float64) * f).to(w.dtype)
+    out = torch.empty_like(w)
+    for e in range(E):
+        out[e] = w[e].to(torch.float64) * f[e].repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return out
 
 
 def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
