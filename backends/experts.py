@@ -133,8 +133,9 @@ def precision_for(cls):
     return precision
 
 
-# our experts classes take no FP8 scheme yet: the declared reason beside each (harness.contract's `reasons`)
-FP8_DECLINE = "FP8 Triton experts: not built yet (issue 22 item 3)"
+# the classes that take no FP8 scheme say why (harness.contract's `reasons`)
+FP8_DECLINE = ("FP8 runs in the fused-MoE Triton experts (triton_experts and its subclasses); this kernel takes no "
+               "e4m3 operands")
 FP8_REASONS = {("quant", q): FP8_DECLINE for q in FP8_QUANTS}
 
 
@@ -184,9 +185,8 @@ def _oracle_spec() -> BackendSpec:
         description="runs whatever kernels.experts.oracle.select_experts picks (priority: "
                     + ", ".join(c.name for c in classes) + ")",
         capabilities=Capabilities(levels=frozenset({"expert"}), devices=devices, dtypes=dtypes,
-                                  dtype_reasons=reasons, quant=frozenset({"none", "int4_g128", "int8_channel"}),
-                                  tensor_parallel=True, expert_parallel=True, rules=(rule, on_cpu),
-                                  reasons=FP8_REASONS),
+                                  dtype_reasons=reasons, quant=frozenset().union(*(c.quant_schemes for c in classes)),
+                                  tensor_parallel=True, expert_parallel=True, rules=(rule, on_cpu)),
         experts=run_call,
         precision=lambda case: _oracle_precision(case, picked))
 

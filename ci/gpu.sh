@@ -16,6 +16,8 @@
 #             bench/bench_layer.py (state handling and graph replay against a plain forward)
 #   models    `check --model` for every catalogued model (judge on the GPU; triton_experts, bf16, 1 to 16384 tokens), the
 #             property rows at prefill, and the production-size planted bugs (suites/kernels/test_production_mutants.py)
+#   fp8       FP8 experts (issue 22): the e4m3 MMA probe (bench/probe_fp8_mma.py), the FP8 suites on CUDA, the FP8
+#             check rows for every Triton experts backend, and bench/bench_fp8.py (FP8 vs bf16, with LoRA)
 #   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +27,8 @@ while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
 [[ ${#targets[@]} -eq 0 ]] && targets=(all)
 [[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize layer)
 for t in "${targets[@]}"; do
-  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer|models) ;;
-    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer, models)"; exit 2 ;; esac
+  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer|models|fp8) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer, models, fp8)"; exit 2 ;; esac
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -120,6 +122,21 @@ for t in "${targets[@]}"; do
           src/moe_lora_harness/suites/kernels/test_production_mutants.py -rA > "$OUT/production_mutants.log" 2>&1 || rc=1
         tail -3 "$OUT/production_mutants.log"
       fi ;;
+    fp8)
+      timeout 120 python3 bench/probe_fp8_mma.py --out "$OUT/probe_fp8_mma.json" > "$OUT/probe_fp8_mma.txt" 2>&1 || rc=1
+      tail -12 "$OUT/probe_fp8_mma.txt" | cut -c1-300
+      timeout ${FP8_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --moe-lora-device cuda -n 4 -rfE \
+        src/moe_lora_harness/suites/experts/test_fp8_triton.py src/moe_lora_harness/suites/experts/test_fp8.py ${FP8_PYTEST_ARGS:-} \
+        > "$OUT/fp8_suites.log" 2>&1 || rc=1
+      tail -3 "$OUT/fp8_suites.log"
+      timeout ${FP8_CHECK_TIMEOUT:-240} python3 -m moe_lora_harness check --device cuda --feature "experts: fp8" \
+        --only triton_experts --only gated_fast_experts --only triton_experts_dual_stream --only experts_oracle \
+        --only eager --cases-per-feature ${FP8_CASES:-6} --json "$OUT/check_fp8.json" --markdown "$OUT/check_fp8.md" \
+        > "$OUT/check_fp8.txt" 2>&1 || rc=1
+      tail -4 "$OUT/check_fp8.txt" | cut -c1-300
+      timeout ${FP8_BENCH_TIMEOUT:-300} python3 bench/bench_fp8.py --budget-s ${FP8_BENCH_BUDGET:-240} \
+        --out "$OUT/bench_fp8.json" --md "$OUT/bench_fp8.md" > "$OUT/bench_fp8.txt" 2>&1 || rc=1
+      grep -c '"error"' "$OUT/bench_fp8.txt" | sed 's/^/fp8 bench rows with an error: /' ;;
     check)
       timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.cli check --device cuda --json "$OUT/check_cuda.json" \
         --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1

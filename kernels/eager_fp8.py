@@ -11,10 +11,7 @@ from typing import Callable
 
 import torch
 
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-10
-GROUPS = {"fp8_w8a8": None, "fp8_block": 128}     # activation group along K (None: the whole row)
-WEIGHT_BLOCKS = {"fp8_w8a8": None, "fp8_block": 128}  # weight scale block (None: one per output channel)
+from moe_lora_harness.kernels.fp8_schemes import ACTIVATION_GROUPS as GROUPS, AMAX_FLOOR, E4M3_MAX, WEIGHT_BLOCKS
 
 
 def to_e4m3(v: torch.Tensor) -> torch.Tensor:

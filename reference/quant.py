@@ -27,10 +27,10 @@ def quantize(w: torch.Tensor, scheme: str, dtype: torch.dtype):
 
     Scales are amax / qmax per group (per channel for int8), stored in `dtype`, never zero. One expert at a
     time (every step is per element or per group), so an fp32 copy of a whole layer never exists.
-    An FP8 scheme: reference.fp8.quantize_weights (e4m3 codes, fp32 power-of-two scales; `dtype` unused).
+    An FP8 scheme: reference.fp8.quantize_weights (e4m3 codes, fp32 scales), then `_fp8_exact_in`.
     """
     if scheme in ACTIVATION_SCHEMES:
-        return fp8.quantize_weights(w, scheme)
+        return _fp8_exact_in(*fp8.quantize_weights(w, scheme), scheme, dtype)
     qmax, qmin, group = _scheme(scheme)
     if w.dim() != 3:
         raise ValueError(f"w must be (E, N, K); got shape {tuple(w.shape)}")
@@ -50,6 +50,21 @@ def quantize(w: torch.Tensor, scheme: str, dtype: torch.dtype):
             s = scales[e].float().repeat_interleave(group, dim=1)
         q[e] = torch.clamp(torch.round(w32 / s), qmin, qmax).to(torch.int8)
     return q, scales
+
+
+def _fp8_exact_in(codes: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: torch.dtype):
+    """(codes, scales) with every code whose value code x scale lies below `dtype`'s smallest normal drawn as 0.
+
+    code x scale has at most 8 significant bits: exact in fp16/bf16 when normal, not always below (fp16's subnormals
+    keep fewer bits). The kernel multiplies in fp32, the reference reads the weights in `dtype`; so that both read
+    the same weights, the harness draws such tiny weights (under 2^-14 in fp16, a thousandth of a typical weight
+    at DeepSeek-V3's K) as exact zeros. Scales are unchanged (they come from the block's amax)."""
+    tiny = torch.finfo(dtype).tiny
+    E, N, K = codes.shape
+    for e in range(E):
+        value = codes[e].to(torch.float64) * fp8.weight_scale_view(scales[e], N, K, scheme)
+        codes[e] = torch.where(value.abs() < tiny, torch.zeros_like(value), codes[e].to(torch.float64)).to(codes.dtype)
+    return codes, scales
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:

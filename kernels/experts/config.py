@@ -10,9 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_lora_harness.kernels.dtypes import DTYPE_NAMES
+from moe_lora_harness.kernels.fp8_schemes import FP8_SCHEMES
+
+FP8_QUANTS = tuple(FP8_SCHEMES)
 
 DEVICES = ("cpu", "cuda")
-QUANT_SCHEMES = ("none", "int4_g128", "int8_channel")
+QUANT_SCHEMES = ("none", "int4_g128", "int8_channel", *FP8_QUANTS)   # weight-only int, then FP8 (e4m3 activations)
 
 
 def is_gated_activation(name: str) -> bool:

@@ -17,7 +17,7 @@ from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.experts.lora_mixin import LoRAExpertsMixin
 from moe_lora_harness.kernels.experts.modular import (
     FusedMoEExperts, ShapeRule, check_activations_and_routing, check_biases, check_id_ranges,
-    check_lora_ctx, local_expert_ids,
+    check_lora_ctx, check_quant_weights, local_expert_ids,
 )
 from moe_lora_harness.kernels.experts.triton_experts import ALIGN_EXPERT_LIMIT
 from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
@@ -67,22 +67,6 @@ def fused_marlin_moe(hidden_states: torch.Tensor, w13: QuantWeights, w2: QuantWe
     else:
         moe_sum(cache3.view(T, k, H), output, valid)
     return output
-
-
-def check_quant_weights(config, w13, w2) -> None:
-    """w13 / w2 must be QuantWeights of config.quant with logical shapes (E, N1, H) and (E, H, I)."""
-    c = config
-    for name, qw, shape in (("w13", w13, (c.E, c.N1, c.H)), ("w2", w2, (c.E, c.H, c.I))):
-        if not isinstance(qw, QuantWeights):
-            raise TypeError(f"{name} must be a kernels.triton.quant_gemm.QuantWeights (pack_weights) for "
-                            f"quant={c.quant!r}; got {type(qw).__name__}")
-        if qw.scheme != c.quant:
-            raise ValueError(f"{name}.scheme must be config.quant={c.quant!r}; got {qw.scheme!r}")
-        if (qw.num_experts, qw.N, qw.K) != shape:
-            raise ValueError(f"{name} must have logical shape (E, N, K) = {shape}; got "
-                             f"({qw.num_experts}, {qw.N}, {qw.K})")
-        if qw.device.type != c.device:
-            raise ValueError(f"{name} must be on a {c.device} device; got {qw.device}")
 
 
 class MarlinExperts(LoRAExpertsMixin, FusedMoEExperts):

@@ -14,6 +14,7 @@ import torch
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.triton.platform import interpreting
+from moe_lora_harness.kernels.triton.quant_gemm import QuantWeights
 from moe_lora_harness.kernels.validate import checks_enabled
 
 
@@ -156,6 +157,22 @@ def check_dense_weights(config: MoEConfig, w13, w2, w13_bias, w2_bias) -> None:
     _tensor(w13, "w13", (c.E, c.N1, c.H), c.dtype, dev)
     _tensor(w2, "w2", (c.E, c.H, c.I), c.dtype, dev)
     check_biases(config, w13_bias, w2_bias)
+
+
+def check_quant_weights(config, w13, w2) -> None:
+    """w13 / w2 must be QuantWeights of config.quant with logical shapes (E, N1, H) and (E, H, I)."""
+    c = config
+    for name, qw, shape in (("w13", w13, (c.E, c.N1, c.H)), ("w2", w2, (c.E, c.H, c.I))):
+        if not isinstance(qw, QuantWeights):
+            raise TypeError(f"{name} must be a kernels.triton.quant_gemm.QuantWeights (pack_weights) for "
+                            f"quant={c.quant!r}; got {type(qw).__name__}")
+        if qw.scheme != c.quant:
+            raise ValueError(f"{name}.scheme must be config.quant={c.quant!r}; got {qw.scheme!r}")
+        if (qw.num_experts, qw.N, qw.K) != shape:
+            raise ValueError(f"{name} must have logical shape (E, N, K) = {shape}; got "
+                             f"({qw.num_experts}, {qw.N}, {qw.K})")
+        if qw.device.type != c.device:
+            raise ValueError(f"{name} must be on a {c.device} device; got {qw.device}")
 
 
 def check_biases(config: MoEConfig, w13_bias, w2_bias) -> None:

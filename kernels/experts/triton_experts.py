@@ -2,6 +2,8 @@
 
 Base: align -> w13 grouped GEMM (+bias) -> activation -> w2 grouped GEMM (+bias, routed weight folded in
 before the single rounding) -> moe_sum; LoRA deltas through LoRAExpertsMixin at the two points.
+FP8 schemes (docs/semantics.md 9.1): each base GEMM quantizes its input dynamically to e4m3 and multiplies e4m3
+weights on the tensor cores; the LoRA deltas read the unquantized hidden states and activation.
 """
 from __future__ import annotations
 
@@ -11,18 +13,31 @@ import torch
 
 from moe_lora_harness.kernels.dtypes import TRITON_DTYPE_REASONS, TRITON_DTYPES
 from moe_lora_harness.kernels.eager_experts import SUPPORTED as _ACTIVATIONS, activation as torch_activation
+from moe_lora_harness.kernels.experts.config import FP8_QUANTS
 from moe_lora_harness.kernels.experts.lora_context import MoELoRAContext
 from moe_lora_harness.kernels.experts.lora_mixin import LoRAAlignment, LoRAExpertsMixin
 from moe_lora_harness.kernels.experts.modular import (
-    FusedMoEExperts, ShapeRule, check_activations_and_routing, check_dense_weights, check_id_ranges,
-    check_lora_ctx, local_expert_ids,
+    FusedMoEExperts, ShapeRule, check_activations_and_routing, check_biases, check_dense_weights, check_id_ranges,
+    check_lora_ctx, check_quant_weights, local_expert_ids,
 )
+from moe_lora_harness.kernels.triton.fp8_quant import quantize_activation
 from moe_lora_harness.kernels.triton.fused_moe_gemm import choose_block_m, fused_moe_gemm
 from moe_lora_harness.kernels.triton.moe_align import moe_align_block_size
 from moe_lora_harness.kernels.triton.moe_sum import moe_sum
+from moe_lora_harness.kernels.triton.platform import device_info
 
 ALIGN_EXPERT_LIMIT = ShapeRule("round_up(E, 32) < 1024", lambda c: -(-c.E // 32) * 32 < 1024,
                                "the align kernels size their expert table to round_up(E, 32) < 1024")
+FP8_RULES = (
+    ShapeRule("FP8: 16-bit dtype", lambda c: c.quant not in FP8_QUANTS or c.dtype_name in ("float16", "bfloat16"),
+              "FP8 experts quantize 16-bit activations (an fp32 model is not served with FP8 experts)"),
+    ShapeRule("fp8_block: H % 128 == 0 and I % 128 == 0",
+              lambda c: c.quant != "fp8_block" or (c.H % 128 == 0 and c.I % 128 == 0),
+              "block scales cover 128x128 weight blocks and 128-wide activation groups along each GEMM's K"),
+    ShapeRule("FP8: e4m3 tensor cores (sm_89+)",
+              lambda c: c.quant not in FP8_QUANTS or c.device != "cuda" or device_info("cuda").capability >= (8, 9),
+              "tl.dot on float8_e4m3fn operands needs compute capability 8.9 or newer"),
+)
 
 
 @dataclass
@@ -77,17 +92,21 @@ class TritonExperts(LoRAExpertsMixin, FusedMoEExperts):
     dtype_reasons = TRITON_DTYPE_REASONS
     activations = frozenset(_ACTIVATIONS)
     supports_non_gated = True
-    quant_schemes = frozenset({"none"})
+    quant_schemes = frozenset({"none", *FP8_QUANTS})
     supports_bias = True
     supports_ep = True
     supports_fully_sharded = True
     max_lora_rank = None
-    shape_rules = (ALIGN_EXPERT_LIMIT,)
+    shape_rules = (ALIGN_EXPERT_LIMIT, *FP8_RULES)
 
     # ------------------------------------------------------------------ plan and workspaces
     def check_weights(self, w13, w2, w13_bias, w2_bias) -> None:
-        """Unquantized weights and biases matching the config (Marlin overrides this)."""
-        check_dense_weights(self.config, w13, w2, w13_bias, w2_bias)
+        """Unquantized weights, or QuantWeights of the config's FP8 scheme, and biases matching the config."""
+        if self.config.quant in FP8_QUANTS:
+            check_quant_weights(self.config, w13, w2)
+            check_biases(self.config, w13_bias, w2_bias)
+        else:
+            check_dense_weights(self.config, w13, w2, w13_bias, w2_bias)
 
     def make_plan(self, output, hidden_states, w13, w2, topk_weights, topk_ids, *, expert_map=None,
                   w13_bias=None, w2_bias=None, lora_ctx: MoELoRAContext | None = None) -> ExpertsPlan:
@@ -124,17 +143,21 @@ class TritonExperts(LoRAExpertsMixin, FusedMoEExperts):
         return alloc(P, plan.N1, **kw), alloc(P, plan.I, **kw), alloc(P, plan.H, **kw)
 
     # ------------------------------------------------------------------ phases
-    def _w13_args(self, plan):
-        return dict(w=plan.w13, quant=None, bias=plan.w13_bias)
-
-    def _w2_args(self, plan):
-        return dict(w=plan.w2, quant=None, bias=plan.w2_bias)
+    def _gemm_input(self, x: torch.Tensor, w, bias) -> tuple[torch.Tensor, dict]:
+        """(the GEMM's x, its weight arguments): under an FP8 scheme x's e4m3 codes with their scales (dynamic,
+        per row or per row and 128 columns) and the QuantWeights; else x and the dense weights."""
+        quant = self.config.quant
+        if quant in FP8_QUANTS:
+            codes, scales = quantize_activation(x, quant)
+            return codes, dict(w=None, quant=w, bias=bias, x_scales=scales)
+        return x, dict(w=w, quant=None, bias=bias)
 
     def base_w13(self, plan: ExpertsPlan, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out (T*k, N1) = rnd(x[t] @ w13[e]^T + b13[e]) for every local pair."""
+        """out (T*k, N1) = rnd(x[t] @ w13[e]^T + b13[e]) for every local pair (x quantized first under FP8)."""
         ids, eids, ntpp = plan.align
+        x, weights = self._gemm_input(x, plan.w13, plan.w13_bias)
         fused_moe_gemm(out, x, sorted_token_ids=ids, expert_ids=eids, num_tokens_post_padded=ntpp, top_k=plan.k,
-                       x_row_div=plan.k, block_m=plan.block_m, **self._w13_args(plan))
+                       x_row_div=plan.k, block_m=plan.block_m, **weights)
 
     def lora_w13(self, plan: ExpertsPlan, ctx: MoELoRAContext, x: torch.Tensor, out: torch.Tensor,
                  add_inputs: bool = True) -> None:
@@ -148,11 +171,13 @@ class TritonExperts(LoRAExpertsMixin, FusedMoEExperts):
         cache2.copy_(torch_activation(cache1, plan.activation))
 
     def base_w2(self, plan: ExpertsPlan, cache2: torch.Tensor, out: torch.Tensor) -> None:
-        """out (T*k, H) = rnd(w_p * (cache2[p] @ w2[e]^T + b2[e])) (unweighted under router-weight-on-input)."""
+        """out (T*k, H) = rnd(w_p * (cache2[p] @ w2[e]^T + b2[e])) (unweighted under router-weight-on-input;
+        cache2 quantized first under FP8, the LoRA reading it unquantized)."""
         ids, eids, ntpp = plan.align
-        fused_moe_gemm(out, cache2, sorted_token_ids=ids, expert_ids=eids, num_tokens_post_padded=ntpp,
+        x, weights = self._gemm_input(cache2, plan.w2, plan.w2_bias)
+        fused_moe_gemm(out, x, sorted_token_ids=ids, expert_ids=eids, num_tokens_post_padded=ntpp,
                        top_k=plan.k, x_row_div=1, topk_weights=plan.topk_weights,
-                       mul_routed_weight=plan.mul_routed_weight, block_m=plan.block_m, **self._w2_args(plan))
+                       mul_routed_weight=plan.mul_routed_weight, block_m=plan.block_m, **weights)
 
     def lora_w2(self, plan: ExpertsPlan, ctx: MoELoRAContext, cache2: torch.Tensor, out: torch.Tensor,
                 add_inputs: bool = True) -> None:

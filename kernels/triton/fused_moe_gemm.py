@@ -18,15 +18,18 @@ import triton.language as tl
 from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
 from moe_lora_harness.kernels.triton.launch import launch, next_pow2
 from moe_lora_harness.kernels.triton.platform import device_info
-from moe_lora_harness.kernels.triton.quant_gemm import check_quant, load_weight_tile
+from moe_lora_harness.kernels.triton.quant_gemm import FP8_SCHEMES, check_quant, load_weight_tile
 from moe_lora_harness.kernels.validate import checks_enabled, UNCHECKED_ENV
+
+
+FP8_CODES = tuple(sorted(code for _, code in FP8_SCHEMES.values()))   # QUANT codes whose activations are e4m3
 
 
 @triton.jit
 def _moe_gemm_kernel(
-    out_ptr, x_ptr, w_ptr, s_ptr, bias_ptr, tw_ptr, ids_ptr, expert_ids_ptr, ntpp_ptr, perm_ptr,
+    out_ptr, x_ptr, w_ptr, s_ptr, xs_ptr, bias_ptr, tw_ptr, ids_ptr, expert_ids_ptr, ntpp_ptr, perm_ptr,
     N, K, EM, num_rows,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_xsm, stride_xsg,
     stride_be, stride_bn, stride_om, stride_on,
     X_ROW_DIV: tl.constexpr, USE_PERM: tl.constexpr, X_BY_SLOT: tl.constexpr, HAS_BIAS: tl.constexpr,
     MUL_W: tl.constexpr, QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -35,6 +38,9 @@ def _moe_gemm_kernel(
     """Grid (cdiv(EM, BLOCK_M) * cdiv(N, BLOCK_N),). ids (EM,) are out rows, padded with num_rows.
 
     pair = perm[id] if USE_PERM else id (routing weight index); x row = id if X_BY_SLOT else pair // X_ROW_DIV.
+    QUANT 3/4 (FP8): x holds e4m3 codes with fp32 scales xs (per row / per row and 128-group), w e4m3 codes with
+    per-channel / 128x128-block scales s; each K tile's e4m3 dot is added to the fp32 accumulator on its own (the
+    tensor cores' reduced-precision accumulation spans one tile at most), block scales applied per tile.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -76,11 +82,25 @@ def _moe_gemm_kernel(
             a = tl.load(x_ptrs, mask=row_mask[:, None] & kmask[None, :], other=0.0)
         b = load_weight_tile(w_ptr, s_ptr, expert, offs_k, offs_wn, k0, kmask, K, stride_we, stride_wn, stride_wk,
                              stride_se, stride_sn, stride_sg, dt, QUANT, EVEN_K, BLOCK_K)
-        if IEEE:
+        if QUANT >= 3:   # e4m3 codes travel as bytes (a masked fp8 load's zero is not castable in the interpreter)
+            a = a.to(tl.float8e4nv, bitcast=True)
+            b = b.to(tl.float8e4nv, bitcast=True)
+        if QUANT == 4:
+            kb = k0 // 128
+            xs = tl.load(xs_ptr + x_rows * stride_xsm + kb * stride_xsg, mask=row_mask, other=0.0)
+            ws = tl.load(s_ptr + expert * stride_se + (offs_wn // 128) * stride_sn + kb * stride_sg)
+            acc += tl.dot(a, b) * xs[:, None] * ws[None, :]
+        elif QUANT == 3:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
         x_ptrs += BLOCK_K * stride_xk
+    if QUANT == 3:
+        xs = tl.load(xs_ptr + x_rows * stride_xsm, mask=row_mask, other=0.0)
+        ws = tl.load(s_ptr + expert * stride_se + offs_wn * stride_sn)
+        acc = acc * xs[:, None] * ws[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_be + offs_wn * stride_bn).to(tl.float32)
         acc = acc + bias[None, :]
@@ -120,10 +140,12 @@ def choose_config(block_m: int, N: int, K: int, dtype: torch.dtype, device, quan
         block_k = 32
     block_n = min(block_n, max(16, next_pow2(N)))
     block_k = min(block_k, max(16, next_pow2(K)))
+    esz = torch.empty((), dtype=dtype).element_size()
     if quant_code == 1:
         block_k = min(block_k, 128)  # a K tile must stay inside one 128-wide scale group
+    if quant_code >= FP8_CODES[0]:   # e4m3 operands: K tiles of 128 (one scale block; e4m3 MMAs take K in 32s)
+        block_k, esz = (128 if K >= 128 else max(32, next_pow2(K))), 1
     stages = 4 if block_m <= 64 else 3
-    esz = torch.empty((), dtype=dtype).element_size()
     while stages > 2 and stages * (block_m * block_k + block_k * block_n) * esz > 0.8 * info.max_shared_mem:
         stages -= 1
     warps = 8 if block_m * block_n >= 128 * 128 else 4
@@ -224,8 +246,30 @@ def check_block_values(ids, expert_ids, ntpp, num_rows: int, E: int, block_m: in
         raise ValueError("; ".join(failed) + f" (set {UNCHECKED_ENV}=1 to skip this check)")
 
 
+def check_x_scales(x, x_scales, code: int, dt: torch.dtype, dev) -> None:
+    """FP8 codes (QUANT 3/4): x float8_e4m3fn with fp32 x_scales (rows, 1) or (rows, K/128), out in 16 bits;
+    other codes: x in the output's dtype and no x_scales."""
+    if code not in FP8_CODES:
+        if x_scales is not None:
+            raise ValueError("x_scales is for FP8 weights only (quant with an fp8 scheme); got a tensor")
+        if x.dtype != dt or x.device != dev:
+            raise TypeError(f"x must be {dt} on {dev} like out; got {x.dtype} on {x.device}")
+        return
+    if dt not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"FP8 weights need out in float16 or bfloat16; got {dt}")
+    if x.dtype != torch.float8_e4m3fn or x.device != dev:
+        raise TypeError(f"x must hold float8_e4m3fn codes on {dev} for FP8 weights (kernels.triton.fp8_quant); got "
+                        f"{x.dtype} on {x.device}")
+    groups = 1 if code == FP8_CODES[0] else int(x.shape[1]) // 128
+    if (not isinstance(x_scales, torch.Tensor) or x_scales.dtype != torch.float32 or x_scales.device != dev
+            or tuple(x_scales.shape) != (int(x.shape[0]), groups)):
+        raise ValueError(f"x_scales must be a float32 tensor {(int(x.shape[0]), groups)} on {dev} (x's scales per "
+                         f"{'row' if groups == 1 else 'row and 128 columns'}); got "
+                         f"{getattr(x_scales, 'dtype', type(x_scales).__name__)} {tuple(getattr(x_scales, 'shape', ()))}")
+
+
 def launch_gemm(out, x, w_or_q, bias, tw, ids, expert_ids, ntpp, perm, *, K, num_rows, x_row_div, use_perm,
-                x_by_slot, block_m, code, config: GemmConfig | None) -> None:
+                x_by_slot, block_m, code, config: GemmConfig | None, x_scales=None) -> None:
     """Launch the grouped GEMM kernel on validated arguments (shared by fused_moe_gemm and grouped_gemm)."""
     EM = ids.numel()
     N = out.shape[1]
@@ -235,8 +279,11 @@ def launch_gemm(out, x, w_or_q, bias, tw, ids, expert_ids, ntpp, perm, *, K, num
     cfg = config or choose_config(block_m, N, K, dt, out.device, code)
     if code == 1 and 128 % cfg.block_k:
         raise ValueError(f"int4_g128 needs a BLOCK_K dividing 128; got {cfg.block_k}")
+    if code in FP8_CODES:                 # the kernel reads e4m3 codes as bytes and bitcasts them
+        x = x.view(torch.uint8)
     if code:
         wt, st = w_or_q.packed, w_or_q.scales
+        wt = wt.view(torch.uint8) if code in FP8_CODES else wt
         sw = (wt.stride(0), wt.stride(1), wt.stride(2))
         ss = (st.stride(0), st.stride(1), st.stride(2) if st.dim() == 3 else 0)
     else:
@@ -246,8 +293,11 @@ def launch_gemm(out, x, w_or_q, bias, tw, ids, expert_ids, ntpp, perm, *, K, num
     b = bias if bias is not None else out
     sb = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
     grid = (triton.cdiv(EM, block_m) * triton.cdiv(N, cfg.block_n),)
-    args = (out, x, wt, st, b, tw if tw is not None else out, ids, expert_ids, ntpp, perm if perm is not None else ids,
-            N, K, EM, num_rows, x.stride(0), x.stride(1), *sw, *ss, *sb, out.stride(0), out.stride(1))
+    xs = x_scales if x_scales is not None else out
+    sxs = (x_scales.stride(0), x_scales.stride(1)) if x_scales is not None else (0, 0)
+    args = (out, x, wt, st, xs, b, tw if tw is not None else out, ids, expert_ids, ntpp,
+            perm if perm is not None else ids, N, K, EM, num_rows, x.stride(0), x.stride(1), *sw, *ss, *sxs, *sb,
+            out.stride(0), out.stride(1))
     meta = dict(X_ROW_DIV=x_row_div, USE_PERM=use_perm, X_BY_SLOT=x_by_slot, HAS_BIAS=bias is not None,
                 MUL_W=tw is not None, QUANT=code, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m, EVEN_K=K % cfg.block_k == 0, IEEE=dt == torch.float32)
@@ -257,21 +307,21 @@ def launch_gemm(out, x, w_or_q, bias, tw, ids, expert_ids, ntpp, perm, *, K, num
 
 def fused_moe_gemm(out, x, w, sorted_token_ids, expert_ids, num_tokens_post_padded, *, top_k, x_row_div,
                    topk_weights=None, mul_routed_weight=False, bias=None, block_m=64, quant=None,
-                   config: GemmConfig | None = None) -> None:
+                   config: GemmConfig | None = None, x_scales=None) -> None:
     """In place: out[p] = rnd(w_p * (x[p // x_row_div] @ W[e]^T + bias[e])) for every pair p in the align.
 
     out (T*k, N) dt; x (T, K) with x_row_div = top_k or (T*k, K) with x_row_div = 1; w (E, N, K) dt or
     quant=QuantWeights (then w=None); ids from moe_align_block_size(block_size=block_m). The weight
     w_p (fp32) applies only with mul_routed_weight. Rows of pairs not in the align are not written.
+    FP8 quant: x holds e4m3 codes and x_scales their fp32 scales (kernels.triton.fp8_quant.quantize_activation).
     """
     _tensor(out, "out", 2, "(T*k, N)")
     if out.dtype not in FLOAT_DTYPES:
         raise TypeError(f"out must be float16, bfloat16 or float32; got {out.dtype}")
     dt, dev = out.dtype, out.device
     _tensor(x, "x", 2, "(T, K) or (T*k, K)")
-    if x.dtype != dt or x.device != dev:
-        raise TypeError(f"x must be {dt} on {dev} like out; got {x.dtype} on {x.device}")
     E, N, K, code = check_weights(w, quant, bias, dt, dev)
+    check_x_scales(x, x_scales, code, dt, dev)
     k = _int(top_k, "top_k")
     P = int(out.shape[0])
     if P % k:
@@ -296,4 +346,4 @@ def fused_moe_gemm(out, x, w, sorted_token_ids, expert_ids, num_tokens_post_padd
                          "(is block_m the align block size?)")
     check_block_values(ids, eids, ntpp, P, E, bm, "sorted_token_ids")
     launch_gemm(out, x, quant if code else w, bias, tw, ids, eids, ntpp, None, K=K, num_rows=P, x_row_div=x_row_div,
-                use_perm=False, x_by_slot=False, block_m=bm, code=code, config=config)
+                use_perm=False, x_by_slot=False, block_m=bm, code=code, config=config, x_scales=x_scales)

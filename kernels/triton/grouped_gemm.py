@@ -12,7 +12,8 @@ import torch
 
 from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
 from moe_lora_harness.kernels.triton.fused_moe_gemm import (
-    GemmConfig, _tensor, check_block_m, check_weights, choose_block_m, launch_gemm, routing_weights,
+    FP8_CODES, GemmConfig, _tensor, check_block_m, check_weights, check_x_scales, choose_block_m, launch_gemm,
+    routing_weights,
 )
 from moe_lora_harness.kernels.triton.moe_align import _pos_int, check_expert_map, check_topk_ids, pad_segments, sort_pairs_by_expert
 from moe_lora_harness.kernels.triton.moe_sum import check_out, launch_sum
@@ -80,9 +81,10 @@ def grouped_gemm(out, x, w, perm, seg_offsets, *, x_row_div, bias=None, topk_wei
         raise TypeError(f"out must be float16, bfloat16 or float32; got {out.dtype}")
     dt, dev = out.dtype, out.device
     _tensor(x, "x", 2, "(rows, K)")
-    if x.dtype != dt or x.device != dev:
-        raise TypeError(f"x must be {dt} on {dev} like out; got {x.dtype} on {x.device}")
     E, N, K, code = check_weights(w, quant, bias, dt, dev)
+    if code in FP8_CODES:
+        raise ValueError(f"grouped_gemm takes no FP8 weights (quant.scheme {quant.scheme!r}): use fused_moe_gemm")
+    check_x_scales(x, None, code, dt, dev)
     p = _perm(perm, dev)
     P = p.numel()
     if tuple(out.shape) != (P, N):

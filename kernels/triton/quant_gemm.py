@@ -14,16 +14,22 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lora_harness.kernels.fp8_schemes import WEIGHT_BLOCKS
+
 # scheme -> (qmin, qmax, group along K or None for per-channel, kernel QUANT code)
 SCHEMES = {"int4_g128": (-8, 7, 128, 1), "int8_channel": (-127, 127, None, 2)}
+# FP8 (e4m3 codes, fp32 scales; the activations are quantized too, kernels/triton/fp8_quant.py):
+# scheme -> (weight scale block along N and K or None for per-channel (kernels.fp8_schemes), kernel QUANT code)
+FP8_SCHEMES = {name: (WEIGHT_BLOCKS[name], code) for name, code in (("fp8_w8a8", 3), ("fp8_block", 4))}
 
 
 @dataclass
 class QuantWeights:
     """Packed quantized weights of E experts, logical shape (E, N, K) like the dense `w`.
 
-    packed: int4_g128 -> uint8 (E, N, K/2); int8_channel -> int8 (E, N, K).
-    scales: int4_g128 -> (E, N, K/128); int8_channel -> (E, N); any float dtype (read as fp32).
+    packed: int4_g128 -> uint8 (E, N, K/2); int8_channel -> int8 (E, N, K); FP8 -> float8_e4m3fn (E, N, K).
+    scales: int4_g128 -> (E, N, K/128); int8_channel, fp8_w8a8 -> (E, N); fp8_block -> (E, N/128, K/128);
+    any float dtype (read as fp32).
     """
 
     scheme: str
@@ -39,8 +45,9 @@ class QuantWeights:
 
     @property
     def code(self) -> int:
-        """The kernel's QUANT constexpr for this scheme (1 = int4 g128, 2 = int8 per channel)."""
-        return SCHEMES[self.scheme][3]
+        """The kernel's QUANT constexpr for this scheme (1 = int4 g128, 2 = int8 per channel, 3 = fp8 per channel,
+        4 = fp8 128x128 blocks)."""
+        return FP8_SCHEMES[self.scheme][1] if self.scheme in FP8_SCHEMES else SCHEMES[self.scheme][3]
 
     @property
     def device(self) -> torch.device:
@@ -50,16 +57,55 @@ class QuantWeights:
 
 def _scheme(scheme) -> tuple:
     if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {sorted(SCHEMES)}; got {scheme!r}")
+        raise ValueError(f"scheme must be one of {sorted([*SCHEMES, *FP8_SCHEMES])}; got {scheme!r}")
     return SCHEMES[scheme]
+
+
+def fp8_scale_shape(scheme: str, E: int, N: int, K: int) -> tuple:
+    """The weight scales' shape of an FP8 scheme: (E, N) per channel, (E, N/128, K/128) in blocks (N, K % 128 == 0:
+    ValueError otherwise)."""
+    block, _ = FP8_SCHEMES[scheme]
+    if block is None:
+        return (E, N)
+    if N % block or K % block:
+        raise ValueError(f"{scheme} needs the weights' N and K divisible by {block}; got N={N}, K={K}")
+    return (E, N // block, K // block)
+
+
+def _check_fp8(q, scales, scheme: str) -> tuple[int, int, int]:
+    """(E, N, K) of FP8 codes q and their scales, checked in dtype, shape and device (no value read)."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"q must be a float8_e4m3fn torch.Tensor (E, N, K) for {scheme}; got "
+                        f"{getattr(q, 'dtype', type(q).__name__)}")
+    if q.dim() != 3 or min(q.shape) < 1:
+        raise ValueError(f"q must have shape (E, N, K) with non-empty dims; got {tuple(q.shape)}")
+    E, N, K = (int(s) for s in q.shape)
+    if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
+        raise TypeError(f"scales must be a floating-point torch.Tensor; got {getattr(scales, 'dtype', type(scales).__name__)}")
+    if scales.device != q.device:
+        raise ValueError(f"scales is on {scales.device}; it must be on q's device {q.device}")
+    want = fp8_scale_shape(scheme, E, N, K)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"scales for {scheme} must have shape {want}; got {tuple(scales.shape)}")
+    return E, N, K
+
+
+def _pack_fp8(q, scales, scheme: str) -> QuantWeights:
+    E, N, K = _check_fp8(q, scales, scheme)
+    if scales.numel() and not bool(((scales > 0) & torch.isfinite(scales)).all()):
+        raise ValueError(f"scales for {scheme} must be finite and > 0")
+    return QuantWeights(scheme=scheme, packed=q.contiguous(), scales=scales, N=N, K=K)
 
 
 def pack_weights(q, scales, scheme: str) -> QuantWeights:
     """(q int8 (E, N, K) in the scheme's range, scales) -> QuantWeights; int4 two values a byte, lossless.
 
     Raises ValueError/TypeError naming the argument for a wrong dtype, shape or out-of-range value
-    (one device->host sync to check the range; packing is a one-time weight preparation).
+    (one device->host sync to check the range; packing is a one-time weight preparation). FP8 schemes take
+    float8_e4m3fn codes as they are.
     """
+    if scheme in FP8_SCHEMES:
+        return _pack_fp8(q, scales, scheme)
     qmin, qmax, group, _ = _scheme(scheme)
     if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
         raise TypeError(f"q must be an int8 torch.Tensor (E, N, K); got {getattr(q, 'dtype', type(q).__name__)}")
@@ -89,7 +135,9 @@ def pack_weights(q, scales, scheme: str) -> QuantWeights:
 
 
 def unpack_weights(qw: QuantWeights) -> torch.Tensor:
-    """The int8 values (E, N, K) held by `qw` (torch ops; the inverse of pack_weights)."""
+    """The int8 values (E, N, K) held by `qw` (torch ops; the inverse of pack_weights); FP8: the e4m3 codes."""
+    if qw.scheme in FP8_SCHEMES:
+        return qw.packed.clone()
     _scheme(qw.scheme)
     if qw.scheme == "int8_channel":
         return qw.packed.clone()
@@ -102,6 +150,11 @@ def check_quant(qw, dtype: torch.dtype, device: torch.device) -> QuantWeights:
     """QuantWeights consistent with itself and usable by the GEMM (shapes, dtypes, device)."""
     if not isinstance(qw, QuantWeights):
         raise TypeError(f"quant must be a QuantWeights (from pack_weights) or None; got {type(qw).__name__}")
+    if qw.scheme in FP8_SCHEMES:
+        _check_fp8(qw.packed, qw.scales, qw.scheme)
+        if qw.packed.device != device:
+            raise ValueError(f"quant.packed is on {qw.packed.device}; it must be on the output's device {device}")
+        return qw
     _, _, group, _ = _scheme(qw.scheme)
     E = qw.packed.shape[0] if qw.packed.dim() == 3 else -1
     packed_dt, packed_k = (torch.int8, qw.K) if group is None else (torch.uint8, qw.K // 2)
