@@ -124,7 +124,7 @@ class TritonExperts(LoRAExpertsMixin, FusedMoEExperts):
         check_id_ranges(c, topk_ids, expert_map, lora_ctx)
         k = c.top_k
         local, valid = local_expert_ids(topk_ids, expert_map)
-        bm = choose_block_m(T * k, c.E)
+        bm = choose_block_m(T * k, c.E, fp8=c.quant in FP8_QUANTS)
         align = moe_align_block_size(topk_ids, bm, c.E, expert_map) if T else None
         lora_align = None
         if lora_ctx is not None and T:

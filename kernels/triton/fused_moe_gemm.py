@@ -122,17 +122,20 @@ class GemmConfig:
     num_stages: int = 3
 
 
-def choose_block_m(num_pairs: int, num_experts: int) -> int:
-    """Align block size by the expected rows per expert: 16 for decode-like batches up to 128 for prefill."""
+def choose_block_m(num_pairs: int, num_experts: int, fp8: bool = False) -> int:
+    """Align block size by the expected rows per expert: 16 for decode-like batches up to 128 for prefill; at most
+    64 for FP8 GEMMs (H200 sweep, bench/tune_fp8_gemm.py: 64-row e4m3 tiles beat 128-row ones at 4096 tokens by
+    1.1-1.6x, bench/results/2026-12-02-h200-s14/tune)."""
     per_expert = num_pairs / max(1, num_experts)
     for bm, limit in ((16, 16), (32, 32), (64, 96)):
         if per_expert <= limit:
             return bm
-    return 128
+    return 64 if fp8 else 128
 
 
 def choose_config(block_m: int, N: int, K: int, dtype: torch.dtype, device, quant_code: int = 0) -> GemmConfig:
-    """sm_90-minded tiles: BLOCK_N 64 (small M, more programs) or 128, BLOCK_K 64 (128 for thin M), 3-4 stages."""
+    """sm_90-minded tiles: BLOCK_N 64 (small M, more programs) or 128, BLOCK_K 64 (128 for thin M and for e4m3),
+    3-4 stages."""
     info = device_info(device)
     block_n = 64 if block_m <= 32 or N <= 64 else 128
     block_k = 128 if block_m <= 32 and K >= 128 else 64
@@ -143,12 +146,13 @@ def choose_config(block_m: int, N: int, K: int, dtype: torch.dtype, device, quan
     esz = torch.empty((), dtype=dtype).element_size()
     if quant_code == 1:
         block_k = min(block_k, 128)  # a K tile must stay inside one 128-wide scale group
-    if quant_code >= FP8_CODES[0]:   # e4m3 operands: K tiles of 128 (one scale block; e4m3 MMAs take K in 32s)
+    fp8 = quant_code in FP8_CODES
+    if fp8:   # e4m3 operands: K tiles of 128 (one scale block; e4m3 MMAs take K in 32s)
         block_k, esz = (128 if K >= 128 else max(32, next_pow2(K))), 1
-    stages = 4 if block_m <= 64 else 3
+    stages = 3 if fp8 else (4 if block_m <= 64 else 3)   # FP8: 3 stages and 4 warps won the H200 sweep
     while stages > 2 and stages * (block_m * block_k + block_k * block_n) * esz > 0.8 * info.max_shared_mem:
         stages -= 1
-    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    warps = 8 if block_m * block_n >= 128 * 128 and not fp8 else 4
     return GemmConfig(block_n=block_n, block_k=block_k, group_m=8, num_warps=warps, num_stages=stages)
 
 
