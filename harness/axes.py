@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from moe_lora_harness.harness.case import DTYPES, LAYOUTS, LEVELS, MAPPINGS, QUANTS, Case
+from moe_lora_harness.harness.case import DTYPES, FP8_QUANTS, LAYOUTS, LEVELS, MAPPINGS, QUANTS, Case
 from moe_lora_harness.harness.profiles import PROFILES, on_gpu
 from moe_lora_harness.reference.activations import OAI_LIMIT, SUPPORTED_ACTIVATIONS, is_gated
 
@@ -159,13 +159,17 @@ def input_class(c: Case) -> str:
 
 def declared_values(spec, device: str) -> dict:
     """The values `spec` declares on `device` for the axes the strategies and palettes draw over: dtypes,
-    layouts, activations, quant schemes (empty dtypes: it runs nothing there)."""
+    layouts, activations, quant schemes (empty dtypes: it runs nothing there); `fp8`: the FP8 schemes it claims,
+    which only the strategies' FP8 draw takes (harness.strategies.fp8_cases), and `plain_quants`: whether it claims
+    any other scheme (else `quants`' "none" is only a default)."""
     cap = spec.capabilities
     dev = "cuda" if on_gpu(device) else str(device)
     acts = tuple(a for a in SUPPORTED_ACTIVATIONS if cap.activations is None or a in cap.activations)
     return dict(dtypes=tuple(d for d in DTYPES if d in cap.dtypes.get(dev, ())),
                 layouts=tuple(sorted(cap.layouts)) or LAYOUTS, activations=acts or SUPPORTED_ACTIVATIONS,
-                quants=tuple(q for q in QUANTS if q in cap.quant) or ("none",))
+                quants=tuple(q for q in QUANTS if q in cap.quant) or ("none",),
+                fp8=tuple(q for q in FP8_QUANTS if q in cap.quant),
+                plain_quants=any(q in cap.quant for q in QUANTS))
 
 
 # -- the axes ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_lora_harness.harness.case import OUTLIER_SCALE, Case
+from moe_lora_harness.harness.case import OUTLIER_SCALE, Case  # noqa: F401 (tests read the default here)
 from moe_lora_harness.op_contract.validate import default_tuning
 from moe_lora_harness.reference import align as ref_align
 
@@ -41,8 +41,8 @@ def _gen(case: Case, salt: int, device="cpu") -> torch.Generator:
 
 
 def outlier_tokens(case: Case, device="cpu") -> torch.Tensor:
-    """The `case.outliers` token indices (int64, ascending) whose hidden states are scaled OUTLIER_SCALE more;
-    drawn from a generator of their own, so no other tensor of the case changes."""
+    """The `case.outliers` token indices (int64, ascending) whose hidden states are scaled `case.outlier_scale`
+    more; drawn from a generator of their own, so no other tensor of the case changes."""
     if case.outliers <= 0 or case.T <= 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
     return torch.randperm(case.T, generator=_gen(case, 5, device), device=device)[:case.outliers].sort().values
@@ -50,12 +50,12 @@ def outlier_tokens(case: Case, device="cpu") -> torch.Tensor:
 
 def scale_inputs(case: Case, x: torch.Tensor, rows_per_token: int = 1) -> torch.Tensor:
     """`x` (T * rows_per_token, K; token t's rows together) times `case.magnitude`, the outlier tokens' rows
-    times OUTLIER_SCALE more. The defaults return `x` itself (bit-identical inputs for every existing case)."""
+    times `case.outlier_scale` more. The defaults return `x` itself (bit-identical inputs for every existing case)."""
     if case.magnitude == 1 and case.outliers == 0:
         return x
     scale = torch.full((x.shape[0], 1), float(case.magnitude), dtype=x.dtype, device=x.device)
     for t in outlier_tokens(case, x.device).tolist():
-        scale[t * rows_per_token:(t + 1) * rows_per_token] *= OUTLIER_SCALE
+        scale[t * rows_per_token:(t + 1) * rows_per_token] *= float(case.outlier_scale)
     return x * scale
 
 

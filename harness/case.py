@@ -17,8 +17,9 @@ ROUTINGS = ("uniform", "skewed")
 LAYOUTS = ("sorted", "naive")
 QUANTS = ("none", "int4_g128", "int8_channel")
 # quantized activations too (reference.fp8): e4m3 weights with per-channel / 128x128-block scales, activations per
-# token / per token-group of 128, dynamic. Kept out of QUANTS, which the strategies and covering designs draw from
-# (harness.axes.declared_values): the feature rows and explicit cases reach them; ALL_QUANTS is what a case may hold
+# token / per token-group of 128, dynamic. Kept out of QUANTS, which the covering designs, palettes and the other
+# draws take (harness.axes.declared_values): the feature rows, explicit cases and the strategies' own FP8 draw for a
+# backend that claims a scheme (harness.strategies.fp8_cases) reach them; ALL_QUANTS is what a case may hold
 FP8_QUANTS = ("fp8_w8a8", "fp8_block")
 ALL_QUANTS = QUANTS + FP8_QUANTS
 WHICH = ("w13", "w2")
@@ -30,8 +31,16 @@ EP_COMMS = ("simulated", "processes")
 # first half of the tokens, put in reverse token order, or with every adapter moved one slot on; "" = the case
 VIEWS = ("", "half", "reversed", "slots_rotated")
 # input scale: `magnitude` scales every token's hidden state (op level: the LoRA input x); `outliers` tokens
-# are scaled a further OUTLIER_SCALE, as the massive-activation tokens of real models are
+# are scaled a further `outlier_scale` (default OUTLIER_SCALE), as the massive-activation tokens of real models are
 OUTLIER_SCALE = 30.0
+# a massive-activation token (FP8 rows and draws): real LLM hidden states hold tokens 10^3-10^4 times the others
+# (e.g. the first token; Sun et al. 2024, "Massive activations in large language models"), and e4m3 is where such a
+# span matters: under one scale for the tensor (its amax / 448) a token whose own amax lies 448 x 2^10 below the
+# tensor's falls under half e4m3's smallest subnormal (2^-9) and rounds to 0. GEMM2 reads the activation's output,
+# which a gated (or relu2) activation makes quadratic in the token's size: a span S at the input is S^2 there. The
+# smallest power of two with S^2 >= 448 x 2^10 = 2^18.8 is 2^10, the low end of the range real models show
+# (docs/semantics.md 9.1; suites/experts/test_fp8.py re-derives it from reference.fp8's e4m3 constants)
+MASSIVE_OUTLIER_SCALE = 2.0 ** 10
 MAX_MAGNITUDE = 64.0
 # a magnitude past the activations' clamps (swigluoai / swiglustep clamp at 7: std-8 pre-activations pass it about
 # half the time), and the outlier tokens of a row that has them
@@ -42,9 +51,11 @@ OUTLIER_TOKENS = 2
 # near 2^-10
 SUBNORMAL_OP_MAGNITUDE = 2.0 ** -20
 SUBNORMAL_EXPERT_MAGNITUDE = 2.0 ** -10
-# float16 expert cases: magnitude x (OUTLIER_SCALE if outliers) at most this; a gated or relu2 activation
+# float16 expert cases: magnitude x (outlier_scale if outliers) at most this; a gated or relu2 activation
 # multiplies two pre-activations (~5 sigma = 5 x this), which beyond it leaves float16's 65504 range
 FP16_MAX_PEAK = 30.0
+# the largest power-of-two magnitude that holds a massive-activation token in float16 (magnitude x 2^10 <= 30): 2^-6
+FP16_MASSIVE_MAGNITUDE = 2.0 ** math.floor(math.log2(FP16_MAX_PEAK / MASSIVE_OUTLIER_SCALE))
 
 
 @dataclass(frozen=True)
@@ -94,9 +105,10 @@ class Case:
     ep_comm: str = "simulated"
     # input scale (both levels; defaults leave every tensor bit-identical): hidden states (op level: x) times
     # `magnitude`, so pre-activations reach the activations' clamps (swigluoai's limit 7); `outliers` tokens,
-    # chosen from the seed, times a further OUTLIER_SCALE (30x)
+    # chosen from the seed, times a further `outlier_scale` (OUTLIER_SCALE, 30x; MASSIVE_OUTLIER_SCALE, 2^10)
     magnitude: float = 1.0
     outliers: int = 0
+    outlier_scale: float = OUTLIER_SCALE
     # expert level: a view of this case's inputs (VIEWS; harness.properties), judged against the plain case's output
     view: str = ""
     # expert level: PEFT adapter folders (harness.peft_adapters) loaded into slots 0.. instead of random adapters
@@ -235,11 +247,16 @@ class Case:
         m = self.magnitude
         m_ok = isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and 0 < m <= MAX_MAGNITUDE
         need(m_ok, f"magnitude (the hidden states' scale) must be a number in (0, {MAX_MAGNITUDE:g}], got {m!r}")
-        o = self.outliers
+        o, s = self.outliers, self.outlier_scale
+        s_ok = (isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
+                and 1 <= s <= MASSIVE_OUTLIER_SCALE)
+        need(s_ok, f"outlier_scale (the outlier tokens' further scale) must be a number in [1, "
+                   f"{MASSIVE_OUTLIER_SCALE:g}], got {s!r}")
         o_ok = isinstance(o, int) and not isinstance(o, bool) and 0 <= o <= max(self.T, 0)
-        need(o_ok, f"outliers (tokens scaled {OUTLIER_SCALE:g}x) must be an int in [0, T={self.T}], got {o!r}")
-        if m_ok and o_ok and self.level == "expert" and self.dtype == "float16":
-            peak = m * (OUTLIER_SCALE if o else 1.0)
+        need(o_ok, f"outliers (tokens scaled {s if s_ok else OUTLIER_SCALE:g}x) must be an int in [0, T={self.T}], "
+                   f"got {o!r}")
+        if m_ok and o_ok and s_ok and self.level == "expert" and self.dtype == "float16":
+            peak = m * (s if o else 1.0)
             need(peak <= FP16_MAX_PEAK,
                  f"float16: magnitude x outlier scale = {peak:g} exceeds {FP16_MAX_PEAK:g}; the activation's product "
                  f"of two pre-activations would leave float16's range (65504): use float32 / bfloat16, fewer "

@@ -2,12 +2,16 @@
 
 Error model (docs/error-model.md): over the elements the contract writes,
   1. nothing non-finite where the truth is finite (NaN/Inf never pass);
-  2. per element  |out - truth| <= ULPS * eps_dt * scale + sqrt(K+R) * eps_fp32 * scale + tiny_dt * underflow,
-     where `scale` is the element's forward-error magnitude (|prev| + |w| |B| |A| |x| ...) in float64 and
+  2. per element  |out - truth| <= ULPS * eps_dt * scale + sqrt(K+R) * eps_fp32 * scale + tiny_dt * underflow
+     + flip, where `scale` is the element's forward-error magnitude (|prev| + |w| |B| |A| |x| ...) in float64,
      `underflow` its exposure to gradual underflow (each rounding below dt's smallest normal may add half
-     dt's smallest subnormal `tiny_dt`, times what later steps multiply it by: twice that is allowed);
+     dt's smallest subnormal `tiny_dt`, times what later steps multiply it by: twice that is allowed) and
+     `flip` (FP8 activations only) the absolute allowance for e4m3 roundings a correct kernel may take the
+     other way, all at once;
   3. in aggregate ||out - truth|| <= RATIO * max(||emulation - truth||, floor),
-     floor = 0.5 eps_dt ||truth|| + sqrt(K+R) eps_fp32 ||scale|| + 0.5 tiny_dt ||underflow||.
+     floor = 0.5 eps_dt ||truth|| + sqrt(K+R) eps_fp32 ||scale|| + 0.5 tiny_dt ||underflow|| + max(one_flip),
+     `one_flip` (FP8 only) a row's output change from its costliest single flip (the emulation's own flips stand
+     for a correct kernel's, except where it has next to none: a small case).
 Elements the contract does not write are compared bit for bit with what the buffer held.
 """
 from __future__ import annotations
@@ -52,23 +56,28 @@ def _fmt_worst(idx_tensor, out, truth, emu, bound, names, limit=6):
 
 
 def element_bound(scale: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int, underflow: torch.Tensor | None = None,
-                  work_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  work_dtype: torch.dtype | None = None, flip: torch.Tensor | None = None) -> torch.Tensor:
     """Each element's allowed |out - truth| (rule 2 of the error model), never 0 (the smallest float64)."""
     bound = ULPS * _eps(dtype) * scale + math.sqrt(max(k_plus_r, 1)) * EPS32 * scale
     if underflow is not None:
         bound = bound + tiny(work_dtype or dtype) * underflow
+    if flip is not None:
+        bound = bound + flip
     return torch.where(bound > 0, bound, torch.full_like(bound, torch.finfo(torch.float64).tiny))
 
 
 def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
                     written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
                     before: torch.Tensor | None = None, names=("t", "j", "col"),
-                    underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None) -> Verdict:
+                    underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
+                    flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
     (when `before` is given). `underflow` (the reference's exposure, None: no allowance) is in half
     subnormal spacings of `work_dtype`, the dtype the kernel rounds to (default `dtype`, the bound's).
+    `flip` (T, H) and `one_flip` (T,) (the reference's ExpertExpected fields, absolute; None: none) widen the
+    per-element bound and the aggregate floor.
     Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
@@ -78,6 +87,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     written = written.to(dev).bool()
     emulation, scale = emulation.to(dev), scale.to(dev)
     underflow = underflow.to(dev) if underflow is not None else None
+    flip = flip.to(dev) if flip is not None else None
     if before is not None:
         b = before.detach().to(dev)
         if o.dtype != b.dtype:
@@ -104,7 +114,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        f"({', '.join(names)}): {ex}")
     eps_dt = _eps(dtype)
     acc = math.sqrt(max(k_plus_r, 1)) * EPS32
-    bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype)
+    bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype, flip=flip)
     under_w = None
     if underflow is not None:
         t_dt = tiny(work_dtype or dtype)
@@ -117,6 +127,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + acc * float(torch.linalg.vector_norm(sw))
     if under_w is not None:
         floor += 0.5 * t_dt * float(torch.linalg.vector_norm(under_w))
+    if one_flip is not None and one_flip.numel():
+        floor += float(one_flip.max())
     base = max(emu, floor)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     order = torch.topk(rel.flatten(), min(6, rel.numel())).indices   # the worst six, largest first

@@ -28,6 +28,12 @@ def op_expectations(case: Case, backend_precision: str, device="cpu"):
     return inputs, op_reference(case, inputs), op_reference(case, inputs, backend_precision)
 
 
+def flips(truth) -> dict:
+    """compare_written's FP8 flip allowances of a truth (reference.experts.ExpertExpected.flip, .one_flip), None where
+    it has none: the op level quantizes no activation (OpExpected has no such fields)."""
+    return dict(flip=getattr(truth, "flip", None), one_flip=getattr(truth, "one_flip", None))
+
+
 def judging(case: Case, truth) -> tuple:
     """(written mask, K+R, index names): what a case's output is compared over."""
     if case.level == "op":

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_lora_harness.harness.axes import split_tokens
-from moe_lora_harness.harness.case import (CLAMP_MAGNITUDE, OUTLIER_SCALE, OUTLIER_TOKENS, SUBNORMAL_EXPERT_MAGNITUDE,
+from moe_lora_harness.harness.case import (CLAMP_MAGNITUDE, FP16_MASSIVE_MAGNITUDE, MASSIVE_OUTLIER_SCALE,
+                                           OUTLIER_SCALE, OUTLIER_TOKENS, SUBNORMAL_EXPERT_MAGNITUDE,
                                            SUBNORMAL_OP_MAGNITUDE, Case)
 from moe_lora_harness.harness.covering import design
 from moe_lora_harness.harness.profiles import Shapes, shapes_for
@@ -128,6 +129,18 @@ def _past_block(s: Shapes, i: int) -> int:
     return s.past_blocks[i % 2]
 
 
+def _fp8_dtype(s: Shapes, i: int) -> dict:
+    """An FP8 row's case i: float16 first (where the interpreter runs Triton; at the magnitude float16's range
+    leaves a massive-activation token, FP16_MASSIVE_MAGNITUDE), then bfloat16 (a GPU's --more cases). float16's
+    per-element bound sees the ordinary tokens a shared activation scale rounds to zero; in bfloat16 neither bound
+    does (docs/error-model.md, "FP8 activations")."""
+    return dict(dtype="float16", magnitude=FP16_MASSIVE_MAGNITUDE) if i % 2 == 0 else dict(dtype="bfloat16")
+
+
+# an FP8 row's input: one massive-activation token (harness.case, MASSIVE_OUTLIER_SCALE: why 2^10)
+_MASSIVE_TOKEN = dict(outliers=1, outlier_scale=MASSIVE_OUTLIER_SCALE)
+
+
 def _act(name):
     """One row per activation: its cases take the profile's dtypes in turn (small: fp16, fp32), so every
     activation is tried in fp32 too."""
@@ -154,13 +167,15 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: int4 g128", "expert", lambda s: dict(quant="int4_g128", H=128, I=128)),
     Feature("experts: int8 per-channel", "expert", lambda s: dict(quant="int8_channel")),
     # FP8 with quantized activations (reference.fp8): the base GEMMs read e4m3 activations, the LoRA the unquantized
-    # (one outlier token: a scale shared across tokens, not per token, shows)
-    Feature("experts: fp8 w8a8", "expert", lambda s: dict(quant="fp8_w8a8", dtype="bfloat16", outliers=1),
-            small_cases=1, note="e4m3 weights per channel, activations per token (dynamic), one outlier token; "
-                                "the LoRA reads the unquantized activations"),
-    Feature("experts: fp8 block", "expert",
-            lambda s: dict(quant="fp8_block", dtype="bfloat16", H=128, I=128, outliers=1), small_cases=1,
-            note="DeepSeek-V3's 128x128 weight blocks, activations per token-group of 128 (dynamic), one outlier"),
+    # (one massive-activation token: a scale shared across tokens, not per token, rounds the others away)
+    Feature("experts: fp8 w8a8", "expert", lambda s: dict(quant="fp8_w8a8", **_MASSIVE_TOKEN), per_case=_fp8_dtype,
+            small_cases=1, note=f"e4m3 weights per channel, activations per token (dynamic), one token "
+                                f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16; the LoRA reads the unquantized "
+                                f"activations"),
+    Feature("experts: fp8 block", "expert", lambda s: dict(quant="fp8_block", H=128, I=128, **_MASSIVE_TOKEN),
+            per_case=_fp8_dtype, small_cases=1,
+            note=f"DeepSeek-V3's 128x128 weight blocks, activations per token-group of 128 (dynamic), one token "
+                 f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16"),
     # dispatched expert parallelism: every rank runs with its own tokens (harness.ep_ranks)
     Feature("experts: EP 2, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 2)),
     Feature("experts: EP 4, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 4)),

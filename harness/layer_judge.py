@@ -60,7 +60,8 @@ def _values(rows, truth, emu, config, precision_name) -> StepVerdict | None:
     written = torch.ones(rows.shape, dtype=torch.bool)
     v = compare_written(rows, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(precision_name, dt),
                         k_plus_r=config.H + config.I + config.max_rank, names=("t", "h"),
-                        underflow=truth.underflow, work_dtype=dt)
+                        underflow=truth.underflow, work_dtype=dt, flip=truth.flip,
+                        one_flip=truth.one_flip)
     return None if v.ok else StepVerdict(False, v.kind, VALUES, v.message + (f"; worst: {v.worst}" if v.worst else ""))
 
 

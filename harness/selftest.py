@@ -58,8 +58,8 @@ CORPORA = (
            mechanisms="moe_lora_harness.suites.experts.semantic_mutants:MECHANISMS"),
     Corpus("ep", "moe_lora_harness.suites.experts.ep_mutants:MUTANTS", ("ep-control",), "expert",
            lambda f: f.name.startswith("experts: EP") and "processes" not in f.name, fuzz_level="ep"),
-    # FP8 activations with LoRA (issue 22): the fuzz detector draws nothing for it (FP8 schemes are kept out of the
-    # strategies' quant axis, harness.case.FP8_QUANTS), so check's two FP8 rows are its detector
+    # FP8 activations with LoRA (issue 22): check's two FP8 rows; fuzz draws FP8 cases only, as the mutants claim
+    # nothing else (harness.strategies.fp8_cases)
     Corpus("fp8", "moe_lora_harness.suites.experts.fp8_mutants:BACKENDS", ("fp8-control",), "expert",
            lambda f: f.name in ("experts: fp8 w8a8", "experts: fp8 block")),
     Corpus("reach", "moe_lora_harness.harness.reach_mutants:REACH_MUTANTS", ("reach-control",), "op",

@@ -19,7 +19,8 @@ from moe_lora_harness.harness.cache import cache_dir
 from moe_lora_harness.harness.axes import (ALIGNED_DIMS, AWKWARD_DIMS, BLOCK_EDGES, BLOCK_SIZES_M, DISPATCHED_MAPPINGS,
                                            EP_RANKS, EXPERT_RANKS, LARGE_RANKS, OFFSET_CLASSES, OP_RANKS,
                                            SINGLE_RANK_MAPPINGS, declared_values)
-from moe_lora_harness.harness.case import (ACTIVE_LORAS, LAYOUTS, QUANTS, ROUTINGS, SUBNORMAL_EXPERT_MAGNITUDE,
+from moe_lora_harness.harness.case import (ACTIVE_LORAS, FP8_QUANTS, FP16_MASSIVE_MAGNITUDE, LAYOUTS,
+                                           MASSIVE_OUTLIER_SCALE, QUANTS, ROUTINGS, SUBNORMAL_EXPERT_MAGNITUDE,
                                            SUBNORMAL_OP_MAGNITUDE, WHICH, Case)
 from moe_lora_harness.harness.compile_classes import palette_of
 from moe_lora_harness.harness.contract import support_for
@@ -308,6 +309,46 @@ def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max
         **_input_scale(draw, T, dtype == "float16"))
 
 
+# FP8 draws (harness.case.FP8_QUANTS): made only for a backend that claims an FP8 scheme (claimed_cases), so no
+# other backend's draws or time change. vLLM quantizes 16-bit activations; the input is plain, or holds
+# massive-activation tokens (MASSIVE_OUTLIER_SCALE: where one activation scale for the tensor differs from one
+# per token), in float16 at the magnitude its range leaves them
+FP8_DTYPES = ("bfloat16", "float16")
+FP8_INPUTS = ("plain", "massive")
+
+
+@st.composite
+def fp8_cases(draw, schemes=FP8_QUANTS, dtypes=FP8_DTYPES, max_T=CPU_DRAWS["expert"].max_T,
+              max_dim=CPU_DRAWS["expert"].max_dim, activations=EXPERT_ACTIVATIONS):
+    """Expert-level cases with FP8 activations: a scheme of `schemes` (fp8_block: H = I = 128, its smallest), a
+    16-bit dtype of `dtypes`, the LoRA mix, biases, router weight on input, an expert_map (EP), plain or massive-
+    activation inputs. Free shapes: the compile-class palettes hold no FP8 scheme."""
+    scheme = draw(st.sampled_from(tuple(schemes)))
+    if scheme == "fp8_block":
+        H = I = 128
+    else:
+        dims = _dims(max_dim, aligned=(16, 32, 64, 128), min_dim=2)
+        H, I = draw(dims), draw(dims)
+    T = draw(st.integers(0, max_T))
+    ep = draw(st.sampled_from((1, 1, 2)))
+    E, top_k = _experts_and_top_k(draw, "base", ep)
+    L = draw(st.integers(1, 3))
+    R = draw(st.sampled_from(EXPERT_RANKS))
+    activation, dtype = _act_dtype(draw, activations, dtypes)
+    scale = {}
+    if T >= 1 and draw(st.sampled_from(FP8_INPUTS)) == "massive":
+        scale = dict(outliers=draw(st.integers(1, min(2, T))), outlier_scale=MASSIVE_OUTLIER_SCALE)
+        if dtype == "float16":
+            scale["magnitude"] = FP16_MASSIVE_MAGNITUDE
+    return Case(
+        level="expert", T=T, H=H, I=I, E=E, top_k=top_k, dtype=dtype, max_loras=L, max_rank=R,
+        ranks=_slot_ranks(draw, R, L), mapping=draw(st.sampled_from(SINGLE_RANK_MAPPINGS)),
+        routing=draw(st.sampled_from(ROUTINGS)), shared_a=draw(st.booleans()), shared_b=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)), activation=activation, bias=draw(st.booleans()),
+        lora=draw(st.booleans()), apply_router_weight_on_input=top_k == 1 and draw(st.booleans()), quant=scheme,
+        ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), **scale)
+
+
 def _split_tokens(draw, T: int, ep: int) -> tuple:
     """T tokens over ep ranks at drawn cut points (a rank may get none)."""
     cuts = sorted(draw(st.lists(st.integers(0, T), min_size=ep - 1, max_size=ep - 1)))
@@ -387,10 +428,20 @@ def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, 
     that `spec` claims on `device`:
     drawn over its declared dtypes, layouts, activations and quant schemes, then filtered by its whole
     declaration (rules included, so nothing it declines runs). `compile_classes`: shapes from the backend's
-    compile-class palette (harness.compile_classes: the kernel cache is reused on a GPU), the rest as ever."""
+    compile-class palette (harness.compile_classes: the kernel cache is reused on a GPU), the rest as ever.
+    At the expert level a backend that claims an FP8 scheme also gets `fp8_cases`, one draw in four, in free
+    shapes only: the palettes hold no FP8 class, so a classed draw takes none; a backend that claims nothing but
+    FP8 has no palette, and every draw is an FP8 one."""
     v = declared_values(spec, device)
     if not v["dtypes"]:
         return st.nothing()
+    claimed = lambda c: support_for(spec, c, device)[0]   # noqa: E731
+    fp8_dtypes = tuple(d for d in v["dtypes"] if d in FP8_DTYPES)
+    fp8 = None
+    if level == "expert" and v["fp8"] and fp8_dtypes:
+        fp8 = fp8_cases(schemes=v["fp8"], dtypes=fp8_dtypes, activations=v["activations"], **sizes)
+        if not v["plain_quants"]:
+            return fp8.filter(claimed)
     palette = None
     if compile_classes:
         at = {**draw_sizes("cpu", "op" if level == "op" else "expert"), **sizes}   # the small profile
@@ -409,4 +460,6 @@ def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, 
             base = expert_cases(**kw, **sizes)
             if spec.capabilities.expert_parallel:   # one case in four dispatched, so fuzzing reaches EP too
                 base = st.one_of(base, base, base, ep_cases(**kw, **sizes))
-    return base.filter(lambda c: support_for(spec, c, device)[0])
+            if fp8 is not None and palette is None:
+                base = st.one_of(base, base, base, fp8)
+    return base.filter(claimed)

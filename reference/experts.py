@@ -18,7 +18,7 @@ from torch import Tensor
 
 from moe_lora_harness.reference.activations import activation_scale, apply_activation, lookup_activation
 from moe_lora_harness.reference.adapters import StackedMoELoRA
-from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance
+from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance, flip_step
 from moe_lora_harness.reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
 from moe_lora_harness.reference.precision import Precision, eps, precision as make_precision, tiny
 from moe_lora_harness.reference.quant import ACTIVATION_SCHEMES, SCHEMES as WEIGHT_ONLY_SCHEMES
@@ -72,6 +72,12 @@ class ExpertExpected:
     scale: Tensor | None
     # (T, H): exposure to gradual underflow in half subnormal spacings (reference.lora_op.OpExpected.underflow)
     underflow: Tensor | None = None
+    # FP8 schemes (None otherwise), absolute: the allowance for e4m3 roundings of the quantized activations that a
+    # correct kernel may take the other way ("flips"). `flip` (T, H): every such flip at once, the per-element
+    # bound's term; `one_flip` (T,): the norm of the token's output change from its costliest single flip of
+    # GEMM2's input, the aggregate floor's term. docs/error-model.md, "FP8 activations"
+    flip: Tensor | None = None
+    one_flip: Tensor | None = None
     cache1: Tensor | None = None
     cache2: Tensor | None = None
     cache3: Tensor | None = None
@@ -131,6 +137,11 @@ def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | No
         out[rows] = xe @ we.T if prec is None or prec.plain_gemm else prec.mm(xe, we)
         del we, xe
     return out
+
+
+def _column_norms(w: Tensor) -> Tensor:
+    """(E, K) float64: the 2-norm of each column of each expert's weight w[e] (N, K), one expert at a time."""
+    return torch.stack([torch.linalg.vector_norm(w[e].to(_F64), dim=0) for e in range(w.shape[0])])
 
 
 def _per_expert_rows(b: Tensor, experts: Tensor) -> Tensor:
@@ -217,9 +228,33 @@ def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32
                       cache_underflow=u_under, prev_underflow=prev_under, magnitudes=x_scale is not None)
     if x_scale is None:
         return got.value, None, None
-    mag = lora_expand(torch.zeros_like(prev), u_abs, [b.abs() for b in stacked_b], w32.abs(), layout, k,
-                      mul_routed_weight, offset, False, _EXACT).value
+    mag = _abs_expand(u_abs, stacked_b, w32, prev, layout, k, mul_routed_weight, offset)
     return got.value, mag, got.underflow
+
+
+def _abs_expand(u_abs, stacked_b, w32, like, layout, k, mul_routed_weight, offset):
+    """|w| |B| u_abs at the elements a LoRA expand writes (0 elsewhere), shaped as `like` (T, k, W), float64: how
+    an absolute error (or magnitude) `u_abs` of the rank intermediate reaches the output."""
+    return lora_expand(torch.zeros_like(like), u_abs, [b.abs() for b in stacked_b], w32.abs(), layout, k,
+                       mul_routed_weight, offset, False, _EXACT).value
+
+
+def _activation_change(c: Tensor, e: Tensor, spec) -> Tensor:
+    """(P, I) float64: the largest |h(c') - h(c)| of the activation h over the corners c' = c +- e (each input of an
+    output element moved by its e, either way). Where e is large beside a kink (a clamp: swigluoai's 7), the first-
+    order |h'| e misses the jump across it; the corners see it. GEMM1's FP8 flips are e4m3 steps: a few % of c."""
+    h = apply_activation(c, spec.name)
+    n1 = c.shape[-1]
+    worst = torch.zeros_like(h)
+    for sg, su in ((1.0, 1.0), (1.0, -1.0), (-1.0, 1.0), (-1.0, -1.0)) if spec.gated else ((1.0, 1.0), (-1.0, -1.0)):
+        if not spec.gated:
+            sign = torch.full((n1,), sg, dtype=_F64, device=c.device)
+        elif spec.interleaved:
+            sign = torch.tensor([sg, su], dtype=_F64, device=c.device).repeat(n1 // 2)
+        else:
+            sign = torch.tensor([sg, su], dtype=_F64, device=c.device).repeat_interleave(n1 // 2)
+        worst = torch.maximum(worst, (apply_activation(c + sign * e, spec.name) - h).abs())
+    return worst
 
 
 def _interleave(split: Tensor, I: int) -> Tensor:
@@ -263,7 +298,7 @@ def forward_steps(
     `semantics` other than the contract computes a named integration mistake (reference.semantics).
     `act_quant` an FP8 scheme (reference.fp8): both base GEMMs read the dynamically quantized activation (the
     hidden states, the activation's output), the LoRA deltas the unquantized ones (semantics 9.1); the truth's
-    underflow exposure carries the allowance for e4m3 flips (error model, "FP8 activations"). "none" and the
+    `flip` and `one_flip` carry the allowance for e4m3 flips (error model, "FP8 activations"). "none" and the
     weight-only schemes quantize no activation, so a caller may pass the case's scheme as it is.
 
     A generator: at each fully-sharded LoRA join that `lora_collectives` sets (w13 all-gather, w2 all-reduce)
@@ -329,6 +364,9 @@ def forward_steps(
     if fp8 is not None and hidden.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"act_quant={fp8!r} needs hidden in float16 or bfloat16 (vLLM's FP8 MoE quantizes 16-bit "
                          f"activations); got {hidden.dtype}")
+    if fp8 is not None and lora_collectives is not None:
+        raise ValueError(f"act_quant={fp8!r} with lora_collectives (fully-sharded TP ranks) is not modelled: a rank "
+                         f"would quantize its own slice of the activation")
 
     P = T * k
     e_flat = local.reshape(P)
@@ -345,7 +383,7 @@ def forward_steps(
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
-    scale1 = under1 = None
+    scale1 = under1 = flip1 = None
     if magnitudes:
         s1 = _per_expert_gemm(xr.abs(), W13, e_flat, absolute=True)
         u1 = torch.ones_like(s1)                                # cache1's own rounding
@@ -354,7 +392,7 @@ def forward_steps(
         if fp8 is not None:   # e4m3 flips of the input (the weighted input's two roundings widen the window)
             dt = hidden.dtype
             err = x_in.abs() * (eps(dt) * (1 + eps(dt))) if apply_router_weight_on_input else torch.zeros_like(x_in)
-            u1 = u1 + _per_expert_gemm(flip_allowance(x_in, err, fp8)[tok], W13, e_flat, absolute=True) / tiny(dt)
+            flip1 = _per_expert_gemm(flip_allowance(x_in, err, fp8)[tok], W13, e_flat, absolute=True)
         if b13 is not None:
             s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
         scale1 = s1.reshape(T, k, N1)
@@ -405,11 +443,14 @@ def forward_steps(
 
     # activation
     a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
-    s2 = under2 = None
+    s2 = under2 = flip2 = None
     if magnitudes:
         s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
         under2 = activation_scale(cache1.reshape(P, N1), under1.reshape(P, N1), spec.name, own=False) + 1.0
-    del scale1, under1
+        if flip1 is not None:   # GEMM1's flips, carried through the activation (to first order, or across a kink)
+            flip2 = torch.maximum(activation_scale(cache1.reshape(P, N1), flip1, spec.name, own=False),
+                                  _activation_change(cache1.reshape(P, N1), flip1, spec))
+    del scale1, under1, flip1
     if not return_intermediates:
         del cache1
 
@@ -424,17 +465,23 @@ def forward_steps(
         c3 = w_pair * c3
     cache3 = prec.r(c3).reshape(T, k, H)
     del c3
-    scale3 = under3 = None
+    scale3 = under3 = flip3 = one3 = None
     if magnitudes:
         s3 = _per_expert_gemm(s2 if fp8 is None else torch.maximum(s2, aq.abs()), W2, e_flat, absolute=True)
         if b2 is not None:
             s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
         u3 = _per_expert_gemm(under2, W2, e_flat, absolute=True)
-        if fp8 is not None:   # e4m3 flips of the activation, whose error the model bounds by its own rule 2
-            dt = hidden.dtype
+        if fp8 is not None:   # GEMM1's flips carried here, and e4m3 flips of the activation, whose error the model
+            dt = hidden.dtype   # bounds by its own rule 2 (those flips included)
             R = int(lora.stacked.w2_a[0].shape[2]) if lora is not None else 0
-            err = (A_BOUND_ULPS * eps(dt) + math.sqrt(H + R) * eps(torch.float32)) * s2 + tiny(dt) * under2
-            u3 = u3 + _per_expert_gemm(flip_allowance(a, err, fp8), W2, e_flat, absolute=True) / tiny(dt)
+            err = (A_BOUND_ULPS * eps(dt) + math.sqrt(H + R) * eps(torch.float32)) * s2 + tiny(dt) * under2 + flip2
+            allow2 = flip_allowance(a, err, fp8)
+            f3 = _per_expert_gemm(flip2 + allow2, W2, e_flat, absolute=True)
+            # one element j of the pair's activation flipped changes its output row by one step x column j of w2
+            o3 = (flip_step(a, err, fp8) * _per_expert_rows(_column_norms(W2), e_flat)).amax(dim=1, keepdim=True)
+            flip3 = (w_pair.abs() * f3 if weight_out else f3).reshape(T, k, H)
+            one3 = (w_pair.abs() * o3 if weight_out else o3).reshape(T, k)
+            del f3, o3, err, allow2
         if weight_out:
             s3 = w_pair.abs() * s3
             u3 = w_pair.abs() * u3
@@ -452,7 +499,11 @@ def forward_steps(
                                                    layout, k, True, w2_lora_offset, prec, w2_join)
         if magnitudes:
             scale3 = scale3 + m
-    del s2, under2
+        if flip3 is not None:   # the w2 LoRA reads the unquantized activation, off by GEMM1's flips
+            u_flip = lora_shrink(flip2, [a2.abs() for a2 in st.w2_a], layout, k, True, _EXACT)
+            flip3 = flip3 + _abs_expand(u_flip, st.w2_b, w2_weights, cache3, layout, k, True, w2_lora_offset)
+            del u_flip
+    del s2, under2, flip2
     if not return_intermediates:
         del a
 
@@ -461,10 +512,11 @@ def forward_steps(
     out = prec.r((cache3 * keep).sum(dim=1))
     scale = (scale3 * keep).sum(dim=1) if magnitudes else None
     under = (under3 * keep).sum(dim=1) + 1.0 if magnitudes else None
+    flips = {} if flip3 is None else dict(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1))
     if not return_intermediates:
-        return ExpertExpected(value=out, scale=scale, underflow=under)
+        return ExpertExpected(value=out, scale=scale, underflow=under, **flips)
     return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),
-                          cache3=cache3)
+                          cache3=cache3, **flips)
 
 
 def moe_experts_forward(*args, **kwargs) -> ExpertExpected:

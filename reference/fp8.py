@@ -139,15 +139,9 @@ def fake_quantize_activation(x: torch.Tensor, scheme: str) -> torch.Tensor:
     return q * s
 
 
-def flip_allowance(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Tensor:
-    """(P, K) float64: how far a correct kernel's dequantized activation may lie from `quantize_activation(x)`'s,
-    per element, when its own x may differ from this x by up to `err` (absolute, per element; 0: the same x).
-
-    The kernel's scale may differ by rel = (max(|x| + err) - amax) / amax + FP32_SLACK over the group (relative; the
-    kernel's amax is at most that high, and at least amax - err there, which max(|x| + err) bounds), its operand
-    v = x / s by err / s + |v| rel. An element whose v lies that close to an e4m3 rounding boundary may round to
-    the neighbouring value: one e4m3 step (at most the spacing above |q|) times s. Every element's q x s also moves
-    by |q| s rel with the scale. Derivation: docs/error-model.md, "FP8 activations"."""
+def _flip_terms(x: torch.Tensor, err: torch.Tensor, scheme: str):
+    """(near, step, |q|, rel, s) of `flip_allowance`, each (P, K) float64: whether v = x / s lies within the window
+    of an e4m3 rounding boundary, the e4m3 spacing above |q|, |q|, the scale's relative shift and s."""
     q, s = quantize_activation(x, scheme)
     P, K = x.shape
     err = err.to(_F64)
@@ -166,4 +160,24 @@ def flip_allowance(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Ten
     dist_up = torch.where(qm >= E4M3_MAX, torch.full_like(qm, float("inf")), qm + step_up / 2 - vm)
     dist_down = torch.where(qm == 0, torch.full_like(qm, float("inf")), vm - (qm - step_down / 2))
     near = torch.minimum(dist_up, dist_down) <= window
+    return near, step_up, qm, rel, s
+
+
+def flip_allowance(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Tensor:
+    """(P, K) float64: how far a correct kernel's dequantized activation may lie from `quantize_activation(x)`'s,
+    per element, when its own x may differ from this x by up to `err` (absolute, per element; 0: the same x).
+
+    The kernel's scale may differ by rel = (max(|x| + err) - amax) / amax + FP32_SLACK over the group (relative; the
+    kernel's amax is at most that high, and at least amax - err there, which max(|x| + err) bounds), its operand
+    v = x / s by err / s + |v| rel. An element whose v lies that close to an e4m3 rounding boundary may round to
+    the neighbouring value: one e4m3 step (at most the spacing above |q|) times s. Every element's q x s also moves
+    by |q| s rel with the scale. Derivation: docs/error-model.md, "FP8 activations"."""
+    near, step_up, qm, rel, s = _flip_terms(x, err, scheme)
     return (near.to(_F64) * step_up + qm * rel) * s
+
+
+def flip_step(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Tensor:
+    """(P, K) float64: `flip_allowance` without the scale's shift: one e4m3 step times s where the element may flip,
+    0 elsewhere. What a single flip moves one element by (the aggregate floor's one flip)."""
+    near, step_up, _, _, s = _flip_terms(x, err, scheme)
+    return near.to(_F64) * step_up * s

@@ -35,8 +35,10 @@ FP8_RULES = (
               lambda c: c.quant != "fp8_block" or (c.H % 128 == 0 and c.I % 128 == 0),
               "block scales cover 128x128 weight blocks and 128-wide activation groups along each GEMM's K"),
     ShapeRule("FP8: e4m3 tensor cores (sm_89+)",
-              lambda c: c.quant not in FP8_QUANTS or c.device != "cuda" or device_info("cuda").capability >= (8, 9),
-              "tl.dot on float8_e4m3fn operands needs compute capability 8.9 or newer"),
+              lambda c: c.quant not in FP8_QUANTS or c.device != "cuda" or not torch.cuda.is_available()
+              or device_info("cuda").capability >= (8, 9),
+              "tl.dot on float8_e4m3fn operands needs compute capability 8.9 or newer (a machine without CUDA "
+              "cannot tell: the declaration holds there)"),
 )
 
 

@@ -1,7 +1,8 @@
 """`moe-lora-harness selftest` in its bounded form: the op and TP corpora under check and fuzz (fuzz with the
 default palette: suites/harness/test_semantic_diagnosis.py; the EP and
 schedule corpora's mutants are each held to failing by suites/experts/test_ep_harness.py and
-suites/schedule/test_planted_bugs.py; here they must load with their controls); no planted bug survives,
+suites/schedule/test_planted_bugs.py, the FP8 corpus under check and fuzz by suites/experts/test_fp8.py; here they
+must load with their controls); no planted bug survives,
 every control passes; the kill matrix and JUnit."""
 from __future__ import annotations
 
