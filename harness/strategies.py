@@ -430,8 +430,8 @@ def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, 
     declaration (rules included, so nothing it declines runs). `compile_classes`: shapes from the backend's
     compile-class palette (harness.compile_classes: the kernel cache is reused on a GPU), the rest as ever.
     At the expert level a backend that claims an FP8 scheme also gets `fp8_cases`, one draw in four, in free
-    shapes only: the palettes hold no FP8 class, so a classed draw takes none; a backend that claims nothing but
-    FP8 has no palette, and every draw is an FP8 one."""
+    shapes, classed campaign or not (the palettes hold no FP8 class; the FP8 kernels compile per scheme and K's
+    evenness, a few keys); a backend that claims nothing but FP8 has no palette, and every draw is an FP8 one."""
     v = declared_values(spec, device)
     if not v["dtypes"]:
         return st.nothing()
@@ -460,6 +460,6 @@ def claimed_cases(spec, device: str, level: str, compile_classes: bool = False, 
             base = expert_cases(**kw, **sizes)
             if spec.capabilities.expert_parallel:   # one case in four dispatched, so fuzzing reaches EP too
                 base = st.one_of(base, base, base, ep_cases(**kw, **sizes))
-            if fp8 is not None and palette is None:
-                base = st.one_of(base, base, base, fp8)
+            if fp8 is not None:   # free-shaped in a classed campaign too: an FP8 GEMM's compile key follows the
+                base = st.one_of(base, base, base, fp8)   # scheme and K's evenness only (a few compiles)
     return base.filter(claimed)

@@ -12,7 +12,7 @@ import pytest
 
 from moe_lora_harness.harness import compile_classes as CC
 from moe_lora_harness.harness import strategies as S
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.contract import support_for
 from moe_lora_harness.harness.covering import _pairs
 from moe_lora_harness.harness.profiles import draw_sizes
@@ -86,6 +86,9 @@ def test_a_classed_draw_stays_in_its_class_and_still_reaches(backends, name, lev
     p = CC.palette_of(spec, "cuda", level, **sizes)
     cases = S.examples(S.claimed_cases(spec, "cuda", level, compile_classes=True, **sizes), 300)
     assert all(not c.problems() and support_for(spec, c, "cuda")[0] for c in cases)
+    fp8 = [c for c in cases if c.quant in FP8_QUANTS]    # free-shaped even here (strategies.claimed_cases says why)
+    assert bool(fp8) == (level == "expert" and bool(set(FP8_QUANTS) & spec.capabilities.quant))
+    cases = [c for c in cases if c.quant not in FP8_QUANTS]
     classes = [CC.class_of(c, p) for c in cases]
     assert all(k is not None for k in classes), [c.to_json() for c, k in zip(cases, classes) if k is None][:2]
     assert len({k.describe() for k in classes}) <= len(p.classes)
