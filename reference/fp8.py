@@ -4,10 +4,10 @@ Everything here is float64 emulation of the e4m3 grid (4 significant bits, min n
 max 448, nearest-even) with saturation; the error-model allowance for an activation element that a production
 kernel may round to the neighbouring e4m3 value is `flip_allowance` (docs/error-model.md, "FP8 activations").
 
-torch.float8_e4m3fn's CPU cast (torch 2.13) already saturates: 448 < |v| (even inf) gives +-448 and ties round
-to even, which `suites/experts/test_fp8.py` checks; a kernel cannot rely on that on every device and dtype
-path (e4m3fn has no inf; a cast without saturation gives NaN), so vLLM's quantizers clamp to +-448 first, and
-so does everything here.
+torch.float8_e4m3fn's CPU cast saturates in torch 2.13 (448 < |v|, even inf, gives +-448; ties round to even) but
+gives NaN in torch 2.11 (measured on the H200 machine): a kernel cannot rely on a cast's overflow on every device,
+version and dtype path (e4m3fn has no inf), so vLLM's quantizers clamp to +-448 first, and so does everything here
+(`suites/experts/test_fp8.py` checks the rounding against torch's cast of clamped values).
 """
 from __future__ import annotations
 
