@@ -9,9 +9,11 @@ Error model (docs/error-model.md): over the elements the contract writes,
      `flip` (FP8 activations only) the absolute allowance for e4m3 roundings a correct kernel may take the
      other way, all at once;
   3. in aggregate ||out - truth|| <= RATIO * max(||emulation - truth||, floor),
-     floor = 0.5 eps_dt ||truth|| + sqrt(K+R) eps_fp32 ||scale|| + 0.5 tiny_dt ||underflow|| + max(one_flip),
-     `one_flip` (FP8 only) a row's output change from its costliest single flip (the emulation's own flips stand
-     for a correct kernel's, except where it has next to none: a small case).
+     floor = 0.5 eps_dt ||truth|| + sqrt(K+R) eps_fp32 ||scale|| + 0.5 tiny_dt ||underflow|| + max(one_flip)
+     + ||slack_flip||, `one_flip` (FP8 only) a row's output change from its costliest single flip (the emulation's
+     own flips stand for a correct kernel's, except where it has next to none: a small case), `slack_flip` (FP8) a
+     row's from the GEMM1 flips only a kernel's fp32 scale arithmetic takes; with FP8 activations (quantized per
+     token) rule 3 holds for each token row too, against the row's own floor (`row_ratios`).
 Elements the contract does not write are compared bit for bit with what the buffer held.
 """
 from __future__ import annotations
@@ -70,14 +72,15 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                     written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
                     before: torch.Tensor | None = None, names=("t", "j", "col"),
                     underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-                    flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None) -> Verdict:
+                    flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None,
+                    slack_flip: torch.Tensor | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
     (when `before` is given). `underflow` (the reference's exposure, None: no allowance) is in half
     subnormal spacings of `work_dtype`, the dtype the kernel rounds to (default `dtype`, the bound's).
-    `flip` (T, H) and `one_flip` (T,) (the reference's ExpertExpected fields, absolute; None: none) widen the
-    per-element bound and the aggregate floor.
+    `flip` (T, H), `one_flip` and `slack_flip` (T,) (the reference's ExpertExpected fields, absolute; None: none)
+    widen the per-element bound and the aggregate floor; with `one_flip` rule 3 holds for each row too (`row_ratios`).
     Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
@@ -129,18 +132,59 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         floor += 0.5 * t_dt * float(torch.linalg.vector_norm(under_w))
     if one_flip is not None and one_flip.numel():
         floor += float(one_flip.max())
+    if slack_flip is not None:
+        floor += float(torch.linalg.vector_norm(slack_flip.to(torch.float64)))
     base = max(emu, floor)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
+    row, row_ratio = None, 0.0
+    if one_flip is not None and one_flip.numel():
+        rows = row_ratios(o64, truth, emulation, scale, written, one_flip.to(dev), dtype=dtype, k_plus_r=k_plus_r,
+                          underflow=underflow, work_dtype=work_dtype,
+                          slack_flip=slack_flip.to(dev) if slack_flip is not None else None)
+        row = int(rows.argmax())
+        row_ratio = float(rows[row])
     order = torch.topk(rel.flatten(), min(6, rel.numel())).indices   # the worst six, largest first
     idx = _unravel(order, rel.shape)
     worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
+    agg = max(ratio, row_ratio)      # the aggregate statistic: the whole tensor's, or its worst row's
     if max_ulps > 1.0:
         return Verdict(False, "element", f"{int((rel > 1).sum())} element(s) exceed the per-element bound "
-                       f"(worst {max_ulps:.3g}x); aggregate ratio {ratio:.3g}", ratio, max_ulps, worst)
+                       f"(worst {max_ulps:.3g}x); aggregate ratio {agg:.3g}", agg, max_ulps, worst)
     if ratio > RATIO:
         return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
-                       f"{emu:.3g} (floor {floor:.3g}); bound {RATIO}", ratio, max_ulps, worst)
-    return Verdict(True, "pass", "", ratio, max_ulps, worst)
+                       f"{emu:.3g} (floor {floor:.3g}); bound {RATIO}", agg, max_ulps, worst)
+    if row_ratio > RATIO:
+        return Verdict(False, "aggregate", f"row {names[0]}={row}'s aggregate error is {row_ratio:.3g}x the larger "
+                       f"of its emulation's and its floor (FP8 activations: rule 3 per token row); bound {RATIO}; "
+                       f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst)
+    return Verdict(True, "pass", "", agg, max_ulps, worst)
+
+
+def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
+               written: torch.Tensor, one_flip: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
+               underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
+               slack_flip: torch.Tensor | None = None) -> torch.Tensor:
+    """(T,) float64: rule 3's ratio of each row (dim 0) over its written elements, against the row's own floor
+    (one_flip[t] + slack_flip[t] its flip terms). Why per row: docs/error-model.md, "The aggregate rule per row"."""
+    for name, t in (("one_flip", one_flip), ("slack_flip", slack_flip)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != truth.shape[0]):
+            raise ValueError(f"{name} must have shape ({truth.shape[0]},) (one value per row of the output), "
+                             f"got {tuple(t.shape)}")
+    dims = tuple(range(1, truth.dim()))
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.where(written, x, torch.zeros_like(x)), dim=dims)
+
+    kern, emu = norm(out64 - truth), norm(emulation - truth)
+    floor = (0.5 * _eps(dtype) * norm(truth) + math.sqrt(max(k_plus_r, 1)) * EPS32 * norm(scale)
+             + one_flip.to(torch.float64))
+    if underflow is not None:
+        floor = floor + 0.5 * tiny(work_dtype or dtype) * norm(underflow)
+    if slack_flip is not None:
+        floor = floor + slack_flip.to(torch.float64)
+    base = torch.maximum(emu, floor)
+    ratio = kern / torch.where(base > 0, base, torch.ones_like(base))
+    return torch.where(base > 0, ratio, torch.where(kern > 0, torch.full_like(kern, math.inf), torch.zeros_like(kern)))
 
 
 def _unravel(flat: torch.Tensor, shape) -> torch.Tensor:

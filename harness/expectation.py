@@ -29,9 +29,9 @@ def op_expectations(case: Case, backend_precision: str, device="cpu"):
 
 
 def flips(truth) -> dict:
-    """compare_written's FP8 flip allowances of a truth (reference.experts.ExpertExpected.flip, .one_flip), None where
-    it has none: the op level quantizes no activation (OpExpected has no such fields)."""
-    return dict(flip=getattr(truth, "flip", None), one_flip=getattr(truth, "one_flip", None))
+    """compare_written's FP8 flip allowances of a truth (reference.experts.ExpertExpected.flip, .one_flip,
+    .slack_flip), None where it has none: the op level quantizes no activation (OpExpected has no such fields)."""
+    return {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip")}
 
 
 def judging(case: Case, truth) -> tuple:

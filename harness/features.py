@@ -132,8 +132,9 @@ def _past_block(s: Shapes, i: int) -> int:
 def _fp8_dtype(s: Shapes, i: int) -> dict:
     """An FP8 row's case i: float16 first (where the interpreter runs Triton; at the magnitude float16's range
     leaves a massive-activation token, FP16_MASSIVE_MAGNITUDE), then bfloat16 (a GPU's --more cases). float16's
-    per-element bound sees the ordinary tokens a shared activation scale rounds to zero; in bfloat16 neither bound
-    does (docs/error-model.md, "FP8 activations")."""
+    per-element bound sees the ordinary tokens a shared activation scale rounds to zero; in bfloat16 the per-element
+    and whole-tensor rules do not, the aggregate rule per token row does (docs/error-model.md, "The aggregate rule
+    per row")."""
     return dict(dtype="float16", magnitude=FP16_MASSIVE_MAGNITUDE) if i % 2 == 0 else dict(dtype="bfloat16")
 
 

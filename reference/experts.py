@@ -75,9 +75,13 @@ class ExpertExpected:
     # FP8 schemes (None otherwise), absolute: the allowance for e4m3 roundings of the quantized activations that a
     # correct kernel may take the other way ("flips"). `flip` (T, H): every such flip at once, the per-element
     # bound's term; `one_flip` (T,): the norm of the token's output change from its costliest single flip of
-    # GEMM2's input, the aggregate floor's term. docs/error-model.md, "FP8 activations"
+    # GEMM2's input, the aggregate floor's term; `slack_flip` (T,): the most the token's output row may move (norm)
+    # when GEMM1 input elements within the fp32 slack of scale arithmetic of an e4m3 rounding boundary (exact ties,
+    # common with 16-bit inputs) flip, which a kernel may do and the emulation (the truth's arithmetic) never does,
+    # the aggregate floor's other term. docs/error-model.md, "FP8 activations"
     flip: Tensor | None = None
     one_flip: Tensor | None = None
+    slack_flip: Tensor | None = None
     cache1: Tensor | None = None
     cache2: Tensor | None = None
     cache3: Tensor | None = None
@@ -257,6 +261,37 @@ def _activation_change(c: Tensor, e: Tensor, spec) -> Tensor:
     return worst
 
 
+def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: Tensor, k: int, spec,
+                 rows_per_chunk: int = 1024):
+    """The GEMM1 flips a kernel's fp32 scale arithmetic may take: (base (P,) the sum over the pair's flippable input
+    elements j of ||w2[e] (h(c + d_j) - h(c))|| for the worse sign of d_j = +-(one e4m3 step x s) x column j of
+    w13[e], each flip's change computed exactly; lin (P, I): the sum of those flips' |h(c + d_j) - h(c)|, for the
+    LoRA's path). c: the pair's activation input (cache1, exact); step (T, H): `flip_step` of GEMM1's input with no
+    error of its own. Few elements are flippable (exact ties, values within FP32_SLACK of a boundary): the work is
+    per flippable element."""
+    P = cache1.shape[0]
+    base = torch.zeros(P, dtype=_F64, device=cache1.device)
+    lin = torch.zeros(P, W2.shape[2], dtype=_F64, device=cache1.device)
+    tj = step.nonzero()                                              # (n, 2): token, input element
+    pairs = (tj[:, :1] * k + torch.arange(k, device=tj.device)).reshape(-1)
+    cols, d = tj[:, 1].repeat_interleave(k), step[tj[:, 0], tj[:, 1]].repeat_interleave(k)
+    experts = e_flat[pairs]
+    for e in torch.unique(experts[experts >= 0]).tolist():
+        sel = (experts == e).nonzero().flatten()
+        w13e, w2e = W13[e].to(_F64), W2[e].to(_F64)
+        for lo in range(0, sel.numel(), rows_per_chunk):
+            part = sel[lo:lo + rows_per_chunk]
+            p = pairs[part]
+            c = cache1[p]
+            shift = d[part, None] * w13e[:, cols[part]].T                # (n, N1)
+            h0 = apply_activation(c, spec.name)
+            dh = torch.stack([apply_activation(c + shift, spec.name) - h0, apply_activation(c - shift, spec.name) - h0])
+            base.index_add_(0, p, torch.linalg.vector_norm(dh @ w2e.T, dim=2).amax(dim=0))
+            lin.index_add_(0, p, dh.abs().amax(dim=0))
+        del w13e, w2e
+    return base, lin
+
+
 def _interleave(split: Tensor, I: int) -> Tensor:
     """Split layout [g(I); u(I)] -> interleaved [g0, u0, g1, u1, ...] along the last dim."""
     out = torch.empty_like(split)
@@ -383,7 +418,7 @@ def forward_steps(
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
-    scale1 = under1 = flip1 = None
+    scale1 = under1 = flip1 = slack_step = None
     if magnitudes:
         s1 = _per_expert_gemm(xr.abs(), W13, e_flat, absolute=True)
         u1 = torch.ones_like(s1)                                # cache1's own rounding
@@ -393,6 +428,7 @@ def forward_steps(
             dt = hidden.dtype
             err = x_in.abs() * (eps(dt) * (1 + eps(dt))) if apply_router_weight_on_input else torch.zeros_like(x_in)
             flip1 = _per_expert_gemm(flip_allowance(x_in, err, fp8)[tok], W13, e_flat, absolute=True)
+            slack_step = flip_step(x_in, torch.zeros_like(x_in), fp8)   # err 0: the scale arithmetic's window alone
         if b13 is not None:
             s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
         scale1 = s1.reshape(T, k, N1)
@@ -443,6 +479,7 @@ def forward_steps(
 
     # activation
     a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
+    cache1_exact = cache1.reshape(P, N1) if magnitudes and fp8 is not None else None   # the flips' starting point
     s2 = under2 = flip2 = None
     if magnitudes:
         s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
@@ -465,7 +502,7 @@ def forward_steps(
         c3 = w_pair * c3
     cache3 = prec.r(c3).reshape(T, k, H)
     del c3
-    scale3 = under3 = flip3 = one3 = None
+    scale3 = under3 = flip3 = one3 = slack = None
     if magnitudes:
         s3 = _per_expert_gemm(s2 if fp8 is None else torch.maximum(s2, aq.abs()), W2, e_flat, absolute=True)
         if b2 is not None:
@@ -481,6 +518,10 @@ def forward_steps(
             o3 = (flip_step(a, err, fp8) * _per_expert_rows(_column_norms(W2), e_flat)).amax(dim=1, keepdim=True)
             flip3 = (w_pair.abs() * f3 if weight_out else f3).reshape(T, k, H)
             one3 = (w_pair.abs() * o3 if weight_out else o3).reshape(T, k)
+            # the flips of GEMM1's input that only a kernel's scale arithmetic takes (err 0): exact, one at a time
+            slack_base, slack_lin = _slack_flips(slack_step, cache1_exact, W13, W2, e_flat, k, spec)
+            if weight_out:
+                slack_base = w_pair.abs().reshape(P) * slack_base
             del f3, o3, err, allow2
         if weight_out:
             s3 = w_pair.abs() * s3
@@ -500,10 +541,13 @@ def forward_steps(
         if magnitudes:
             scale3 = scale3 + m
         if flip3 is not None:   # the w2 LoRA reads the unquantized activation, off by GEMM1's flips
-            u_flip = lora_shrink(flip2, [a2.abs() for a2 in st.w2_a], layout, k, True, _EXACT)
+            a2_abs = [a2.abs() for a2 in st.w2_a]
+            u_flip = lora_shrink(flip2, a2_abs, layout, k, True, _EXACT)
             flip3 = flip3 + _abs_expand(u_flip, st.w2_b, w2_weights, cache3, layout, k, True, w2_lora_offset)
-            del u_flip
-    del s2, under2, flip2
+            u_slack = lora_shrink(slack_lin, a2_abs, layout, k, True, _EXACT)
+            slack = _abs_expand(u_slack, st.w2_b, w2_weights, cache3, layout, k, True, w2_lora_offset)
+            del u_flip, u_slack, a2_abs
+    del s2, under2, flip2, cache1_exact, slack_step
     if not return_intermediates:
         del a
 
@@ -512,7 +556,12 @@ def forward_steps(
     out = prec.r((cache3 * keep).sum(dim=1))
     scale = (scale3 * keep).sum(dim=1) if magnitudes else None
     under = (under3 * keep).sum(dim=1) + 1.0 if magnitudes else None
-    flips = {} if flip3 is None else dict(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1))
+    flips = {}
+    if flip3 is not None:   # slack_flip: the exact base flips' norms add up, the LoRA's part (absolute) is one vector
+        lora_part = torch.zeros(T, dtype=_F64, device=dev) if slack is None else \
+            torch.linalg.vector_norm((slack * keep).sum(dim=1), dim=1)
+        flips = dict(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
+                     slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1) + lora_part)
     if not return_intermediates:
         return ExpertExpected(value=out, scale=scale, underflow=under, **flips)
     return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),
