@@ -72,18 +72,23 @@ def fp8_scale_shape(scheme: str, E: int, N: int, K: int) -> tuple:
     return (E, N // block, K // block)
 
 
-def _check_fp8(q, scales, scheme: str) -> tuple[int, int, int]:
-    """(E, N, K) of FP8 codes q and their scales, checked in dtype, shape and device (no value read)."""
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"q must be a float8_e4m3fn torch.Tensor (E, N, K) for {scheme}; got "
+def _check_q_and_scales(q, scales, dtype: torch.dtype, scheme: str) -> tuple[int, int, int]:
+    """(E, N, K) of q, a non-empty (E, N, K) `dtype` tensor, with floating-point scales on its device."""
+    if not isinstance(q, torch.Tensor) or q.dtype != dtype:
+        raise TypeError(f"q must be a {str(dtype).removeprefix('torch.')} torch.Tensor (E, N, K) for {scheme}; got "
                         f"{getattr(q, 'dtype', type(q).__name__)}")
     if q.dim() != 3 or min(q.shape) < 1:
         raise ValueError(f"q must have shape (E, N, K) with non-empty dims; got {tuple(q.shape)}")
-    E, N, K = (int(s) for s in q.shape)
     if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
         raise TypeError(f"scales must be a floating-point torch.Tensor; got {getattr(scales, 'dtype', type(scales).__name__)}")
     if scales.device != q.device:
         raise ValueError(f"scales is on {scales.device}; it must be on q's device {q.device}")
+    return tuple(int(s) for s in q.shape)
+
+
+def _check_fp8(q, scales, scheme: str) -> tuple[int, int, int]:
+    """(E, N, K) of FP8 codes q and their scales, checked in dtype, shape and device (no value read)."""
+    E, N, K = _check_q_and_scales(q, scales, torch.float8_e4m3fn, scheme)
     want = fp8_scale_shape(scheme, E, N, K)
     if tuple(scales.shape) != want:
         raise ValueError(f"scales for {scheme} must have shape {want}; got {tuple(scales.shape)}")
@@ -107,15 +112,7 @@ def pack_weights(q, scales, scheme: str) -> QuantWeights:
     if scheme in FP8_SCHEMES:
         return _pack_fp8(q, scales, scheme)
     qmin, qmax, group, _ = _scheme(scheme)
-    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
-        raise TypeError(f"q must be an int8 torch.Tensor (E, N, K); got {getattr(q, 'dtype', type(q).__name__)}")
-    if q.dim() != 3 or min(q.shape) < 1:
-        raise ValueError(f"q must have shape (E, N, K) with non-empty dims; got {tuple(q.shape)}")
-    E, N, K = (int(s) for s in q.shape)
-    if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
-        raise TypeError(f"scales must be a floating-point torch.Tensor; got {getattr(scales, 'dtype', type(scales).__name__)}")
-    if scales.device != q.device:
-        raise ValueError(f"scales is on {scales.device}; it must be on q's device {q.device}")
+    E, N, K = _check_q_and_scales(q, scales, torch.int8, scheme)
     if group is None:
         want = (E, N)
     else:
