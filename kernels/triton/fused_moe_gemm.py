@@ -22,7 +22,8 @@ from moe_lora_harness.kernels.triton.quant_gemm import FP8_SCHEMES, check_quant,
 from moe_lora_harness.kernels.validate import checks_enabled, UNCHECKED_ENV
 
 
-FP8_CODES = tuple(sorted(code for _, code in FP8_SCHEMES.values()))   # QUANT codes whose activations are e4m3
+FP8_BLOCKS = {code: block for block, code in FP8_SCHEMES.values()}   # QUANT code of an FP8 scheme -> its block
+FP8_CODES = tuple(sorted(FP8_BLOCKS))                                # QUANT codes whose activations are e4m3
 
 
 @triton.jit
@@ -264,7 +265,8 @@ def check_x_scales(x, x_scales, code: int, dt: torch.dtype, dev) -> None:
     if x.dtype != torch.float8_e4m3fn or x.device != dev:
         raise TypeError(f"x must hold float8_e4m3fn codes on {dev} for FP8 weights (kernels.triton.fp8_quant); got "
                         f"{x.dtype} on {x.device}")
-    groups = 1 if code == FP8_CODES[0] else int(x.shape[1]) // 128
+    block = FP8_BLOCKS[code]
+    groups = 1 if block is None else int(x.shape[1]) // block
     if (not isinstance(x_scales, torch.Tensor) or x_scales.dtype != torch.float32 or x_scales.device != dev
             or tuple(x_scales.shape) != (int(x.shape[0]), groups)):
         raise ValueError(f"x_scales must be a float32 tensor {(int(x.shape[0]), groups)} on {dev} (x's scales per "
