@@ -548,6 +548,8 @@ def fuzz_layer(args, spec, device: str) -> int:
 def cmd_selftest(args) -> int:
     """Every planted-bug corpus through check and a short fuzz; the kill matrix; fails if a mutant survives."""
     device = _device(args)
+    if args.power:
+        return _power(args, device)
     from moe_lora_harness.harness.report import to_junit
     from moe_lora_harness.harness.selftest import CORPORA, junit_cases, kill_matrix_text, run_selftest
     known = [c.name for c in CORPORA]
@@ -596,6 +598,42 @@ def cmd_selftest(args) -> int:
         print("NOTHING TESTED: no corpus ran here")
         return 1
     return 1 if (res.survivors or res.failing_controls or res.misnamed) else 0
+
+
+def _power(args, device: str) -> int:
+    """`selftest --power`: the judge's power table (harness.power); fails if the correct kernel fails, or if an
+    output that assert_close fails passes the judge."""
+    from moe_lora_harness.harness import power
+    from moe_lora_harness.harness.models import MODELS
+    known = [m.name for m in MODELS]
+    for m in args.model:
+        if m not in known:
+            raise UsageError(f"--model {m!r}: not in the catalogue; models: {', '.join(known)}")
+    name = args.only[0] if args.only else ("triton_experts" if device == "cuda" else "eager")
+    if not args.only:
+        args.only = [name]
+    specs = _backends(args)
+    if name not in specs:
+        raise UsageError(f"--only {name!r}: no such backend")
+    try:
+        tokens = tuple(sum(int(p) for p in t.split("+")) for t in args.tokens.split(",") if t)
+    except ValueError:
+        raise UsageError(f"--tokens must be a comma-separated list of counts (4096+17 allowed); got {args.tokens!r}")
+    cases = power.power_cases(device, models=args.model, tokens=tokens,
+                              dtypes=tuple(d for d in (args.dtype or "").split(",") if d))
+    reports = []
+    for case in cases:
+        reports.append(power.measure(specs[name], case, device,
+                                     progress=(lambda w: print(f"[power] {w}", file=sys.stderr)) if args.verbose
+                                     else None))
+        print(power.power_table(reports[-1:]), flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(power.to_json(reports), indent=1))
+    bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)]
+    for r in bad:
+        print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
+                                                       "an output assert_close fails passes the judge"))
+    return 1 if bad else 0
 
 
 def _corpora():
@@ -714,6 +752,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--junit", metavar="PATH", help="JUnit XML: one test case per mutant x detector")
     t.add_argument("-v", "--verbose", action="store_true")
+    t.add_argument("--power", action="store_true",
+                   help="the judge's power table instead: the smallest planted slip of each class it fails, as a "
+                        "multiple of the correct kernel's own error, beside assert_close(atol=rtol=2e-2)")
+    t.add_argument("--model", action="append", default=[], metavar="NAME",
+                   help="--power at this catalogued model's layer (repeatable; default: one H 1024 layer)")
+    t.add_argument("--tokens", default="", metavar="LIST", help="--power's token counts (default 16)")
+    t.add_argument("--dtype", default="", metavar="LIST", help="--power's dtypes (comma-separated)")
     palette_option(t)
     t.set_defaults(fn=cmd_selftest)
     from moe_lora_harness.harness import cli_adapter

@@ -14,7 +14,7 @@ import torch
 from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import RATIO, compare_written
-from moe_lora_harness.harness.expectation import flips, judging, op_reference
+from moe_lora_harness.harness.expectation import allowances, judging, op_reference
 from moe_lora_harness.harness.expert_runner import expert_expectations
 from moe_lora_harness.reference.precision import PRESETS, VARIANTS, bound_dtype, compose, precision, split_name
 
@@ -103,7 +103,7 @@ def _emulation(case: Case, name: str, device) -> torch.Tensor:
 
 def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelFit:
     # the verdict at the bound the model would be judged at if declared; the distance at the data's dtype
-    under = dict(underflow=truth.underflow, work_dtype=dtype, **flips(truth))
+    under = dict(underflow=truth.underflow, work_dtype=dtype, **allowances(truth))
     v = compare_written(out, truth.value, emu, truth.scale, written, dtype=bound_dtype(name, dtype),
                         k_plus_r=k_plus_r, **under)
     swapped = compare_written(out, emu, truth.value, truth.scale, written, dtype=dtype, k_plus_r=k_plus_r, **under)
@@ -148,7 +148,7 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
     declared_emu = _emulation(case, backend_precision, out.device)
     verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,
                               dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
-                              underflow=truth.underflow, work_dtype=dtype, **flips(truth))
+                              underflow=truth.underflow, work_dtype=dtype, **allowances(truth))
     if verdict.ok or verdict.kind not in _DIAGNOSED_KINDS:
         return None
     worst = worst_relative_error(out, truth, written)

@@ -28,10 +28,12 @@ def op_expectations(case: Case, backend_precision: str, device="cpu"):
     return inputs, op_reference(case, inputs), op_reference(case, inputs, backend_precision)
 
 
-def flips(truth) -> dict:
-    """compare_written's FP8 flip allowances of a truth (reference.experts.ExpertExpected.flip, .one_flip,
-    .slack_flip), None where it has none: the op level quantizes no activation (OpExpected has no such fields)."""
-    return {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip")}
+def allowances(truth) -> dict:
+    """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
+    (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip; the op level quantizes no activation) and the
+    statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`; None with FP8
+    activations: the worst-case terms)."""
+    return {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
 
 
 def judging(case: Case, truth) -> tuple:

@@ -10,7 +10,7 @@ import torch
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written, same_bits
 from moe_lora_harness.harness.contract import BackendSpec
-from moe_lora_harness.harness.expectation import flips
+from moe_lora_harness.harness.expectation import allowances
 from moe_lora_harness.harness.layer_scenario import LayerState, Scenario, base_weights, batch
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.adapters import pack_moe_lora
@@ -61,7 +61,7 @@ def _values(rows, truth, emu, config, precision_name) -> StepVerdict | None:
     written = torch.ones(rows.shape, dtype=torch.bool)
     v = compare_written(rows, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(precision_name, dt),
                         k_plus_r=config.H + config.I + config.max_rank, names=("t", "h"),
-                        underflow=truth.underflow, work_dtype=dt, **flips(truth))
+                        underflow=truth.underflow, work_dtype=dt, **allowances(truth))
     return None if v.ok else StepVerdict(False, v.kind, VALUES, v.message + (f"; worst: {v.worst}" if v.worst else ""))
 
 

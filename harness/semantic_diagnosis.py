@@ -15,7 +15,7 @@ import torch
 from moe_lora_harness.harness.builders import ADAPTER_SCALING, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written, element_bound, same_bits
-from moe_lora_harness.harness.expectation import flips, judging
+from moe_lora_harness.harness.expectation import allowances, judging
 from moe_lora_harness.harness.expert_runner import expert_forward
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.activations import is_gated
@@ -119,7 +119,7 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
         alt_written = got.written if case.level == "op" else written
         if torch.equal(alt_written, written) and compare_written(
                 got.value, truth.value, emulation, truth.scale, written, underflow=truth.underflow,
-                **flips(truth), **judge).ok:
+                **allowances(truth), **judge).ok:
             continue     # the contract's judge cannot tell it from the contract on this case: not offered
         expected = torch.where(alt_written, got.value, o64 if before is None else before.to(torch.float64))
         diff = torch.where(o64.isnan() & expected.isnan(), torch.zeros_like(o64), o64 - expected)
@@ -130,7 +130,7 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
     for _, alt, compute, alt_written in offered[:JUDGED]:  # the nearest, judged in full (magnitudes, emulation)
         alt_truth, alt_emu = compute(exact, True), compute(declared, False).value
         v = compare_written(out, alt_truth.value, alt_emu, alt_truth.scale, alt_written,
-                            underflow=alt_truth.underflow, **flips(alt_truth), before=before, **judge)
+                            underflow=alt_truth.underflow, **allowances(alt_truth), before=before, **judge)
         fits.append(SemanticFit(alt.name, alt.description, v.ratio, v.ok, v.kind))
     fits.sort(key=lambda f: (not f.passes, f.ratio))
     matched = [f for f in fits if f.passes]
@@ -162,7 +162,7 @@ def failing_rows(case: Case, backend_precision: str, output: torch.Tensor, truth
     written, k_plus_r, _ = judging(case, truth)
     o = output.detach().to(truth.value.device, torch.float64)
     bound = element_bound(truth.scale, dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
-                          underflow=truth.underflow, work_dtype=dtype, flip=flips(truth)["flip"])
+                          underflow=truth.underflow, work_dtype=dtype, flip=allowances(truth)["flip"])
     bad = ((o - truth.value).abs() > bound) | (~torch.isfinite(o) & torch.isfinite(truth.value))
     bad = bad & written
     if before is not None:

@@ -238,3 +238,28 @@ def activation_scale(
     dg, du = _split(grad, spec, "x")
     sg, su = _split(xscale, spec, "xscale")
     return dg.abs() * sg + du.abs() * su + mine
+
+
+def activation_variance(x: torch.Tensor, xvar: torch.Tensor, name: str, *, own_ulps: float,
+                        situ_beta: float = SITU_BETA, situ_linear_beta: float | None = SITU_LINEAR_BETA
+                        ) -> torch.Tensor:
+    """First-order variance of the activation output given independent input error variances `xvar`:
+    (dh/dg)^2 var_g + (dh/du)^2 var_u (non-gated h'^2 var), plus the output's own fp32 evaluation error
+    (own_ulps 2^-24 |h|)^2 (reference.accumulation: the statistical model)."""
+    spec = lookup_activation(name)
+    x = _as_f64(x, "x")
+    xvar = _as_f64(xvar, "xvar")
+    if xvar.shape != x.shape:
+        raise ValueError(f"xvar must have the shape of x {tuple(x.shape)}; got {tuple(xvar.shape)}")
+    with torch.enable_grad():
+        xg = x.detach().clone().requires_grad_(True)
+        h = _exact(xg, spec, situ_beta, situ_linear_beta)
+        (grad,) = torch.autograd.grad(h.sum(), xg)
+    h = h.detach()
+    own = (own_ulps * 2.0 ** -24) ** 2 * h * h
+    g2 = grad * grad
+    if not spec.gated:
+        return g2 * xvar + own
+    dg, du = _split(g2, spec, "x")
+    vg, vu = _split(xvar, spec, "xvar")
+    return dg * vg + du * vu + own

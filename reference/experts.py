@@ -16,10 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe_lora_harness.reference.activations import activation_scale, apply_activation, lookup_activation
+from moe_lora_harness.reference.accumulation import ACT_ULPS, U32, dot_variance, own_variance
+from moe_lora_harness.reference.activations import (activation_scale, activation_variance, apply_activation,
+                                                    lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance, flip_step
-from moe_lora_harness.reference.lora_op import PairLayout, lora_expand, lora_shrink, qualifying_pairs
+from moe_lora_harness.reference.lora_op import (PairLayout, lora_expand, lora_shrink, lora_shrink_squared,
+                                                lora_shrink_variance, qualifying_pairs)
 from moe_lora_harness.reference.precision import Precision, eps, precision as make_precision, tiny
 from moe_lora_harness.reference.quant import ACTIVATION_SCHEMES, SCHEMES as WEIGHT_ONLY_SCHEMES
 from moe_lora_harness.reference.semantics import CONTRACT, Semantics
@@ -72,6 +75,12 @@ class ExpertExpected:
     scale: Tensor | None
     # (T, H): exposure to gradual underflow in half subnormal spacings (reference.lora_op.OpExpected.underflow)
     underflow: Tensor | None = None
+    # (T, H): the variance bound of the error a correct kernel's fp32 accumulation adds (reference.accumulation);
+    # None with FP8 activations (the e4m3 MMA's accumulation is not modelled statistically: the worst-case term)
+    acc_var: Tensor | None = None
+    # (T, H): the exposure to intermediate roundings a correct kernel may take the other way, in units of the working
+    # dtype's eps^2 (reference.lora_op.OpExpected.round_var); None where acc_var is
+    round_var: Tensor | None = None
     # FP8 schemes (None otherwise), absolute: the allowance for e4m3 roundings of the quantized activations that a
     # correct kernel may take the other way ("flips"). `flip` (T, H): every such flip at once, the per-element
     # bound's term; `one_flip` (T,): the norm of the token's output change from its costliest single flip of
@@ -118,13 +127,13 @@ def _int(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | None = None, *,
-                     absolute: bool = False) -> Tensor:
+                     absolute: bool = False, square: bool = False) -> Tensor:
     """Row p: x[p] @ w[experts[p]]^T for experts[p] >= 0, else 0. x (P, K) float64, w (E, N, K) of any float dtype.
 
     Only the weights of the expert in hand are converted to float64 (|w[e]| with `absolute`: a magnitude), so a
-    layer of many large experts never exists in float64 at once. Each expert's rows, in ascending order, are
-    found by one stable sort (one host sync for the counts, not one per expert). `prec` with an alternative GEMM
-    model computes the products by `prec.mm` (None: exact float64)."""
+    layer of many large experts never exists in float64 at once (w*w with `square`: a variance carried through).
+    Each expert's rows, in ascending order, are found by one stable sort (one host sync for the counts, not one per
+    expert). `prec` with an alternative GEMM model computes the products by `prec.mm` (None: exact float64)."""
     out = torch.zeros(x.shape[0], w.shape[1], dtype=_F64, device=x.device)
     order = torch.argsort(experts, stable=True)
     counts = torch.bincount(experts + 1, minlength=w.shape[0] + 1).tolist()   # [rows of -1 (not local), of 0, ...]
@@ -137,6 +146,8 @@ def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | No
         we = w[e].to(_F64)
         if absolute:
             we = we.abs()
+        elif square:
+            we = we * we
         xe = x[rows]
         out[rows] = xe @ we.T if prec is None or prec.plain_gemm else prec.mm(xe, we)
         del we, xe
@@ -191,14 +202,17 @@ def _check_lora(stacked: StackedMoELoRA, E: int, H: int, I: int, gated: bool, sh
         raise ValueError(f"lora.stacked.adapter_enabled must have shape (L+1={L + 1},)")
 
 
-def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec, join):
-    """Shrink u = A x (rounded per `prec`), its magnitude |A| x_scale and its underflow exposure
-    |A| x_under + 1, joined across the TP ranks when `join` names the collective ("w13" or "w2"; None: no
-    join; x_scale None: the value only, magnitudes None). A generator: it yields (join, the partial) and
-    resumes with the joined tensor.
+def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight, prec, join, x_var=None,
+                   track_var=False, x_round=None):
+    """Shrink u = A x (rounded per `prec`), its magnitude |A| x_scale, its underflow exposure |A| x_under + 1 and
+    (`track_var`) its fp32 accumulation variance (x_var None: an exact input) and rounding exposure (x_round: x's,
+    None: an exact input; the partial's own rounding included), joined across the TP ranks when
+    `join` names the collective ("w13" or "w2"; None: no join; x_scale None: the value only, magnitudes None).
+    A generator: it yields (join, the partial) and resumes with the joined tensor.
 
-    The three travel through one collective call (stacked on the slice dim); the joined value is
-    re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor).
+    The parts travel through one collective call (stacked on the slice dim); the joined value is
+    re-rounded when the path rounds the intermediate (a reduced dt cache is a dt tensor). Variances travel (a
+    gather) or add (an all-reduce), as the collective does with every part.
     """
     u = lora_shrink(x, stacked_a, layout, k, mul_routed_weight, prec)
     parts = [u]
@@ -206,6 +220,11 @@ def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
         absolute = [a.abs() for a in stacked_a]
         parts += [lora_shrink(x_scale, absolute, layout, k, mul_routed_weight, _EXACT),
                   lora_shrink(x_under, absolute, layout, k, mul_routed_weight, _EXACT) + 1.0]
+        if track_var:
+            parts.append(lora_shrink_variance(x, x_var, stacked_a, layout, k, mul_routed_weight, u))
+            own = u.to(_F64) * u.to(_F64)
+            parts.append(own if x_round is None else
+                         own + lora_shrink_squared(x_round, stacked_a, layout, k, mul_routed_weight))
     if join is not None:
         joined = yield join, torch.cat([p.to(_F64) for p in parts], dim=0)
         parts = list(joined.split(u.shape[0], dim=0))
@@ -213,27 +232,41 @@ def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
             parts[0] = prec.r(parts[0])
         if x_scale is not None:
             parts[2] = parts[2] + 1.0       # the join's own rounding
-    u_abs, u_under = parts[1:] if x_scale is not None else (None, None)
-    return parts[0], u_abs, u_under
+        if len(parts) > 3:
+            parts[3] = parts[3] + own_variance(parts[0])   # the join's own fp32 add
+    u_abs, u_under = parts[1:3] if x_scale is not None else (None, None)
+    u_var, u_round = (parts[3], parts[4]) if len(parts) > 3 else (None, None)
+    return parts[0], u_abs, u_under, u_var, u_round
 
 
 def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32, layout, k, mul_routed_weight,
-                offset, prec, join, add_inputs=True):
-    """(value, magnitude, underflow exposure) of one LoRA GEMM written into `prev` (T, k, W), float64.
+                offset, prec, join, add_inputs=True, x_var=None, prev_var=None, track_var=False, x_round=None,
+                prev_round=None):
+    """(value, magnitude, underflow exposure, accumulation variance) of one LoRA GEMM written into `prev`
+    (T, k, W), float64.
 
     value: lora_expand's r(prev + r?(w B u)) (or r(w B u) without add_inputs); magnitude:
     |w| |B| (|A| x_scale) at written elements, 0 elsewhere, computed exactly on absolute values;
-    underflow: lora_expand's, from `prev_under` and the intermediate's. x_scale None: the value only.
-    A generator, as `_shrink_joined` (`join`).
+    underflow: lora_expand's, from `prev_under` and the intermediate's; variance and rounding exposure (`track_var`,
+    else None): lora_expand's, from `prev_var` / `prev_round` and x's `x_var` / `x_round` (None: exact), the
+    write's own rounding added. x_scale None: the value only. A generator, as `_shrink_joined` (`join`).
     """
-    u, u_abs, u_under = yield from _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
-                                                  prec, join)
+    u, u_abs, u_under, u_var, u_round = yield from _shrink_joined(x, stacked_a, x_scale, x_under, layout, k,
+                                                                  mul_routed_weight, prec, join, x_var, track_var,
+                                                                  x_round)
+    if u_round is not None:      # lora_expand counts the intermediate's own rounding itself
+        u_round = u_round - u.to(_F64) * u.to(_F64)
     got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
-                      cache_underflow=u_under, prev_underflow=prev_under, magnitudes=x_scale is not None)
+                      cache_underflow=u_under, prev_underflow=prev_under, cache_var=u_var, prev_var=prev_var,
+                      cache_round=u_round, prev_round=prev_round, magnitudes=x_scale is not None)
     if x_scale is None:
-        return got.value, None, None
+        return got.value, None, None, None, None
     mag = _abs_expand(u_abs, stacked_b, w32, prev, layout, k, mul_routed_weight, offset)
-    return got.value, mag, got.underflow
+    if not track_var:
+        return got.value, mag, got.underflow, None, None
+    written = got.written
+    rounded = torch.where(written, got.round_var + got.value * got.value, got.round_var)   # the write's rounding
+    return got.value, mag, got.underflow, got.acc_var, rounded
 
 
 def _abs_expand(u_abs, stacked_b, w32, like, layout, k, mul_routed_weight, offset):
@@ -418,7 +451,14 @@ def forward_steps(
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
-    scale1 = under1 = flip1 = slack_step = None
+    scale1 = under1 = flip1 = slack_step = var1 = rnd1 = None
+    track_var = magnitudes and fp8 is None     # FP8's e4m3 MMA accumulation: the worst-case term (error model)
+    if track_var:   # GEMM1's fp32 accumulation over H (its input exact: the hidden states or their rounded product)
+        var1 = (_per_expert_gemm((U32 * U32 * H) * xr * xr, W13, e_flat, square=True)
+                + (U32 * U32 * (H + 1)) * c1 * c1).reshape(T, k, N1)
+        rnd1 = cache1 * cache1            # cache1's rounding; the weighted input's two roundings through w13^2
+        if apply_router_weight_on_input:
+            rnd1 = rnd1 + _per_expert_gemm(2.0 * xr * xr, W13, e_flat, square=True).reshape(T, k, N1)
     if magnitudes:
         s1 = _per_expert_gemm(xr.abs(), W13, e_flat, absolute=True)
         u1 = torch.ones_like(s1)                                # cache1's own rounding
@@ -464,15 +504,21 @@ def forward_steps(
         if spec.interleaved and st.num_slices == 2:
             # delta computed in split layout into a zeroed dt buffer, then added interleaved: r(c + r(d))
             zeros = torch.zeros(T, k, 2 * I, dtype=_F64, device=dev)
-            d, m, du = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32, layout,
-                                              k, mul13, 0, prec, w13_join, add_inputs=False)
+            d, m, du, dv, dr = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, zeros, None, w32,
+                                                      layout, k, mul13, 0, prec, w13_join, add_inputs=False,
+                                                      track_var=track_var)
             cache1 = prec.r(cache1 + _interleave(d, I))
             if magnitudes:
                 scale1 = scale1 + _interleave(m, I)
                 under1 = under1 + _interleave(du, I) + 1.0
+            if track_var:
+                var1 = var1 + _interleave(dv, I) + own_variance(cache1)
+                rnd1 = rnd1 + _interleave(dr, I) + cache1 * cache1
         else:
-            cache1, m, under1 = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, cache1, under1,
-                                                       w32, layout, k, mul13, 0, prec, w13_join)
+            cache1, m, under1, v1, r1 = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, cache1,
+                                                               under1, w32, layout, k, mul13, 0, prec, w13_join,
+                                                               prev_var=var1, track_var=track_var, prev_round=rnd1)
+            var1, rnd1 = (v1, r1) if track_var else (None, None)
             if magnitudes:
                 scale1 = scale1 + m
         del x13, x_abs, x_zero
@@ -480,7 +526,11 @@ def forward_steps(
     # activation
     a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
     cache1_exact = cache1.reshape(P, N1) if magnitudes and fp8 is not None else None   # the flips' starting point
-    s2 = under2 = flip2 = None
+    s2 = under2 = flip2 = var2 = rnd2 = None
+    if track_var:
+        var2 = activation_variance(cache1.reshape(P, N1), var1.reshape(P, N1), spec.name, own_ulps=ACT_ULPS)
+        rnd2 = activation_variance(cache1.reshape(P, N1), rnd1.reshape(P, N1), spec.name, own_ulps=0.0) + a * a
+    del var1, rnd1
     if magnitudes:
         s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
         under2 = activation_scale(cache1.reshape(P, N1), under1.reshape(P, N1), spec.name, own=False) + 1.0
@@ -497,10 +547,21 @@ def forward_steps(
     c3 = _per_expert_gemm(aq, W2, e_flat, prec)
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)
+    var3 = rnd3 = None
+    if track_var:   # GEMM2's accumulation over I, and the activation's variance carried by w2^2
+        var3 = (_per_expert_gemm(var2 + (U32 * U32 * I) * a * a, W2, e_flat, square=True)
+                + (U32 * U32 * (I + 1)) * c3 * c3)
+        rnd3 = _per_expert_gemm(rnd2, W2, e_flat, square=True)
     weight_out = not apply_router_weight_on_input or semantics.weight_on_output_too
     if weight_out:
         c3 = w_pair * c3
+        if var3 is not None:    # times the fp32 weight, one more rounding
+            var3 = w_pair * w_pair * var3 + own_variance(c3)
+            rnd3 = w_pair * w_pair * rnd3
     cache3 = prec.r(c3).reshape(T, k, H)
+    if var3 is not None:
+        var3 = var3.reshape(T, k, H)
+        rnd3 = rnd3.reshape(T, k, H) + cache3 * cache3          # cache3's rounding
     del c3
     scale3 = under3 = flip3 = one3 = slack = None
     if magnitudes:
@@ -536,8 +597,11 @@ def forward_steps(
         st = lora.stacked
         power = semantics.w2_lora_weight_power
         w2_weights = w32 if power == 1 else w32 ** power      # the contract: w, once
-        cache3, m, under3 = yield from _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3, w2_weights,
-                                                   layout, k, True, w2_lora_offset, prec, w2_join)
+        cache3, m, under3, v3, r3 = yield from _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3,
+                                                           w2_weights, layout, k, True, w2_lora_offset, prec, w2_join,
+                                                           x_var=var2, prev_var=var3, track_var=track_var,
+                                                           x_round=rnd2, prev_round=rnd3)
+        var3, rnd3 = (v3, r3) if track_var else (None, None)
         if magnitudes:
             scale3 = scale3 + m
         if flip3 is not None:   # the w2 LoRA reads the unquantized activation, off by GEMM1's flips
@@ -547,7 +611,7 @@ def forward_steps(
             u_slack = lora_shrink(slack_lin, a2_abs, layout, k, True, _EXACT)
             slack = _abs_expand(u_slack, st.w2_b, w2_weights, cache3, layout, k, True, w2_lora_offset)
             del u_flip, u_slack, a2_abs
-    del s2, under2, flip2, cache1_exact, slack_step
+    del s2, under2, flip2, cache1_exact, slack_step, var2, rnd2
     if not return_intermediates:
         del a
 
@@ -557,10 +621,14 @@ def forward_steps(
     scale = (scale3 * keep).sum(dim=1) if magnitudes else None
     under = (under3 * keep).sum(dim=1) + 1.0 if magnitudes else None
     flips = {}
+    if var3 is not None:   # moe_sum's own fp32 accumulation over the k pairs
+        flips["acc_var"] = ((var3 * keep).sum(dim=1)
+                            + dot_variance(out, (cache3 * cache3 * keep).sum(dim=1), k))
+        flips["round_var"] = (rnd3 * keep).sum(dim=1)     # the output's own rounding is the judge's to add
     if flip3 is not None:   # slack_flip: the exact base flips' norms add up, the LoRA's part (absolute) is one vector
         lora_part = torch.zeros(T, dtype=_F64, device=dev) if slack is None else \
             torch.linalg.vector_norm((slack * keep).sum(dim=1), dim=1)
-        flips = dict(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
+        flips.update(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
                      slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1) + lora_part)
     if not return_intermediates:
         return ExpertExpected(value=out, scale=scale, underflow=under, **flips)

@@ -16,6 +16,7 @@ import torch
 
 from moe_lora_harness.op_contract.call import OpCall
 from moe_lora_harness.op_contract.entry import vllm_op
+from moe_lora_harness.reference.accumulation import U32, dot_variance, own_variance
 from moe_lora_harness.reference.precision import Precision, precision as make_precision, rnd
 
 _CHUNK_ELEMS = 1 << 22  # gathered weight elements per chunk (float64: 32 MiB)
@@ -45,6 +46,13 @@ class OpExpected:
     # dtype: each rounding that can produce the value, times what later steps multiply its absolute error by
     # (every rounding point of every path counted: path-independent, like `scale`)
     underflow: torch.Tensor | None = None
+    # (T, k, W) float64: the variance bound of the error a correct kernel's fp32 accumulation adds
+    # (reference.accumulation; 0 where nothing is written)
+    acc_var: torch.Tensor | None = None
+    # (T, k, W) float64: the exposure to intermediate roundings a correct kernel may take the other way, in units of
+    # the working dtype's eps^2: each rounding point's value squared (every point of every path, the output's own
+    # rounding excepted), carried by squared coefficients (reference.accumulation)
+    round_var: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -62,8 +70,9 @@ def _chunks(n: int, per_item: int):
 
 
 def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Precision | None = None, *,
-                     absolute: bool = False) -> torch.Tensor:
-    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64 (|w| with `absolute`: an error-scale magnitude).
+                     absolute: bool = False, square: bool = False) -> torch.Tensor:
+    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64 (|w| with `absolute`: an error-scale magnitude; w*w with
+    `square`: a variance carried through).
 
     One GEMM per distinct (lora, expert) weight, so each weight is converted once, not once per pair.
     `prec` with an alternative GEMM model computes each product by it (operand rounding per element; a
@@ -78,7 +87,7 @@ def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Pre
     if prec is not None and prec.accumulate is not None:
         for sl in _chunks(vec.shape[0], w.shape[2] * w.shape[3]):
             mats = w[lora[sl], e_idx[sl]].to(torch.float64)  # (c, lead, inner)
-            out[sl] = prec.bmv(mats.abs() if absolute else mats, vec[sl])
+            out[sl] = prec.bmv(mats.abs() if absolute else mats * mats if square else mats, vec[sl])
         return out
     key = lora * w.shape[1] + e_idx
     order = torch.argsort(key, stable=True)
@@ -90,6 +99,8 @@ def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Pre
         mat = w[g // w.shape[1], g % w.shape[1]].to(torch.float64)
         if absolute:
             mat = mat.abs()
+        elif square:
+            mat = mat * mat
         out[idx] = vec[idx] @ mat.T if prec is None or prec.plain_gemm else prec.mm(vec[idx], mat)
     return out
 
@@ -221,6 +232,40 @@ def lora_shrink_scale(
     )
 
 
+def lora_shrink_variance(
+    x: torch.Tensor,
+    x_var: torch.Tensor | None,
+    lora_a_stacked: Sequence[torch.Tensor],
+    layout: PairLayout,
+    top_k_num: int,
+    mul_routed_weight: bool,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """Variance bound (S, P, R) of the fp32 error of u = A x_row (reference.accumulation): x_row's own variance
+    `x_var` (None: an exact input) carried by A^2, plus the accumulation over K; `u` the exact shrink (S, P, R)."""
+    idx = _x_rows(layout, top_k_num, mul_routed_weight)
+    K = int(x.shape[-1])
+    rows = x.to(torch.float64)[idx]
+    rows = (U32 * U32 * K) * rows * rows
+    if x_var is not None:
+        rows = rows + x_var.to(torch.float64)[idx]
+    carried = torch.stack([_gathered_matvec(a, layout.lora, layout.expert, rows, square=True)
+                           for a in lora_a_stacked])
+    return carried + (U32 * U32 * K) * u * u
+
+
+def lora_shrink_squared(
+    x_sq: torch.Tensor,
+    lora_a_stacked: Sequence[torch.Tensor],
+    layout: PairLayout,
+    top_k_num: int,
+    mul_routed_weight: bool,
+) -> torch.Tensor:
+    """A_s[l, e]^2 @ x_sq_row (S, P, R), float64: a per-element exposure of x (a variance) carried through the shrink."""
+    rows = x_sq.to(torch.float64)[_x_rows(layout, top_k_num, mul_routed_weight)]
+    return torch.stack([_gathered_matvec(a, layout.lora, layout.expert, rows, square=True) for a in lora_a_stacked])
+
+
 def lora_expand(
     prev: torch.Tensor,
     cache: torch.Tensor,
@@ -236,6 +281,10 @@ def lora_expand(
     cache_scale: torch.Tensor | None = None,
     cache_underflow: torch.Tensor | None = None,
     prev_underflow: torch.Tensor | None = None,
+    cache_var: torch.Tensor | None = None,
+    prev_var: torch.Tensor | None = None,
+    cache_round: torch.Tensor | None = None,
+    prev_round: torch.Tensor | None = None,
     magnitudes: bool = True,
 ) -> OpExpected:
     """out[t, j, offset + s*N : offset + (s+1)*N] = r(prev + r?(w * B_s[l, e] @ u)) for qualifying pairs.
@@ -245,7 +294,12 @@ def lora_expand(
     from lora_shrink_scale (|cache| if None); scale = |prev|*add_inputs + |w| |B| cache_scale.
     underflow = prev_underflow*add_inputs + |w| |B| cache_underflow + 2 (the delta's rounding and the
     add's); `cache_underflow` (S, P, R) defaults to 1 (u rounded once), `prev_underflow` to 0 (an input).
-    magnitudes=False: value and written only (scale and underflow None).
+    acc_var = prev_var*add_inputs + w^2 B^2 (cache_var + u^2 R cache^2) + u^2 R d^2: the fp32 accumulation's
+    variance bound (reference.accumulation); `cache_var` (S, P, R) and `prev_var` default to 0 (exact inputs).
+    round_var = prev_round*add_inputs + w^2 B^2 (cache_round + cache^2) + d^2: the rank intermediate's and the
+    delta's roundings (this write's own rounding is the caller's to add where it is not the output's);
+    `cache_round` (S, P, R) the intermediate's upstream exposure (default 0), `prev_round` prev's (default 0).
+    magnitudes=False: value and written only (scale, underflow, acc_var and round_var None).
     """
     prev = prev.to(torch.float64)
     value = prev.clone()
@@ -253,9 +307,13 @@ def lora_expand(
     scale = prev.abs() if magnitudes else None
     under = None if not magnitudes else (
         torch.zeros_like(prev) if prev_underflow is None else prev_underflow.to(torch.float64).clone())
+    var = None if not magnitudes else (
+        torch.zeros_like(prev) if prev_var is None else prev_var.to(torch.float64).clone())
+    rvar = None if not magnitudes else (
+        torch.zeros_like(prev) if prev_round is None else prev_round.to(torch.float64).clone())
     T, k, W = prev.shape
     if len(layout) == 0:
-        return OpExpected(value, written, scale, under)
+        return OpExpected(value, written, scale, under, var, rvar)
     t = torch.div(layout.pair, k, rounding_mode="floor")
     j = layout.pair % k
     if mul_routed_weight:
@@ -267,6 +325,10 @@ def lora_expand(
     if magnitudes:
         cs = cache.abs() if cache_scale is None else cache_scale.to(torch.float64)
         cu = torch.ones_like(cs) if cache_underflow is None else cache_underflow.to(torch.float64)
+        c64 = cache.to(torch.float64)
+        R = int(cache.shape[-1])
+        cv = (U32 * U32 * R) * c64 * c64 + (0.0 if cache_var is None else cache_var.to(torch.float64))
+        cr = c64 * c64 + (0.0 if cache_round is None else cache_round.to(torch.float64))
     # A pair listed twice (malformed align) is applied twice, in order: split into rounds of unique pairs.
     order = torch.argsort(layout.pair, stable=True)
     sp = layout.pair[order]
@@ -278,6 +340,10 @@ def lora_expand(
     for s, b in enumerate(lora_b_stacked):
         N = b.shape[2]
         d = _gathered_matvec(b, layout.lora, layout.expert, cache[s].to(torch.float64), prec) * w[:, None]
+        if magnitudes:   # the expand's own accumulation over R and the shrink's carried through, times w^2
+            dvar = (_gathered_matvec(b, layout.lora, layout.expert, cv[s], square=True) * (w * w)[:, None]
+                    + (U32 * U32 * (R + 1)) * d * d)
+            dround = _gathered_matvec(b, layout.lora, layout.expert, cr[s], square=True) * (w * w)[:, None] + d * d
         if prec.round_delta:
             d = prec.r(d)
         if magnitudes:
@@ -298,7 +364,11 @@ def lora_expand(
             scale[ti, ji, cols] = base + dscale[sel]
             base_u = under[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
             under[ti, ji, cols] = base_u + dunder[sel]
-    return OpExpected(value, written, scale, under)
+            base_v = var[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
+            var[ti, ji, cols] = base_v + dvar[sel]
+            base_r = rvar[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
+            rvar[ti, ji, cols] = base_r + dround[sel]
+    return OpExpected(value, written, scale, under, var, rvar)
 
 
 # ------------------------------------------------------------------------------------ the op
@@ -346,6 +416,8 @@ def fused_moe_lora_expected(
     cache = lora_shrink(call.x, call.lora_a, layout, k, mul, precision)
     cache_scale = lora_shrink_scale(call.x, call.lora_a, layout, k, mul) if magnitudes else None
     cache_underflow = None       # u rounded once
+    cache_var = (lora_shrink_variance(call.x, None, call.lora_a, layout, k, mul, cache) if magnitudes else None)
+    cache_round, cache_part = None, cache
     if call.fully_sharded and collective is not None:
         # each rank's partial u rounded once (an all-reduce sums them), the joined u rounded again; without
         # collective_scale the number of partials is unknown: counted once
@@ -357,13 +429,20 @@ def fused_moe_lora_expected(
         if magnitudes:
             cache_scale = collective_scale(cache_scale) if collective_scale is not None else cache.abs()
             cache_underflow = (partials if partials is not None else torch.ones_like(cache)) + 1.0
+            # the partials' variances add (an all-reduce) or travel (a gather); the join's own fp32 add on top
+            cache_var = (collective_scale(cache_var) if collective_scale is not None
+                         else dot_variance(cache, cache * cache, call.x.shape[-1])) + own_variance(cache)
+            # each partial rounded before the join (the join's re-rounding is the expand's cache rounding)
+            cache_round = (collective_scale(cache_part * cache_part) if collective_scale is not None
+                           else cache * cache)
     if cache.shape[-1] != call.rank_b:
         raise ValueError(
             f"lora_b_stacked rank dim ({call.rank_b}) must equal the (joined) shrink rank ({cache.shape[-1]})"
         )
     return lora_expand(
         call.output, cache, call.lora_b, call.weights, layout, k, mul, call.offset, call.add_inputs, precision,
-        cache_scale=cache_scale, cache_underflow=cache_underflow, magnitudes=magnitudes,
+        cache_scale=cache_scale, cache_underflow=cache_underflow, cache_var=cache_var, cache_round=cache_round,
+        magnitudes=magnitudes,
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from moe_lora_harness.reference.accumulation import dot_variance
 from moe_lora_harness.reference.activations import lookup_activation
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.experts import (
@@ -381,7 +382,20 @@ def sharded_experts_forward(
     if not magnitudes:
         return ExpertExpected(value=value, scale=None)
     return ExpertExpected(value=value, scale=all_reduce_sum([o.scale for o in outs]),
-                          underflow=all_reduce_sum([o.underflow for o in outs]) + 1.0)   # + the reduce's rounding
+                          underflow=all_reduce_sum([o.underflow for o in outs]) + 1.0,   # + the reduce's rounding
+                          **_reduced_variance(outs))
+
+
+def _reduced_variance(outs) -> dict:
+    """The accumulation variance and rounding exposure of a sum over ranks: the ranks' own, plus the reduction's
+    fp32 adds of their partials (reference.accumulation) and each partial's own rounding to dt; {} where the ranks
+    carry none (FP8)."""
+    if any(o.acc_var is None for o in outs):
+        return {}
+    total = all_reduce_sum([o.value for o in outs])
+    squares = all_reduce_sum([o.value * o.value for o in outs])
+    return dict(acc_var=all_reduce_sum([o.acc_var for o in outs]) + dot_variance(total, squares, len(outs)),
+                round_var=all_reduce_sum([o.round_var for o in outs]) + squares)
 
 
 def _even_split(n: int, parts: int) -> list[int]:
@@ -417,4 +431,4 @@ def _ep_forward(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, lora
         return ExpertExpected(value=value, scale=None)
     scale = torch.cat(ep_combine([o.scale for o in outs], counts), dim=0)
     under = torch.cat(ep_combine([o.underflow for o in outs], counts), dim=0) + 1.0   # + the combine's rounding
-    return ExpertExpected(value=value, scale=scale, underflow=under)
+    return ExpertExpected(value=value, scale=scale, underflow=under, **_reduced_variance(outs))
