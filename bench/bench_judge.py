@@ -33,7 +33,7 @@ from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written
 from moe_lora_harness.harness.execute import inputs_digest, release_device_memory
-from moe_lora_harness.harness.expectation import judging
+from moe_lora_harness.harness.expectation import allowances, judging
 from moe_lora_harness.harness.expert_runner import expert_forward
 from moe_lora_harness.harness.models import MODELS, case_fields, model_named
 from moe_lora_harness.reference.activations import is_gated
@@ -92,7 +92,7 @@ def judge_once(case: Case, device: str) -> tuple[dict, int]:
     t = time.perf_counter()
     written, k_plus_r, names = judging(case, truth)
     compare_written(output, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(DECLARED, dt),
-                    k_plus_r=k_plus_r, names=names, underflow=truth.underflow, work_dtype=dt)
+                    k_plus_r=k_plus_r, names=names, underflow=truth.underflow, work_dtype=dt, **allowances(truth))
     lap("compare")
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
     del truth, emu, output, written
