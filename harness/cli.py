@@ -627,8 +627,8 @@ def _power(args, device: str) -> int:
                                      progress=(lambda w: print(f"[power] {w}", file=sys.stderr)) if args.verbose
                                      else None))
         print(power.power_table(reports[-1:]), flush=True)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(power.to_json(reports), indent=1))
+        if args.json:     # after every case: a run cut by its time limit keeps what it measured
+            pathlib.Path(args.json).write_text(json.dumps(power.to_json(reports), indent=1))
     bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)]
     for r in bad:
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
