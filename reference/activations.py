@@ -54,6 +54,10 @@ ACTIVATIONS: dict[str, ActivationSpec] = {
     )
 }
 UNSUPPORTED_ACTIVATIONS = ("relu2",)
+# activations whose production formula cancels: x (1 + erf(x / sqrt 2)) / 2 and its tanh form tend to 0 from x << 0
+# through 1 + (-1 + tiny), so fp32 evaluates them with an error of u |x|, not u |h| (gelu(-6) ~ -6e-9); the error
+# models' own term of the activation is relative to the argument for these (activation_scale, activation_variance)
+ARGUMENT_RELATIVE = ("gelu", "gelu_tanh", "gelu_no_mul", "gelu_tanh_no_mul")
 SUPPORTED_ACTIVATIONS = tuple(n for n in ACTIVATIONS if n not in UNSUPPORTED_ACTIVATIONS)
 
 
@@ -217,8 +221,10 @@ def activation_scale(
     """First-order error magnitude of the activation output given input error magnitudes `xscale`.
 
     Gated h(g, u): |dh/dg| xs_g + |dh/du| xs_u + |h| (for act-and-mul: |f'(g)| xs_g |u| + |f(g)| xs_u
-    + |f(g) u|); non-gated: |f'(x)| xs + |f(x)|. The |h| term carries the output's own rounding
-    (`own=False` leaves it out: the input errors carried through alone).
+    + |f(g) u|); non-gated: |f'(x)| xs + |f(x)|. The |h| term carries the output's own rounding; for the
+    ARGUMENT_RELATIVE activations (gelu's forms, whose formula cancels for x << 0) it is |h| + |g u| (|h| + |x|),
+    the fp32 evaluation's error being relative to the argument (`own=False` leaves it out: the input errors carried
+    through alone).
     """
     spec = lookup_activation(name)
     x = _as_f64(x, "x")
@@ -233,10 +239,14 @@ def activation_scale(
         (grad,) = torch.autograd.grad(h.sum(), xg)  # elementwise: one partial per input element
     h = h.detach()
     mine = h.abs() if own else torch.zeros_like(h)
+    cancels = own and spec.name in ARGUMENT_RELATIVE
     if not spec.gated:
-        return grad.abs() * xscale + mine
+        return grad.abs() * xscale + (mine + x.abs() if cancels else mine)
     dg, du = _split(grad, spec, "x")
     sg, su = _split(xscale, spec, "xscale")
+    if cancels:
+        g, u = _split(x, spec, "x")
+        mine = mine + (g * u).abs()
     return dg.abs() * sg + du.abs() * su + mine
 
 
@@ -245,7 +255,8 @@ def activation_variance(x: torch.Tensor, xvar: torch.Tensor, name: str, *, own_u
                         ) -> torch.Tensor:
     """First-order variance of the activation output given independent input error variances `xvar`:
     (dh/dg)^2 var_g + (dh/du)^2 var_u (non-gated h'^2 var), plus the output's own fp32 evaluation error
-    (own_ulps 2^-24 |h|)^2 (reference.accumulation: the statistical model)."""
+    (own_ulps 2^-24 |h|)^2, (own_ulps 2^-24 (|h| + |g u|))^2 for the ARGUMENT_RELATIVE activations (non-gated
+    |h| + |x|; reference.accumulation: the statistical model)."""
     spec = lookup_activation(name)
     x = _as_f64(x, "x")
     xvar = _as_f64(xvar, "xvar")
@@ -256,10 +267,12 @@ def activation_variance(x: torch.Tensor, xvar: torch.Tensor, name: str, *, own_u
         h = _exact(xg, spec, situ_beta, situ_linear_beta)
         (grad,) = torch.autograd.grad(h.sum(), xg)
     h = h.detach()
-    own = (own_ulps * 2.0 ** -24) ** 2 * h * h
+    k = (own_ulps * 2.0 ** -24) ** 2
+    cancels = spec.name in ARGUMENT_RELATIVE
     g2 = grad * grad
     if not spec.gated:
-        return g2 * xvar + own
+        return g2 * xvar + k * (h.abs() + (x.abs() if cancels else 0.0)) ** 2
     dg, du = _split(g2, spec, "x")
     vg, vu = _split(xvar, spec, "xvar")
-    return dg * vg + du * vu + own
+    g, u = _split(x, spec, "x")
+    return dg * vg + du * vu + k * (h.abs() + ((g * u).abs() if cancels else 0.0)) ** 2
