@@ -133,6 +133,7 @@ def cmd_check(args) -> int:
     for feat, o in (model.prejudged if model is not None else []):   # cases too large for this machine
         feature_of[id(o)] = feat
         outcomes.append(o)
+    specs, absent = _offered(specs, plan, outcomes)
     total = len(plan) + len(outcomes)
     t0 = time.time()
     interrupted = in_flight = harness_error = None
@@ -167,15 +168,18 @@ def cmd_check(args) -> int:
         signal.signal(signal.SIGTERM, previous_term)
         executor.close()
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
+    failures = [o for o in outcomes if o.failed]
+    if failures:   # grouped, and before the matrix, so that the matrix and the summary end the output
+        from moe_lora_harness.harness.failure_groups import group_failures, groups_text
+        print(groups_text(group_failures(failures, lambda o: feature_of[id(o)]), specs) + "\n")
     print(to_text(matrix, names))
     if model is not None:
         print("\n".join(model.notes()))
-    failures = [o for o in outcomes if o.failed]
     for o in outcomes:
         if o.status == "works-unclaimed":
             print(f"NOTE {o.backend} works where it claims not to: {o.reason}: {o.case.to_json()}")
-    for o in failures:
-        print("\n" + o.detail)
+    if absent:
+        print(f"\nnot in this run (no case of the selected features at their levels): {', '.join(absent)}")
     untested = [name for name in specs
                 if not any(o.backend == name and o.judged for o in outcomes)]
     # a backend that declares this device not its own (Capabilities.device_reasons) is not a failure, as long as
@@ -194,7 +198,7 @@ def cmd_check(args) -> int:
     restarts = getattr(executor, "restarts", 0)
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
-            "counts": counts, "planned_runs": total, "worker_restarts": restarts,
+            "not_in_run": absent, "counts": counts, "planned_runs": total, "worker_restarts": restarts,
             "interrupted": bool(interrupted), "not_tested": untested if not interrupted else []}
     if model is not None:
         meta["model"] = model.meta()
@@ -221,6 +225,16 @@ def cmd_check(args) -> int:
               f"the partial matrix above" + (" and the reports were written" if (args.json or args.markdown) else ""))
         return 130
     return 1 if (failures or untested) else 0
+
+
+def _offered(specs: dict, plan: list, outcomes: list) -> tuple[dict, list]:
+    """(the backends offered a case of the selected features, the names of the others): a backend with no case at
+    its levels is not part of the run, so it is neither in the matrix nor NOTHING TESTED. When none was offered
+    anything, all stay, and each then tested nothing."""
+    offered = {run[0] for run in plan} | {o.backend for o in outcomes}
+    if not offered:
+        return specs, []
+    return {n: s for n, s in specs.items() if n in offered}, [n for n in specs if n not in offered]
 
 
 def _model_plan(args, specs, device, features):
