@@ -339,21 +339,50 @@ def _read_json_arg(arg: str, option: str, label: str, parse):
     return obj
 
 
+def _is_failure_record(d) -> bool:
+    """Whether a JSON object is a failure file that fuzz writes (failure-NN.json: harness.fuzz_report)."""
+    return isinstance(d, dict) and "signature" in d and "case" in d and "repro" in d
+
+
+def _part(text: str, key: str):
+    """The JSON of a --case / --scenario: a failure file's `key` part (it replays as it is), else the whole."""
+    d = json.loads(text)
+    if _is_failure_record(d):
+        if key not in d:
+            raise ValueError(f"this fuzz failure file holds no {key} (it holds: {', '.join(sorted(d))})")
+        return d[key]
+    return d
+
+
+def _layer_failure_file(arg: str) -> bool:
+    """Whether `arg` names a layer failure file (its scenario is what replays, whichever option named it)."""
+    path = pathlib.Path(arg)
+    if arg == "-" or arg.lstrip().startswith("{") or not path.is_file():
+        return False
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return False
+    return _is_failure_record(d) and "scenario" in d
+
+
 def read_case_arg(arg: str):
-    """--case: an op or expert case (harness.case.Case)."""
+    """--case: an op or expert case (harness.case.Case), or a fuzz failure file holding one."""
     from moe_lora_harness.harness.case import Case
-    return _read_json_arg(arg, "--case", "CASE", Case.from_json)
+    return _read_json_arg(arg, "--case", "CASE", lambda text: Case.from_json(_part(text, "case")))
 
 
 def read_scenario_arg(arg: str):
-    """--scenario: a layer scenario (harness.layer_scenario.Scenario)."""
+    """--scenario: a layer scenario (harness.layer_scenario.Scenario), or a layer fuzz failure file holding one."""
     from moe_lora_harness.harness.layer_scenario import Scenario
-    return _read_json_arg(arg, "--scenario", "SCENARIO", Scenario.from_json)
+    return _read_json_arg(arg, "--scenario", "SCENARIO", lambda text: Scenario.from_json(_part(text, "scenario")))
 
 
 def cmd_replay(args) -> int:
     if (args.case is None) == (args.scenario is None):
         raise UsageError("replay needs exactly one of --case (an op or expert case) and --scenario (a layer scenario)")
+    if args.case is not None and _layer_failure_file(args.case):    # fuzz --level layer's failure-NN.json
+        args.case, args.scenario = None, args.case
     case = read_case_arg(args.case) if args.case is not None else read_scenario_arg(args.scenario)
     device = _device(args)
     from moe_lora_harness.harness.runner import run_case
@@ -681,7 +710,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay one case (JSON) against the backends")
     common(r)
     r.add_argument("--case", default=None,
-                   help="the case JSON printed by a failure (after CASE:), a file holding it, or - for stdin")
+                   help="the case JSON printed by a failure (after CASE:), a file holding it (fuzz's failure-NN.json "
+                        "too), or - for stdin")
     r.add_argument("--scenario", default=None,
                    help="a layer scenario's JSON (printed after SCENARIO:), a file holding it, or - for stdin")
     r.add_argument("--repeat", type=_positive(int), default=3, metavar="N",

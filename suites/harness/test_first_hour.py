@@ -33,3 +33,34 @@ def test_repeated_failures_print_once_with_a_count_and_how_to_declare_a_limit(tm
     assert "a plain function cannot declare them; wrap it in a BackendSpec" in out
     # the matrix and the summary end the output, after the failures
     assert out.index("REPRO:") < out.index("feature ") < out.index(" runs: ")
+
+
+def test_a_failure_file_that_fuzz_writes_replays_as_it_is(tmp_path, capsys):
+    import json
+
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.fuzz_report import FailureRecord
+    from moe_lora_harness.harness.signatures import Signature
+    case = Case.from_json('{"T":3,"layout":"naive"}')
+    record = FailureRecord(Signature("element bound", (), ""), case, "element", "fail", 1.0, repro="REPRO", detail="x")
+    f = tmp_path / "failure-01.json"
+    f.write_text(json.dumps(record.to_json(), indent=1, sort_keys=True))
+    assert main(["replay", "--only", "eager", "--device", "cpu", "--in-process", "--repeat", "1", "--case", str(f)]) == 0
+    assert "eager: pass" in capsys.readouterr().out
+
+
+def test_a_layer_failure_file_replays_its_scenario_under_either_option(tmp_path):
+    import json
+
+    from moe_lora_harness.harness import cli
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.fuzz_report import FailureRecord
+    from moe_lora_harness.harness.layer_scenarios import layer_scenarios
+    from moe_lora_harness.harness.signatures import Signature
+    scenario = layer_scenarios("cpu")[0][1]
+    record = FailureRecord(Signature("neutrality", (), ""), Case(), "untouched", "fail", 1.0, repro="R",
+                           detail="x", scenario=scenario.to_json())
+    f = tmp_path / "failure-01.json"
+    f.write_text(json.dumps(record.to_json(), indent=1, sort_keys=True))
+    assert cli._layer_failure_file(str(f))           # so `replay --case FILE` replays the scenario
+    assert cli.read_scenario_arg(str(f)).to_json() == scenario.to_json()
