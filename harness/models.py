@@ -19,9 +19,10 @@ from moe_lora_harness.reference.activations import (
     lookup_activation,
 )
 
-# the degrees `moe-lora-harness models` tries for tensor and expert parallelism
-TP_DEGREES = (1, 2, 4, 8, 16)
-EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
+# the degrees `moe-lora-harness models` lists for tensor and expert parallelism: every degree 1..16 / 1..64 that
+# divides the layer (as `--tp 3` runs where I % 3 == 0), not only the powers of two
+TP_DEGREES = tuple(range(1, 17))
+EP_DEGREES = tuple(range(1, 65))
 
 
 @dataclass(frozen=True)

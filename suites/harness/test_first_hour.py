@@ -64,3 +64,21 @@ def test_a_layer_failure_file_replays_its_scenario_under_either_option(tmp_path)
     f.write_text(json.dumps(record.to_json(), indent=1, sort_keys=True))
     assert cli._layer_failure_file(str(f))           # so `replay --case FILE` replays the scenario
     assert cli.read_scenario_arg(str(f)).to_json() == scenario.to_json()
+
+
+def test_the_tp_degrees_listed_are_every_one_that_runs_and_docs_models_agrees():
+    import pathlib
+
+    from moe_lora_harness.harness.models import MODELS, case_fields, model_named
+    qwen = model_named("qwen3-30b-a3b")
+    assert case_fields(qwen, tp=3)["I"] == 256                      # --tp 3 runs ...
+    with pytest.raises(ValueError, match=r"TP degrees that do: 1, 2, 3, 4, 6, 8, 12, 16$"):
+        case_fields(qwen, tp=5)                                     # ... so --tp 5's error lists it
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
+    if not docs.is_file():
+        pytest.skip("docs/ is in the source tree, not in an installed package")
+    catalogue = docs.read_text().split("| model | H |", 1)[1].split("\n\n", 1)[0]     # the first table
+    rows = {line.split(" | ")[0].strip("| "): line.rstrip(" |").split(" | ")[-2:]
+            for line in catalogue.splitlines() if line.startswith("| ")}
+    for m in MODELS:
+        assert rows[m.name] == [",".join(map(str, m.tp_degrees())), ",".join(map(str, m.ep_degrees()))], m.name
