@@ -4,10 +4,12 @@
   moe-lora-harness check --model NAME|--model-config PATH [--tp N] [--ep N] [--tokens LIST] [--only NAME]
   moe-lora-harness models [--sources]
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
-  moe-lora-harness fuzz --only NAME [--level op|expert] [--budget 10m] [--max-examples N] [--out DIR] [--junit F]
-                        [--palette auto|free|classes]
+  moe-lora-harness fuzz --only NAME [--level op|expert|layer] [--budget 10m] [--max-examples N] [--out DIR]
+                        [--junit F] [--palette auto|free|classes] [--jobs N]
   moe-lora-harness list [--backend REF] [--only NAME]
-  moe-lora-harness selftest [--corpus op|tp|semantics|ep|reach|schedule] [--detectors check,fuzz] [--quick] [--junit F]
+  moe-lora-harness selftest [--corpus op|tp|semantics|ep|fp8|reach|schedule|layer|production] [--detectors check,fuzz]
+                            [--quick] [--junit F]
+  moe-lora-harness adapter verify DIR [DIR...] --model-config PATH [--layers N] [--against DIR...]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
@@ -26,7 +28,7 @@ import signal
 import sys
 import time
 
-from moe_lora_harness.harness.cache import cache_dir
+from moe_lora_harness.harness.cache import fuzz_corpus_dir
 from moe_lora_harness.harness.contract import device_kind
 from moe_lora_harness.harness.device import DEVICE_FORMS, parse_device, prepare_device
 from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
@@ -463,11 +465,14 @@ def parse_budget(text: str) -> float:
     """'90s', '10m', '1h', '1h30m' or plain seconds -> seconds."""
     t = text.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", t):
-        return float(t)
+        t += "s"
     parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", t)
     if not parts or "".join(n + u for n, u in parts) != t:
         raise argparse.ArgumentTypeError(f"expected a duration like 90s, 10m, 1h30m or seconds; got {text!r}")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive duration like 90s, 10m or 1h30m; got {text!r}")
+    return seconds
 
 
 def _progress_wanted(args) -> bool:
@@ -508,7 +513,7 @@ def cmd_fuzz(args) -> int:
         seed = None if seed is None else seed + args.job_index * SEED_STRIDE
         args.junit, args.quiet = None, True
     max_examples = args.max_examples or (10**9 if args.budget else 300)
-    corpus = None if args.no_db else (args.corpus or str(cache_dir() / "corpus" / f"{name}-{level}"))
+    corpus = None if args.no_db else (args.corpus or str(fuzz_corpus_dir(name, spec.origin, level)))
     executor = _executor(args)
     campaign = Campaign(spec, device, level, executor, budget_s=args.budget, max_examples=max_examples,
                         seed=seed, reruns=args.reruns, database=None if args.no_db else profile("fuzz").database,
@@ -729,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", metavar="DIR", help="write each distinct failure (minimal case, signature, REPRO) "
                                                 "as DIR/failure-NN.json and DIR/campaign.json")
     f.add_argument("--corpus", metavar="DIR", help="failures found before, replayed first (default "
-                                                   "~/.cache/moe-lora-harness/corpus/NAME-LEVEL, or under "
+                                                   "~/.cache/moe-lora-harness/corpus/NAME-LEVEL-DIGEST, DIGEST "
+                                                   "of where the backend came from, or under "
                                                    "$MOE_LORA_HARNESS_CACHE; --no-db disables it)")
     f.add_argument("--junit", metavar="PATH", help="write JUnit XML (one test case per distinct failure)")
     f.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
@@ -772,6 +778,12 @@ def main(argv=None) -> int:
         if getattr(args, "reruns", 0) < 0:
             raise UsageError(f"--reruns must be >= 0; got {args.reruns}")
         return args.fn(args)
+    except BrokenPipeError:   # `models --sources | head`: the reader has gone; stop quietly, as `cat` does
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nor fail again at exit's flush
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141
     except UsageError as e:
         cmd = (argv if argv is not None else sys.argv[1:])[:1]
         print(f"moe-lora-harness{' ' + cmd[0] if cmd and not cmd[0].startswith('-') else ''}: error: {e}",

@@ -23,6 +23,7 @@ def cell(outcomes: list[Outcome]) -> dict:
         if o.probed:
             probed[o.kind] += 1
     return {"status": status, "counts": dict(counts), "reason": reason, "kinds": dict(kinds),
+            "seconds": round(sum(o.seconds for o in outcomes), 3),     # the backend's time on the cell's cases
             "failures": [o.detail for o in outcomes if o.failed], "probed_failing": dict(probed),
             "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}" for o in outcomes if o.probed]}
 
@@ -128,5 +129,5 @@ def matrix_junit_cases(matrix: dict, suite: str = "check") -> list[dict]:
             status = "fail" if c["status"] in ("fail", "xpass") else "skip" if c["status"] in NO_VERDICT else "pass"
             cases.append(dict(classname=f"{suite}.{backend}", name=feature, status=status,
                               message=c["reason"] or ", ".join(f"{k}={v}" for k, v in c["kinds"].items()),
-                              detail="\n\n".join(c["failures"])))
+                              detail="\n\n".join(c["failures"]), seconds=c.get("seconds", 0.0)))
     return cases

@@ -81,13 +81,16 @@ FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written"
 # declares batch invariance
 
 
-def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
-    """One shell command that replays this case alone, from any directory of a fresh shell."""
+def repro_command(spec: BackendSpec, case: Case, device: str, timeout: float | None = None) -> str:
+    """One shell command that replays this case alone, from any directory of a fresh shell (with the run's
+    `timeout` per call when it is not the default, so that a hang replays as one)."""
     from moe_lora_harness.harness.registry import harness_command, replay_prefix
+    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
     env, backend = replay_prefix(spec)
     setup = f" --setup {shlex.quote(spec.setup)}" if isinstance(spec.setup, str) else ""
-    return (f"{env}{harness_command()} replay{backend}{setup} --only {shlex.quote(spec.name)} --device {device} "
-            f"--case {shlex.quote(case.to_json())}")
+    wait = f" --timeout {timeout:g}" if timeout is not None and timeout != DEFAULT_TIMEOUT else ""
+    return (f"{env}{harness_command()} replay{backend}{setup} --only {shlex.quote(spec.name)} --device {device}"
+            f"{wait} --case {shlex.quote(case.to_json())}")
 
 
 @dataclass
@@ -256,7 +259,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     except Exception as e:  # noqa: BLE001
         import traceback
         message = f"the backend's declaration raised {type(e).__name__}: {e} (a Rule or its precision function)"
-        repro = repro_command(spec, case, device)
+        repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
         detail = "\n".join([f"FAIL backend={spec.name} case={case.id} device={device} kind=declaration",
                             f"  {message}", "  " + "".join(traceback.format_exception(e)[-3:]).strip(),
                             f"CASE: {case.to_json()}", f"REPRO: {repro}"])
@@ -302,7 +305,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     bug = known_bug_for(spec, case)
     if bug is not None:
         if passed:
-            repro = repro_command(spec, case, device)
+            repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
             return Outcome(spec.name, case, device, "xpass",
                            f"known bug {bug.issue} ({bug.description}) did not reproduce: close the ledger entry",
                            verdict, _explain(spec, case, device, "xpass", "ledger entry did not reproduce",
@@ -311,7 +314,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
                        kind=kind, seconds=seconds)
     if passed:
         return Outcome(spec.name, case, device, "pass", note, verdict, seconds=seconds)
-    repro = repro_command(spec, case, device)
+    repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
     notes, semantics = _diagnoses(case, kind, verdict, ex, exp) if diagnose else ([], "")
     return Outcome(spec.name, case, device, "fail", kind, verdict,
                    _explain(spec, case, device, kind, message, verdict, ex, exp, repro, notes), kind=kind,

@@ -82,3 +82,68 @@ def test_the_tp_degrees_listed_are_every_one_that_runs_and_docs_models_agrees():
             for line in catalogue.splitlines() if line.startswith("| ")}
     for m in MODELS:
         assert rows[m.name] == [",".join(map(str, m.tp_degrees())), ",".join(map(str, m.ep_degrees()))], m.name
+
+
+def test_a_zero_budget_is_a_usage_error_naming_it(capsys):
+    assert main(["fuzz", "--only", "eager", "--level", "op", "--budget", "0s"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--budget" in err and "positive duration" in err, err
+
+
+def test_a_closed_pipe_ends_the_listing_quietly(monkeypatch):
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+    monkeypatch.setattr("sys.stdout", Closed())
+    assert main(["models", "--sources"]) == 141                    # `models --sources | head`: no traceback
+
+
+def test_the_fuzz_corpus_of_another_file_with_the_same_name_is_its_own():
+    from moe_lora_harness.harness.cache import fuzz_corpus_dir
+    a = fuzz_corpus_dir("fused_moe_lora", "/home/a/op.py:fused_moe_lora", "op")
+    b = fuzz_corpus_dir("fused_moe_lora", "/home/b/op.py:fused_moe_lora", "op")
+    assert a != b and a.name.startswith("fused_moe_lora-op-") and a == fuzz_corpus_dir(
+        "fused_moe_lora", "/home/a/op.py:fused_moe_lora", "op")
+
+
+def test_junit_records_each_cells_time():
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.report import build_matrix, matrix_junit_cases, to_junit
+    from moe_lora_harness.harness.runner import Outcome
+    outcomes = [Outcome("b", Case(), "cpu", "pass", seconds=0.25), Outcome("b", Case(T=4), "cpu", "pass", seconds=0.5)]
+    xml = to_junit("check", matrix_junit_cases(build_matrix(outcomes, lambda o: "fp16")))
+    assert 'name="fp16" time="0.750"' in xml, xml
+
+
+def test_the_top_level_help_names_every_command_and_level():
+    from moe_lora_harness.harness.cli import build_parser
+    from moe_lora_harness.harness.selftest import CORPORA
+    text = build_parser().format_help()
+    assert "adapter verify" in text and "--level op|expert|layer" in text, text
+    assert all(c.name in text.split("--corpus ", 1)[1].split("]", 1)[0].split("|") for c in CORPORA), text
+
+
+def test_a_replay_keeps_the_runs_timeout():
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.registry import available_backends
+    from moe_lora_harness.harness.runner import repro_command
+    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
+    eager = available_backends()["eager"]
+    assert " --timeout 2 " in repro_command(eager, Case(), "cpu", 2.0)       # a hang at 2 s replays as one
+    assert "--timeout" not in repro_command(eager, Case(), "cpu", DEFAULT_TIMEOUT)
+
+
+def test_the_readme_lists_every_selftest_corpus_and_what_ci_runs():
+    import pathlib
+
+    from moe_lora_harness.harness.selftest import CORPORA
+    readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+    if not readme.is_file():
+        pytest.skip("README.md is in the source tree, not in an installed package")
+    para = readme.read_text().split("**Selftest.**", 1)[1].split("\n\n", 1)[0]
+    listed = para.split("corpus of the project (", 1)[1].split(":", 1)[0]
+    assert [n.strip() for n in listed.split(",")] == [c.name for c in CORPORA], listed
+    assert "selftest --corpus tp --quick" in para, para
