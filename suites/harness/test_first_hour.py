@@ -147,3 +147,17 @@ def test_the_readme_lists_every_selftest_corpus_and_what_ci_runs():
     listed = para.split("corpus of the project (", 1)[1].split(":", 1)[0]
     assert [n.strip() for n in listed.split(",")] == [c.name for c in CORPORA], listed
     assert "selftest --corpus tp --quick" in para, para
+
+
+def test_hypothesis_keeps_its_files_in_our_cache_not_the_working_directory(tmp_path, monkeypatch):
+    from hypothesis.configuration import storage_directory
+
+    from moe_lora_harness.harness import strategies  # noqa: F401 - configures hypothesis for our runs
+    from moe_lora_harness.harness.cache import CACHE_ENV, keep_hypothesis_files_here
+    where = storage_directory("constants")
+    assert ".hypothesis" not in str(getattr(where, "path", where))        # at import already
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+    keep_hypothesis_files_here()
+    where = storage_directory("constants")
+    assert str(getattr(where, "path", where)).startswith(str(tmp_path))
