@@ -23,6 +23,7 @@ from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.expectation import flips, judging, op_expectations
 from moe_lora_harness.harness.interpreter import cannot_run_here
 from moe_lora_harness.harness.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
+from moe_lora_harness.harness.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
 
 # an Outcome's statuses, worst first: a check-matrix cell shows the worst of its outcomes (harness.report).
 # not-runnable: the case ran where its result says nothing about the kernel (harness.interpreter): no verdict
@@ -357,7 +358,12 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
         if kind != "nonfinite" and (d is None or not d.matched):
             s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
                                    verdict.ratio if kind != "untouched" else None, before=exp.before)
-            if s is not None:
+            n = (kind == "untouched" and s is not None and not s.name
+                 and sign_of_zero_only(case, exp.precision, ex.output, exp.truth, exp.emulation.value, exp.before))
+            if n:      # no mistake of the table fits, and only zeros changed sign: said so (harness.zero_sign)
+                lines.append("  semantics: " + sign_of_zero_text(n))
+                name = SIGN_OF_ZERO
+            elif s is not None:
                 lines.append("  semantics: " + s.text)
                 name = s.name
         where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth, exp.before))

@@ -66,6 +66,33 @@ def test_a_layer_failure_file_replays_its_scenario_under_either_option(tmp_path)
     assert cli.read_scenario_arg(str(f)).to_json() == scenario.to_json()
 
 
+ZERO_SIGN_OP = '''
+from moe_lora_harness.reference.lora_op import fused_moe_lora as _ref
+
+def fused_moe_lora(*args, **kwargs):
+    _ref(*args, **kwargs, precision="one_shot")
+    kwargs["output"].add_(0.0)      # always accumulating: -0.0 + 0.0 = +0.0 on rows the contract leaves alone
+    if {changes_a_value}:
+        kwargs["output"].view(-1)[0] += 1.0
+'''
+
+
+@pytest.mark.parametrize("changes_a_value", [False, True])
+def test_an_op_that_only_flips_untouched_zeros_is_named_so(tmp_path, changes_a_value):
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.harness.registry import load_ref
+    from moe_lora_harness.harness.runner import run_case
+    f = tmp_path / "zero_sign_op.py"
+    f.write_text(ZERO_SIGN_OP.format(changes_a_value=changes_a_value))
+    [spec] = load_ref(f"{f}:fused_moe_lora")
+    o = run_case(spec, Case.from_json('{"T":3,"mapping":"none"}'), "cpu", executor=InProcess(), reruns=0)
+    assert o.status == "fail" and o.kind == "untouched", o.detail      # still a failure: bit for bit
+    named = "only the sign of zero changed" in o.detail
+    assert named != changes_a_value and (o.semantics == "sign-of-zero") == named, o.detail
+    assert named != ("no semantic alternative" in o.detail), o.detail
+
+
 def test_the_tp_degrees_listed_are_every_one_that_runs_and_docs_models_agrees():
     import pathlib
 
