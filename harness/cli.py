@@ -141,24 +141,21 @@ def cmd_check(args) -> int:
     interrupted = in_flight = harness_error = None
     executor = _executor(args)
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    from moe_lora_harness.harness.check_progress import CheckProgress
+    progress = CheckProgress(len(plan), _progress_wanted(args))
     try:
-        current, t1 = None, time.time()
         for name, spec, feat, case in plan:
-            if name != current:
-                if current is not None:
-                    print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
-                current, t1 = name, time.time()
-            in_flight = (name, feat, case)
+            in_flight, t1 = (name, feat, case), time.time()
+            progress.start(name, feat)
             if hasattr(case, "steps"):
                 o = run_scenario(spec, case, device, executor=executor, probe=args.probe_unsupported)
             else:
                 o = run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
             feature_of[id(o)] = feat
             outcomes.append(o)
+            progress.finished(o, time.time() - t1)
             if o.failed and args.verbose:
                 print(o.detail, file=sys.stderr)
-        if current is not None:
-            print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
         in_flight = None
     except KeyboardInterrupt:
         interrupted = True
@@ -169,6 +166,9 @@ def cmd_check(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous_term)
         executor.close()
+        times = progress.close()
+        if times:
+            print(times, file=sys.stderr)
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
     failures = [o for o in outcomes if o.failed]
     if failures:   # grouped, and before the matrix, so that the matrix and the summary end the output
@@ -693,6 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--markdown", metavar="PATH", help="write the matrix as Markdown (also on a failure or Ctrl-C)")
     c.add_argument("--junit", metavar="PATH", help="write JUnit XML, one test case per feature x backend")
     c.add_argument("-v", "--verbose", action="store_true")
+    c.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
+                                                              "terminal, or when $CI is set)")
     c.add_argument("--model", metavar="NAME", default=None,
                    help="run every feature at this served layer's shape (`moe-lora-harness models` lists them)")
     c.add_argument("--model-config", metavar="PATH", default=None,

@@ -188,3 +188,27 @@ def test_hypothesis_keeps_its_files_in_our_cache_not_the_working_directory(tmp_p
     keep_hypothesis_files_here()
     where = storage_directory("constants")
     assert str(getattr(where, "path", where)).startswith(str(tmp_path))
+
+
+def test_check_shows_a_live_line_on_a_terminal_and_each_backends_time_once(capsys, monkeypatch):
+    import sys
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["check", "--in-process", "--device", "cpu", "--only", "eager", "--feature", "empty batch",
+                 "--feature", "rank 1", "--cases-per-feature", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "\r[check] 0/3 runs, 0 failed, 0s | eager: " in err, err            # rows done / planned, failures
+    assert err.count("[time per backend: eager ") == 1, err
+
+
+def test_the_live_line_says_the_time_left():
+    import io
+
+    from moe_lora_harness.harness.check_progress import CheckProgress
+    from moe_lora_harness.harness.runner import Outcome
+    out = io.StringIO()
+    p = CheckProgress(planned=4, live=True, stream=out, every_s=0.0)
+    p.finished(Outcome("eager", None, "cpu", "fail"), 1.0)
+    p.start("eager", "rank 1")
+    assert "1/4 runs, 1 failed" in out.getvalue() and " left | eager: rank 1" in out.getvalue(), out.getvalue()
+    assert p.close() == "[time per backend: eager 1.0s]"
