@@ -212,3 +212,13 @@ def test_the_live_line_says_the_time_left():
     p.start("eager", "rank 1")
     assert "1/4 runs, 1 failed" in out.getvalue() and " left | eager: rank 1" in out.getvalue(), out.getvalue()
     assert p.close() == "[time per backend: eager 1.0s]"
+
+
+def test_the_matrix_fits_the_terminal_and_explains_its_marks():
+    from moe_lora_harness.harness.report import to_text
+    cell = {"status": "pass", "counts": {"pass": 2}, "reason": "", "probed_failing": {}}
+    matrix = {f"backend_number_{i}": ({"fp16": cell} if i % 2 else {"experts: silu": cell}) for i in range(20)}
+    text = to_text(matrix, ["fp16", "experts: silu"], width=100)
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    assert all(f"backend_number_{i}" in text for i in range(20))
+    assert "-: not run for that backend" in text, text
