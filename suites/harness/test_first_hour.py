@@ -222,3 +222,32 @@ def test_the_matrix_fits_the_terminal_and_explains_its_marks():
     assert max(len(line) for line in text.splitlines()) <= 100, text
     assert all(f"backend_number_{i}" in text for i in range(20))
     assert "-: not run for that backend" in text, text
+
+
+def test_adapter_verify_reads_a_deepseek_v3_config_without_scoring_func():
+    from moe_lora_harness.harness.models import layer_from_config, model_named, to_config
+    d = to_config(model_named("deepseek-v3"))
+    del d["scoring_func"]                     # transformers' DeepseekV3Config writes none: its router is a sigmoid
+    assert layer_from_config(d).scoring == "sigmoid"
+
+
+def test_adapter_verify_says_when_the_adapter_was_made_for_another_model():
+    from moe_lora_harness.harness.adapter_verify import base_model_note
+    gpt_oss = {"auto_mapping": {"base_model_class": "GptOssForCausalLM",
+                                "parent_library": "transformers.models.gpt_oss.modeling_gpt_oss"}}
+    assert "GptOssForCausalLM" in base_model_note(gpt_oss, "qwen3_moe")
+    assert base_model_note(gpt_oss, "gpt_oss") == "" and base_model_note({"auto_mapping": None}, "qwen3_moe") == ""
+
+
+def test_a_truncated_adapter_file_is_an_error_naming_it(tmp_path):
+    pytest.importorskip("safetensors")
+    import torch
+    from safetensors.torch import save_file
+
+    from moe_lora_harness.harness.peft_adapters import AdapterFileError, read_folder
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    w = tmp_path / "adapter_model.safetensors"
+    save_file({"x": torch.zeros(64, 64)}, str(w))
+    w.write_bytes(w.read_bytes()[:1000])                     # a download cut short
+    with pytest.raises(AdapterFileError, match="adapter_model.safetensors'?: not a readable safetensors file"):
+        read_folder(tmp_path)
