@@ -251,3 +251,21 @@ def test_a_truncated_adapter_file_is_an_error_naming_it(tmp_path):
     w.write_bytes(w.read_bytes()[:1000])                     # a download cut short
     with pytest.raises(AdapterFileError, match="adapter_model.safetensors'?: not a readable safetensors file"):
         read_folder(tmp_path)
+
+
+def test_a_run_of_our_suites_alone_keeps_pytests_cache_out_of_the_working_directory(tmp_path, monkeypatch):
+    import pathlib
+    from types import SimpleNamespace
+
+    from moe_lora_harness.harness.cache import CACHE_ENV
+    from moe_lora_harness.harness.pytest_plugin import keep_pytest_cache_out_of_the_working_directory
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+
+    def session(args, inipath=None):
+        config = SimpleNamespace(cache=SimpleNamespace(_cachedir=pathlib.Path(".pytest_cache")), inipath=inipath,
+                                 args=args, option=SimpleNamespace(pyargs=True))
+        keep_pytest_cache_out_of_the_working_directory(config)
+        return config.cache._cachedir
+    assert session(["moe_lora_harness.suites.conformance"]) == tmp_path / "pytest-cache"
+    assert session(["tests/"]) == pathlib.Path(".pytest_cache")                         # the user's own tests
+    assert session(["moe_lora_harness.suites"], inipath="pytest.ini") == pathlib.Path(".pytest_cache")
