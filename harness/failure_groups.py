@@ -1,6 +1,6 @@
-"""check's failures grouped: one block per (backend, kind, message up to its numbers), with the count, the first
-case's full report (CASE, REPRO) and the features of the rest, so that a backend that fails the same way 64 times
-prints one report, not 64."""
+"""check's failures grouped: one block per (backend, kind, named mistake, message up to its numbers), with the
+count, the first case's full report (CASE, REPRO) and the features of the rest, so that a backend that fails the
+same way 64 times prints one report, not 64."""
 from __future__ import annotations
 
 import re
@@ -26,8 +26,9 @@ class FailureGroup:
 
 
 def group_key(o) -> tuple:
-    """What makes two failures one group: backend, kind, and the message with its numbers blanked."""
-    return (o.backend, o.kind, _NUMBER.sub("#", o.message.strip()))
+    """What makes two failures one group: backend, kind, the mistake a semantic diagnosis named (two named
+    mistakes are two groups), and the message with its numbers blanked."""
+    return (o.backend, o.kind, o.semantics, _NUMBER.sub("#", o.message.strip()))
 
 
 def group_failures(failures: list, feature_of) -> list[FailureGroup]:

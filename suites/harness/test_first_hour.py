@@ -270,3 +270,16 @@ def test_a_run_of_our_suites_alone_keeps_pytests_cache_out_of_the_working_direct
     assert session(["moe_lora_harness.suites.conformance"]) == tmp_path / "pytest-cache"
     assert session(["tests/"]) == pathlib.Path(".pytest_cache")                         # the user's own tests
     assert session(["moe_lora_harness.suites"], inipath="pytest.ini") == pathlib.Path(".pytest_cache")
+
+
+def test_two_named_mistakes_of_one_backend_are_two_groups():
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.failure_groups import group_failures
+    from moe_lora_harness.harness.runner import Outcome
+
+    def fail(semantics, ratio):
+        return Outcome("b", Case(), "cpu", "fail", kind="element", semantics=semantics,
+                       message=f"3 element(s) exceed the per-element bound (worst {ratio}x)")
+    groups = group_failures([fail("no-lora", 2.5), fail("no-lora", 7.0), fail("w2-delta-missing", 3.0)],
+                            lambda o: "fp16")
+    assert [len(g.outcomes) for g in groups] == [2, 1]
