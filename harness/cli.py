@@ -15,7 +15,7 @@ Backends run in a supervised worker process: a backend that raises, exits, crash
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
 times to tell a wrong backend from a nondeterministic one. REF is MODULE:ATTR or path/to/file.py:ATTR.
 Exit codes: 0 all claimed cases pass, 1 a failure (or nothing was tested), 2 a usage error, 3 an error of
-the harness itself (reports still written), 130 interrupted.
+the harness itself (reports still written), 130 interrupted, 141 the output pipe closed (`| head`).
 """
 from __future__ import annotations
 
