@@ -46,7 +46,8 @@ def test_a_failure_file_that_fuzz_writes_replays_as_it_is(tmp_path, capsys):
     record = FailureRecord(Signature("element bound", (), ""), case, "element", "fail", 1.0, repro="REPRO", detail="x")
     f = tmp_path / "failure-01.json"
     f.write_text(json.dumps(record.to_json(), indent=1, sort_keys=True))
-    assert main(["replay", "--only", "eager", "--device", "cpu", "--in-process", "--repeat", "1", "--case", str(f)]) == 0
+    assert main(["replay", "--only", "eager", "--device", "cpu", "--in-process", "--repeat", "1",
+                 "--case", str(f)]) == 0
     assert "eager: pass" in capsys.readouterr().out
 
 
