@@ -243,6 +243,23 @@ def _routing_note(m: MoEModel, n: int, run: _Run) -> str:
             f"same experts for {int(same.sum())}/{same.numel()} tokens")
 
 
+NO_AGAINST = ("without --against, PEFT's truth is read from the same file as ours: a layout mistake inside a file "
+              "(e.g. B written expert-major) cannot show; give the checkpoint a file was converted from with --against")
+
+
+def base_model_note(adapter_config: dict, model_type: str) -> str:
+    """'' when the adapter's record of its base model (PEFT's `auto_mapping`) is of the model config's family (or
+    absent); else a warning naming both: the adapter is then verified on a model it was not trained for."""
+    mapping = adapter_config.get("auto_mapping") or {}
+    library = str(mapping.get("parent_library") or "") if isinstance(mapping, dict) else ""
+    parts = library.split(".")
+    family = parts[2] if len(parts) > 2 and parts[:2] == ["transformers", "models"] else ""
+    if not family or family == model_type:
+        return ""
+    return (f"WARNING: its adapter_config.json names {mapping.get('base_model_class') or family} ({family}), but "
+            f"--model-config is a {model_type} model: verified on the latter, not the model it was made for")
+
+
 def verify(dirs, config, *, layers: int = 1, against=None, tokens: int = 16, seed: int = 0,
            readings: dict | None = None) -> Report:
     """Verify each adapter folder of `dirs` on the model of config.json `config`, its first `layers` adapted MoE
@@ -252,6 +269,7 @@ def verify(dirs, config, *, layers: int = 1, against=None, tokens: int = 16, see
     converted from: a layout mistake in the file shows only against that). `readings` (tensor key -> a READINGS
     name) makes our reading take a key's data as laid out so (a planted reader mistake)."""
     dirs = [str(d) for d in dirs]
+    own_truth = not against
     against = [str(a) for a in against] if against else list(dirs)
     if not dirs:
         raise ValueError("dirs must name at least one adapter folder")
@@ -264,6 +282,8 @@ def verify(dirs, config, *, layers: int = 1, against=None, tokens: int = 16, see
     report = Report()
     report.add(f"model: {layer.model_type} H={layer.H} I={layer.I} E={layer.E} top_k={layer.top_k} "
                f"{layer.activation}{' +bias' if layer.bias else ''}, routing {layer.routing_text()}")
+    if own_truth:
+        report.add(Line("layout", informative=True, note=NO_AGAINST))
     ads = [_Adapter(i, d, t) for i, (d, t) in enumerate(zip(dirs, against))]
     sizes = dict(num_experts=layer.E, hidden_size=layer.H, intermediate_size=layer.I, gated=layer.gated,
                  interleaved=layer.interleaved, dtype=torch.float64)
@@ -275,6 +295,9 @@ def verify(dirs, config, *, layers: int = 1, against=None, tokens: int = 16, see
             ad.error = str(e)
             report.add(Line(f"[{i}] read {ad.path}", float("nan"), ok=False, note=str(e)))
             continue
+        warning = base_model_note(folder.config, layer.model_type)
+        if warning:
+            report.add(Line(f"[{i}] {ad.path}", informative=True, note=warning))
         rest = other_keys(folder)
         if rest:
             report.add(Line(f"[{i}] {ad.path}", informative=True,

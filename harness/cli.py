@@ -4,16 +4,18 @@
   moe-lora-harness check --model NAME|--model-config PATH [--tp N] [--ep N] [--tokens LIST] [--only NAME]
   moe-lora-harness models [--sources]
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
-  moe-lora-harness fuzz --only NAME [--level op|expert] [--budget 10m] [--max-examples N] [--out DIR] [--junit F]
-                        [--palette auto|free|classes]
+  moe-lora-harness fuzz --only NAME [--level op|expert|layer] [--budget 10m] [--max-examples N] [--out DIR]
+                        [--junit F] [--palette auto|free|classes] [--jobs N]
   moe-lora-harness list [--backend REF] [--only NAME]
-  moe-lora-harness selftest [--corpus op|tp|semantics|ep|reach|schedule] [--detectors check,fuzz] [--quick] [--junit F]
+  moe-lora-harness selftest [--corpus op|tp|semantics|ep|fp8|reach|schedule|layer|production] [--detectors check,fuzz]
+                            [--quick] [--junit F]
+  moe-lora-harness adapter verify DIR [DIR...] --model-config PATH [--layers N] [--against DIR...]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
 times to tell a wrong backend from a nondeterministic one. REF is MODULE:ATTR or path/to/file.py:ATTR.
 Exit codes: 0 all claimed cases pass, 1 a failure (or nothing was tested), 2 a usage error, 3 an error of
-the harness itself (reports still written), 130 interrupted.
+the harness itself (reports still written), 130 interrupted, 141 the output pipe closed (`| head`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import signal
 import sys
 import time
 
-from moe_lora_harness.harness.cache import cache_dir
+from moe_lora_harness.harness.cache import fuzz_corpus_dir
 from moe_lora_harness.harness.contract import device_kind
 from moe_lora_harness.harness.device import DEVICE_FORMS, parse_device, prepare_device
 from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
@@ -133,29 +135,27 @@ def cmd_check(args) -> int:
     for feat, o in (model.prejudged if model is not None else []):   # cases too large for this machine
         feature_of[id(o)] = feat
         outcomes.append(o)
+    specs, absent = _offered(specs, plan, outcomes)
     total = len(plan) + len(outcomes)
     t0 = time.time()
     interrupted = in_flight = harness_error = None
     executor = _executor(args)
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    from moe_lora_harness.harness.check_progress import CheckProgress
+    progress = CheckProgress(len(plan), _progress_wanted(args))
     try:
-        current, t1 = None, time.time()
         for name, spec, feat, case in plan:
-            if name != current:
-                if current is not None:
-                    print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
-                current, t1 = name, time.time()
-            in_flight = (name, feat, case)
+            in_flight, t1 = (name, feat, case), time.time()
+            progress.start(name, feat)
             if hasattr(case, "steps"):
                 o = run_scenario(spec, case, device, executor=executor, probe=args.probe_unsupported)
             else:
                 o = run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
             feature_of[id(o)] = feat
             outcomes.append(o)
+            progress.finished(o, time.time() - t1)
             if o.failed and args.verbose:
                 print(o.detail, file=sys.stderr)
-        if current is not None:
-            print(f"[{current}: {time.time() - t1:.1f}s]", file=sys.stderr)
         in_flight = None
     except KeyboardInterrupt:
         interrupted = True
@@ -166,16 +166,22 @@ def cmd_check(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous_term)
         executor.close()
+        times = progress.close()
+        if times:
+            print(times, file=sys.stderr)
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
+    failures = [o for o in outcomes if o.failed]
+    if failures:   # grouped, and before the matrix, so that the matrix and the summary end the output
+        from moe_lora_harness.harness.failure_groups import group_failures, groups_text
+        print(groups_text(group_failures(failures, lambda o: feature_of[id(o)]), specs) + "\n")
     print(to_text(matrix, names))
     if model is not None:
         print("\n".join(model.notes()))
-    failures = [o for o in outcomes if o.failed]
     for o in outcomes:
         if o.status == "works-unclaimed":
             print(f"NOTE {o.backend} works where it claims not to: {o.reason}: {o.case.to_json()}")
-    for o in failures:
-        print("\n" + o.detail)
+    if absent:
+        print(f"\nnot in this run (no case of the selected features at their levels): {', '.join(absent)}")
     untested = [name for name in specs
                 if not any(o.backend == name and o.judged for o in outcomes)]
     # a backend that declares this device not its own (Capabilities.device_reasons) is not a failure, as long as
@@ -194,7 +200,7 @@ def cmd_check(args) -> int:
     restarts = getattr(executor, "restarts", 0)
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
-            "counts": counts, "planned_runs": total, "worker_restarts": restarts,
+            "not_in_run": absent, "counts": counts, "planned_runs": total, "worker_restarts": restarts,
             "interrupted": bool(interrupted), "not_tested": untested if not interrupted else []}
     if model is not None:
         meta["model"] = model.meta()
@@ -221,6 +227,16 @@ def cmd_check(args) -> int:
               f"the partial matrix above" + (" and the reports were written" if (args.json or args.markdown) else ""))
         return 130
     return 1 if (failures or untested) else 0
+
+
+def _offered(specs: dict, plan: list, outcomes: list) -> tuple[dict, list]:
+    """(the backends offered a case of the selected features, the names of the others): a backend with no case at
+    its levels is not part of the run, so it is neither in the matrix nor NOTHING TESTED. When none was offered
+    anything, all stay, and each then tested nothing."""
+    offered = {run[0] for run in plan} | {o.backend for o in outcomes}
+    if not offered:
+        return specs, []
+    return {n: s for n, s in specs.items() if n in offered}, [n for n in specs if n not in offered]
 
 
 def _model_plan(args, specs, device, features):
@@ -325,21 +341,50 @@ def _read_json_arg(arg: str, option: str, label: str, parse):
     return obj
 
 
+def _is_failure_record(d) -> bool:
+    """Whether a JSON object is a failure file that fuzz writes (failure-NN.json: harness.fuzz_report)."""
+    return isinstance(d, dict) and "signature" in d and "case" in d and "repro" in d
+
+
+def _part(text: str, key: str):
+    """The JSON of a --case / --scenario: a failure file's `key` part (it replays as it is), else the whole."""
+    d = json.loads(text)
+    if _is_failure_record(d):
+        if key not in d:
+            raise ValueError(f"this fuzz failure file holds no {key} (it holds: {', '.join(sorted(d))})")
+        return d[key]
+    return d
+
+
+def _layer_failure_file(arg: str) -> bool:
+    """Whether `arg` names a layer failure file (its scenario is what replays, whichever option named it)."""
+    path = pathlib.Path(arg)
+    if arg == "-" or arg.lstrip().startswith("{") or not path.is_file():
+        return False
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return False
+    return _is_failure_record(d) and "scenario" in d
+
+
 def read_case_arg(arg: str):
-    """--case: an op or expert case (harness.case.Case)."""
+    """--case: an op or expert case (harness.case.Case), or a fuzz failure file holding one."""
     from moe_lora_harness.harness.case import Case
-    return _read_json_arg(arg, "--case", "CASE", Case.from_json)
+    return _read_json_arg(arg, "--case", "CASE", lambda text: Case.from_json(_part(text, "case")))
 
 
 def read_scenario_arg(arg: str):
-    """--scenario: a layer scenario (harness.layer_scenario.Scenario)."""
+    """--scenario: a layer scenario (harness.layer_scenario.Scenario), or a layer fuzz failure file holding one."""
     from moe_lora_harness.harness.layer_scenario import Scenario
-    return _read_json_arg(arg, "--scenario", "SCENARIO", Scenario.from_json)
+    return _read_json_arg(arg, "--scenario", "SCENARIO", lambda text: Scenario.from_json(_part(text, "scenario")))
 
 
 def cmd_replay(args) -> int:
     if (args.case is None) == (args.scenario is None):
         raise UsageError("replay needs exactly one of --case (an op or expert case) and --scenario (a layer scenario)")
+    if args.case is not None and _layer_failure_file(args.case):    # fuzz --level layer's failure-NN.json
+        args.case, args.scenario = None, args.case
     case = read_case_arg(args.case) if args.case is not None else read_scenario_arg(args.scenario)
     device = _device(args)
     from moe_lora_harness.harness.runner import run_case
@@ -420,11 +465,14 @@ def parse_budget(text: str) -> float:
     """'90s', '10m', '1h', '1h30m' or plain seconds -> seconds."""
     t = text.strip().lower()
     if re.fullmatch(r"\d+(\.\d+)?", t):
-        return float(t)
+        t += "s"
     parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", t)
     if not parts or "".join(n + u for n, u in parts) != t:
         raise argparse.ArgumentTypeError(f"expected a duration like 90s, 10m, 1h30m or seconds; got {text!r}")
-    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive duration like 90s, 10m or 1h30m; got {text!r}")
+    return seconds
 
 
 def _progress_wanted(args) -> bool:
@@ -465,7 +513,7 @@ def cmd_fuzz(args) -> int:
         seed = None if seed is None else seed + args.job_index * SEED_STRIDE
         args.junit, args.quiet = None, True
     max_examples = args.max_examples or (10**9 if args.budget else 300)
-    corpus = None if args.no_db else (args.corpus or str(cache_dir() / "corpus" / f"{name}-{level}"))
+    corpus = None if args.no_db else (args.corpus or str(fuzz_corpus_dir(name, spec.origin, level)))
     executor = _executor(args)
     campaign = Campaign(spec, device, level, executor, budget_s=args.budget, max_examples=max_examples,
                         seed=seed, reruns=args.reruns, database=None if args.no_db else profile("fuzz").database,
@@ -683,6 +731,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--markdown", metavar="PATH", help="write the matrix as Markdown (also on a failure or Ctrl-C)")
     c.add_argument("--junit", metavar="PATH", help="write JUnit XML, one test case per feature x backend")
     c.add_argument("-v", "--verbose", action="store_true")
+    c.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
+                                                              "terminal, or when $CI is set)")
     c.add_argument("--model", metavar="NAME", default=None,
                    help="run every feature at this served layer's shape (`moe-lora-harness models` lists them)")
     c.add_argument("--model-config", metavar="PATH", default=None,
@@ -705,7 +755,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay one case (JSON) against the backends")
     common(r)
     r.add_argument("--case", default=None,
-                   help="the case JSON printed by a failure (after CASE:), a file holding it, or - for stdin")
+                   help="the case JSON printed by a failure (after CASE:), a file holding it (fuzz's failure-NN.json "
+                        "too), or - for stdin")
     r.add_argument("--scenario", default=None,
                    help="a layer scenario's JSON (printed after SCENARIO:), a file holding it, or - for stdin")
     r.add_argument("--repeat", type=_positive(int), default=3, metavar="N",
@@ -723,7 +774,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", metavar="DIR", help="write each distinct failure (minimal case, signature, REPRO) "
                                                 "as DIR/failure-NN.json and DIR/campaign.json")
     f.add_argument("--corpus", metavar="DIR", help="failures found before, replayed first (default "
-                                                   "~/.cache/moe-lora-harness/corpus/NAME-LEVEL, or under "
+                                                   "~/.cache/moe-lora-harness/corpus/NAME-LEVEL-DIGEST, DIGEST "
+                                                   "of where the backend came from, or under "
                                                    "$MOE_LORA_HARNESS_CACHE; --no-db disables it)")
     f.add_argument("--junit", metavar="PATH", help="write JUnit XML (one test case per distinct failure)")
     f.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
@@ -773,6 +825,12 @@ def main(argv=None) -> int:
         if getattr(args, "reruns", 0) < 0:
             raise UsageError(f"--reruns must be >= 0; got {args.reruns}")
         return args.fn(args)
+    except BrokenPipeError:   # `models --sources | head`: the reader has gone; stop quietly, as `cat` does
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # nor fail again at exit's flush
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141
     except UsageError as e:
         cmd = (argv if argv is not None else sys.argv[1:])[:1]
         print(f"moe-lora-harness{' ' + cmd[0] if cmd and not cmd[0].startswith('-') else ''}: error: {e}",

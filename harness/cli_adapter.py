@@ -60,5 +60,6 @@ def cmd_verify(args) -> int:
     print(report.text())
     bad = sum(1 for x in report.lines if getattr(x, "ok", True) is False)
     print(f"{'PASS' if report.ok else 'FAIL'}: {bad} line(s) disagree" if bad else "PASS: every line agrees with "
-          "PEFT within float64 rounding (bound: docs/adapters.md)")
+          "PEFT within float64 rounding (bound: docs/adapters.md)"
+          + ("" if args.against else "; the files' own layout unchecked (no --against)"))
     return 0 if report.ok else 1

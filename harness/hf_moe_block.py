@@ -99,7 +99,7 @@ def model_config(path) -> tuple[object, MoELayer]:
         raise ConfigError(f"model config {str(path)!r}: moe_latent_size={d['moe_latent_size']} (a latent "
                           "projection around the experts) is not covered")
     cfg._experts_implementation = "eager"
-    return cfg, layer_from_config(seen)
+    return cfg, layer_from_config(seen, where=f"model config {str(path)!r}")
 
 
 def _experts_path(model: torch.nn.Module, layer: int, gated: bool) -> str | None:

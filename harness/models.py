@@ -19,9 +19,10 @@ from moe_lora_harness.reference.activations import (
     lookup_activation,
 )
 
-# the degrees `moe-lora-harness models` tries for tensor and expert parallelism
-TP_DEGREES = (1, 2, 4, 8, 16)
-EP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
+# the degrees `moe-lora-harness models` lists for tensor and expert parallelism: every degree 1..16 / 1..64 that
+# divides the layer (as `--tp 3` runs where I % 3 == 0), not only the powers of two
+TP_DEGREES = tuple(range(1, 17))
+EP_DEGREES = tuple(range(1, 65))
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def _quant(r: _Reader) -> str:
         if isinstance(r.d.get(k), str):
             r.sources["quant"] = f"config.json key {k!r} (no quantization_config)"
             return _DTYPE_NAMES.get(r.d[k], r.d[k])
-    raise ConfigError(f"{r.where}: missing key 'quantization_config' or 'torch_dtype' (the weights' format)")
+    raise ConfigError(f"{r.where}: missing key 'quantization_config', 'dtype' or 'torch_dtype' (the weights' format)")
 
 
 def _softmax_family(r: _Reader, *, experts_key: tuple, inter_key: str, renorm_key: str | None, renorm_rule: str = ""):
@@ -246,7 +247,9 @@ def _deepseek_v3(r: _Reader) -> dict:
     f = dict(H=r.key("H", "hidden_size"), I=r.key("I", "moe_intermediate_size"), E=r.key("E", "n_routed_experts"),
              top_k=r.key("top_k", "num_experts_per_tok"), activation=_activation(r, ("hidden_act",), gated=True),
              bias=r.rule("bias", False, "DeepSeek-V3 experts have no biases (modeling code)"),
-             shared_experts=r.key("shared_experts", "n_shared_experts"), **_grouped_sigmoid(r, scoring_default=None))
+             shared_experts=r.key("shared_experts", "n_shared_experts"),
+             # transformers' DeepseekV3Config has no scoring_func (its router is a sigmoid); the hub's config names it
+             **_grouped_sigmoid(r, scoring_default=None if "scoring_func" in r.d else "sigmoid"))
     f["shared_I"] = r.rule("shared_I", f["shared_experts"] * f["I"],
                            "n_shared_experts x moe_intermediate_size (DeepSeek's shared MLP, modeling code)")
     return f
@@ -273,10 +276,11 @@ FAMILIES = {
 
 
 def layer_from_config(path_or_dict, name: str = "", *, hf_repo: str = "", read_in: str = "",
-                      note: str = "") -> MoELayer:
-    """A config.json (a path, a folder holding one, or its dict) -> its MoE layer; a ConfigError names the file,
-    the missing or malformed key and what was expected."""
-    d, where = _load(path_or_dict)
+                      note: str = "", where: str = "") -> MoELayer:
+    """A config.json (a path, a folder holding one, or its dict) -> its MoE layer; a ConfigError names the file
+    (`where`: the file a dict was read from), the missing or malformed key and what was expected."""
+    d, read_from = _load(path_or_dict)
+    where = where or read_from
     mt = d.get("model_type")
     if mt not in FAMILIES:
         raise ConfigError(f"{where}: key 'model_type' = {mt!r} is not a known MoE family; known: "

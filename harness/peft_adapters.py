@@ -187,8 +187,12 @@ def read_folder(path) -> AdapterFolder:
         from safetensors import safe_open
     except ImportError:
         raise ImportError("reading adapter files needs safetensors: pip install 'moe-lora-harness[hf]'") from None
-    with safe_open(str(w_path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(w_path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types vary by version; the file is the finding
+        raise AdapterFileError(f"{str(w_path)!r}: not a readable safetensors file ({type(e).__name__}: "
+                               f"{str(e)[:200]}); truncated, or not fully downloaded?") from None
     return AdapterFolder(folder, config, tensors)
 
 

@@ -58,6 +58,7 @@ def pytest_configure(config):
         os.environ["MOE_LORA_HARNESS_PROFILE"] = config.getoption("moe_lora_profile")
     if config.getoption("moe_lora_max_examples"):
         os.environ["MOE_LORA_HARNESS_MAX_EXAMPLES"] = str(config.getoption("moe_lora_max_examples"))
+    keep_pytest_cache_out_of_the_working_directory(config)
     dev = config.getoption("moe_lora_device")
     if dev is not None:
         from moe_lora_harness.harness.device import parse_device
@@ -65,6 +66,32 @@ def pytest_configure(config):
             parse_device(dev, "--moe-lora-device")
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+
+
+def _only_our_suites(config) -> bool:
+    """Whether the session runs our suites alone (`--pyargs moe_lora_harness.suites...`, or their paths)."""
+    pyargs = bool(getattr(config.option, "pyargs", False))
+    args = [str(a).split("::", 1)[0] for a in config.args]
+
+    def ours(arg: str) -> bool:
+        if pyargs and (arg == "moe_lora_harness.suites" or arg.startswith("moe_lora_harness.suites.")):
+            return True
+        try:
+            return pathlib.Path(arg).resolve().is_relative_to(SUITES_DIR)
+        except (OSError, ValueError):
+            return False
+    return bool(args) and all(ours(a) for a in args)
+
+
+def keep_pytest_cache_out_of_the_working_directory(config) -> None:
+    """A run of our suites alone from a folder with no pytest configuration of its own (a user's `pytest
+    --pyargs moe_lora_harness.suites ...`) keeps pytest's cache under the harness cache, not ./.pytest_cache."""
+    cache = getattr(config, "cache", None)      # None under -p no:cacheprovider
+    if cache is None or config.inipath is not None or not _only_our_suites(config):
+        return
+    from moe_lora_harness.harness.cache import cache_dir
+    if hasattr(cache, "_cachedir"):             # pytest.Cache keeps its folder there (no public setter)
+        cache._cachedir = cache_dir() / "pytest-cache"
 
 
 # -- what our suites ask of the session ----------------------------------------------------------------------

@@ -62,6 +62,12 @@ def wrap_op_function(fn, name: str, ref: str) -> BackendSpec:
         op=fn, precision=vllm_dispatch_precision, origin=ref)
 
 
+def is_wrapped_function(spec: BackendSpec) -> bool:
+    """Whether `spec` is a plain function wrapped by `wrap_op_function` (it claims everything: it cannot declare
+    a limit)."""
+    return spec.description.startswith("plain fused_moe_lora function ")
+
+
 def _import(mod_name: str, ref: str):
     if mod_name.endswith(".py"):
         path = os.path.abspath(mod_name)

@@ -23,6 +23,7 @@ def cell(outcomes: list[Outcome]) -> dict:
         if o.probed:
             probed[o.kind] += 1
     return {"status": status, "counts": dict(counts), "reason": reason, "kinds": dict(kinds),
+            "seconds": round(sum(o.seconds for o in outcomes), 3),     # the backend's time on the cell's cases
             "failures": [o.detail for o in outcomes if o.failed], "probed_failing": dict(probed),
             "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}" for o in outcomes if o.probed]}
 
@@ -50,15 +51,40 @@ def _short(c: dict) -> str:
     return s
 
 
-def to_text(matrix: dict, features: list[str]) -> str:
+NOT_ASKED = "-"
+LEGEND = (f"{NOT_ASKED}: not run for that backend (the row is at a level it does not provide, or does not apply to "
+          f"it); unsupported: it declines the row's cases (reasons below)")
+
+
+def _blocks(backends: list, ws: dict, w0: int, width: int) -> list[list]:
+    """The backend columns cut into blocks whose rows fit `width` characters (at least one column each)."""
+    blocks, cur, used = [], [], w0
+    for b in backends:
+        if cur and used + 2 + ws[b] > width:
+            blocks.append(cur)
+            cur, used = [], w0
+        cur.append(b)
+        used += 2 + ws[b]
+    return blocks + [cur] if cur else blocks
+
+
+def to_text(matrix: dict, features: list[str], width: int | None = None) -> str:
+    """The matrix as text, its backend columns in blocks that fit `width` (default: the terminal's), with a
+    legend of its marks and the declared reasons."""
+    import shutil
     backends = list(matrix)
+    width = width or shutil.get_terminal_size((160, 24)).columns
     w0 = max([len(f) for f in features] + [7])
-    ws = [max(len(b), 16) for b in backends]
-    lines = [f"{'feature':<{w0}}  " + "  ".join(f"{b:<{w}}" for b, w in zip(backends, ws))]
-    lines.append("-" * len(lines[0]))
-    for f in features:
-        row = [_short(matrix[b][f]) if f in matrix[b] else "-" for b in backends]
-        lines.append(f"{f:<{w0}}  " + "  ".join(f"{r:<{w}}" for r, w in zip(row, ws)))
+    cells = {b: {f: _short(matrix[b][f]) if f in matrix[b] else NOT_ASKED for f in features} for b in backends}
+    ws = {b: max([len(b), 8] + [len(c) for c in cells[b].values()]) for b in backends}
+    lines = []
+    for i, block in enumerate(_blocks(backends, ws, w0, width)):
+        head = (f"{'feature':<{w0}}  " + "  ".join(f"{b:<{ws[b]}}" for b in block)).rstrip()
+        lines += ([""] if i else []) + [head, "-" * len(head)]
+        lines += [(f"{f:<{w0}}  " + "  ".join(f"{cells[b][f]:<{ws[b]}}" for b in block)).rstrip() for f in features]
+    if any(c == NOT_ASKED for b in backends for c in cells[b].values()):
+        import textwrap
+        lines += textwrap.wrap(LEGEND, width, subsequent_indent="   ")
     for status, title in (("unsupported", "unsupported, as declared"), ("not-runnable", "not runnable on this machine")):
         reasons = sorted({(b, matrix[b][f]["reason"]) for b in backends for f in features
                           if f in matrix[b] and matrix[b][f]["status"] == status})
@@ -128,5 +154,5 @@ def matrix_junit_cases(matrix: dict, suite: str = "check") -> list[dict]:
             status = "fail" if c["status"] in ("fail", "xpass") else "skip" if c["status"] in NO_VERDICT else "pass"
             cases.append(dict(classname=f"{suite}.{backend}", name=feature, status=status,
                               message=c["reason"] or ", ".join(f"{k}={v}" for k, v in c["kinds"].items()),
-                              detail="\n\n".join(c["failures"])))
+                              detail="\n\n".join(c["failures"]), seconds=c.get("seconds", 0.0)))
     return cases

@@ -23,6 +23,7 @@ from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.expectation import allowances, judging, op_expectations
 from moe_lora_harness.harness.interpreter import cannot_run_here
 from moe_lora_harness.harness.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
+from moe_lora_harness.harness.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
 
 # an Outcome's statuses, worst first: a check-matrix cell shows the worst of its outcomes (harness.report).
 # not-runnable: the case ran where its result says nothing about the kernel (harness.interpreter): no verdict
@@ -81,13 +82,16 @@ FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written"
 # declares batch invariance
 
 
-def repro_command(spec: BackendSpec, case: Case, device: str) -> str:
-    """One shell command that replays this case alone, from any directory of a fresh shell."""
+def repro_command(spec: BackendSpec, case: Case, device: str, timeout: float | None = None) -> str:
+    """One shell command that replays this case alone, from any directory of a fresh shell (with the run's
+    `timeout` per call when it is not the default, so that a hang replays as one)."""
     from moe_lora_harness.harness.registry import harness_command, replay_prefix
+    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
     env, backend = replay_prefix(spec)
     setup = f" --setup {shlex.quote(spec.setup)}" if isinstance(spec.setup, str) else ""
-    return (f"{env}{harness_command()} replay{backend}{setup} --only {shlex.quote(spec.name)} --device {device} "
-            f"--case {shlex.quote(case.to_json())}")
+    wait = f" --timeout {timeout:g}" if timeout is not None and timeout != DEFAULT_TIMEOUT else ""
+    return (f"{env}{harness_command()} replay{backend}{setup} --only {shlex.quote(spec.name)} --device {device}"
+            f"{wait} --case {shlex.quote(case.to_json())}")
 
 
 @dataclass
@@ -257,7 +261,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     except Exception as e:  # noqa: BLE001
         import traceback
         message = f"the backend's declaration raised {type(e).__name__}: {e} (a Rule or its precision function)"
-        repro = repro_command(spec, case, device)
+        repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
         detail = "\n".join([f"FAIL backend={spec.name} case={case.id} device={device} kind=declaration",
                             f"  {message}", "  " + "".join(traceback.format_exception(e)[-3:]).strip(),
                             f"CASE: {case.to_json()}", f"REPRO: {repro}"])
@@ -303,7 +307,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     bug = known_bug_for(spec, case)
     if bug is not None:
         if passed:
-            repro = repro_command(spec, case, device)
+            repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
             return Outcome(spec.name, case, device, "xpass",
                            f"known bug {bug.issue} ({bug.description}) did not reproduce: close the ledger entry",
                            verdict, _explain(spec, case, device, "xpass", "ledger entry did not reproduce",
@@ -312,7 +316,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
                        kind=kind, seconds=seconds)
     if passed:
         return Outcome(spec.name, case, device, "pass", note, verdict, seconds=seconds)
-    repro = repro_command(spec, case, device)
+    repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
     notes, semantics = _diagnoses(case, kind, verdict, ex, exp) if diagnose else ([], "")
     return Outcome(spec.name, case, device, "fail", kind, verdict,
                    _explain(spec, case, device, kind, message, verdict, ex, exp, repro, notes), kind=kind,
@@ -355,7 +359,12 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
         if kind != "nonfinite" and (d is None or not d.matched):
             s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
                                    verdict.ratio if kind != "untouched" else None, before=exp.before)
-            if s is not None:
+            n = (kind == "untouched" and s is not None and not s.name
+                 and sign_of_zero_only(case, exp.precision, ex.output, exp.truth, exp.emulation.value, exp.before))
+            if n:      # no mistake of the table fits, and only zeros changed sign: said so (harness.zero_sign)
+                lines.append("  semantics: " + sign_of_zero_text(n))
+                name = SIGN_OF_ZERO
+            elif s is not None:
                 lines.append("  semantics: " + s.text)
                 name = s.name
         where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth, exp.before))

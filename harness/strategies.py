@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from moe_lora_harness.harness.cache import cache_dir
+from moe_lora_harness.harness.cache import cache_dir, keep_hypothesis_files_here
 from moe_lora_harness.harness.axes import (ALIGNED_DIMS, AWKWARD_DIMS, BLOCK_EDGES, BLOCK_SIZES_M, DISPATCHED_MAPPINGS,
                                            EP_RANKS, EXPERT_RANKS, LARGE_RANKS, OFFSET_CLASSES, OP_RANKS,
                                            SINGLE_RANK_MAPPINGS, declared_values)
@@ -26,6 +26,8 @@ from moe_lora_harness.harness.compile_classes import palette_of
 from moe_lora_harness.harness.contract import support_for
 from moe_lora_harness.harness.profiles import CPU_DRAWS, SMALL, draw_sizes, on_gpu
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
+
+keep_hypothesis_files_here()     # nothing of hypothesis' in the working directory (a fuzz, our suites)
 
 PROFILE_ENV = "MOE_LORA_HARNESS_PROFILE"
 MAX_EXAMPLES_ENV = "MOE_LORA_HARNESS_MAX_EXAMPLES"

@@ -58,3 +58,5 @@ def probe_unsupported(request) -> bool:
 def private_cache(tmp_path_factory):
     """Our tests neither read nor write the user's cache (fuzz corpus, example database): one of their own."""
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("moe-lora-harness-cache"))
+    from moe_lora_harness.harness.cache import keep_hypothesis_files_here
+    keep_hypothesis_files_here()     # hypothesis' own files too (set at import, before this cache existed)

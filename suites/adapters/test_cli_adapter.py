@@ -2,6 +2,7 @@
 layout named on a mis-laid-out one, 2 on a usage error; transformers run with the checkout's root off sys.path."""
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -29,10 +30,11 @@ def test_verify_exit_codes_and_lines(files, capsys):
     assert main(["adapter", "verify", str(good), "--model-config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "PASS: every line agrees" in out and "ok    [0] up_proj delta weight" in out
+    assert "without --against" in out and "own layout unchecked (no --against)" in out   # it cannot tell: said
     assert main(["adapter", "verify", str(bad), "--model-config", str(config), "--against", str(good)]) == 1
     out = capsys.readouterr().out
     assert "FAIL  [0] down_proj delta weight" in out and KEY in out and "'b-expert-major'" in out
-    assert out.rstrip().endswith("line(s) disagree")
+    assert out.rstrip().endswith("line(s) disagree") and "without --against" not in out
 
 
 def test_usage_errors(files, capsys, tmp_path):
@@ -67,3 +69,13 @@ def test_missing_hf_packages_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)         # `import peft` now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'moe-lora-harness\[hf\]'"):
         hf()
+
+
+def test_adapter_verify_names_the_config_file_in_its_errors(tmp_path):
+    from moe_lora_harness.harness.hf_moe_block import model_config
+    from moe_lora_harness.harness.models import ConfigError
+    f = tmp_path / "config.json"
+    f.write_text('{"model_type": "qwen3_moe", "hidden_size": 32}')
+    with pytest.raises(ConfigError, match=re.escape(f"model config '{f}': missing key 'moe_intermediate_size'")):
+        model_config(f)
+

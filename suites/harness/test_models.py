@@ -123,7 +123,7 @@ def test_a_config_without_its_expert_count_names_the_key(m):
     (lambda d: d.update(hidden_act="tanh"), "key 'hidden_act' = 'tanh'"),
     (lambda d: d.pop("norm_topk_prob"), "missing key 'norm_topk_prob'"),
     (lambda d: d.update(num_experts_per_tok=9), "top_k 9 exceeds the expert count 8"),
-    (lambda d: d.pop("torch_dtype"), "missing key 'quantization_config' or 'torch_dtype'"),
+    (lambda d: d.pop("torch_dtype"), "missing key 'quantization_config', 'dtype' or 'torch_dtype'"),
 ])
 def test_a_broken_config_is_a_clear_error(change, message):
     config = dict(TINY)
