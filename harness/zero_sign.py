@@ -8,7 +8,7 @@ import torch
 
 from moe_lora_harness.harness.builders import torch_dtype
 from moe_lora_harness.harness.compare import compare_written, same_bits
-from moe_lora_harness.harness.expectation import flips, judging
+from moe_lora_harness.harness.expectation import allowances, judging
 from moe_lora_harness.reference.precision import bound_dtype
 
 SIGN_OF_ZERO = "sign-of-zero"
@@ -37,5 +37,5 @@ def sign_of_zero_only(case, backend_precision: str, output: torch.Tensor, truth,
     dtype = torch_dtype(case)
     verdict = compare_written(restored, truth.value, emulation, truth.scale, written, before=b,
                               dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r, work_dtype=dtype,
-                              underflow=truth.underflow, **flips(truth))
+                              underflow=truth.underflow, **allowances(truth))
     return int(changed.sum()) if verdict.ok else 0
