@@ -126,32 +126,47 @@ def _int(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
     return t.to(torch.int64)
 
 
-def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | None = None, *,
-                     absolute: bool = False, square: bool = False) -> Tensor:
-    """Row p: x[p] @ w[experts[p]]^T for experts[p] >= 0, else 0. x (P, K) float64, w (E, N, K) of any float dtype.
+def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | None = None) -> dict:
+    """{name: (x (P, K) float64, how)} -> {name: row p = x[p] @ f(w[experts[p]])^T} (0 where experts[p] < 0), in
+    one pass over the experts. w (E, N, K) of any float dtype; how None: the value (`prec` with an alternative GEMM
+    model computes the products by `prec.mm`; None: exact float64), "abs": |w| (a magnitude), "square": w*w (a
+    variance carried through).
 
-    Only the weights of the expert in hand are converted to float64 (|w[e]| with `absolute`: a magnitude), so a
-    layer of many large experts never exists in float64 at once (w*w with `square`: a variance carried through).
-    Each expert's rows, in ascending order, are found by one stable sort (one host sync for the counts, not one per
-    expert). `prec` with an alternative GEMM model computes the products by `prec.mm` (None: exact float64)."""
-    out = torch.zeros(x.shape[0], w.shape[1], dtype=_F64, device=x.device)
+    Only the weights of the expert in hand are converted to float64, once for every job (a layer of many large
+    experts never exists in float64 at once, and each expert's weights are read once per GEMM, not once per
+    magnitude). Each expert's rows, in ascending order, are found by one stable sort (one host sync for the counts,
+    not one per expert)."""
+    x0 = next(iter(jobs.values()))[0]
+    out = {name: torch.zeros(x.shape[0], w.shape[1], dtype=_F64, device=x.device) for name, (x, _) in jobs.items()}
     order = torch.argsort(experts, stable=True)
     counts = torch.bincount(experts + 1, minlength=w.shape[0] + 1).tolist()   # [rows of -1 (not local), of 0, ...]
     start = counts[0]
+    hows = {how for _, how in jobs.values()}
     for e, c in enumerate(counts[1:]):
         if c == 0:
             continue
         rows = order[start:start + c]
         start += c
         we = w[e].to(_F64)
-        if absolute:
-            we = we.abs()
-        elif square:
-            we = we * we
-        xe = x[rows]
-        out[rows] = xe @ we.T if prec is None or prec.plain_gemm else prec.mm(xe, we)
-        del we, xe
+        forms = {None: we}
+        if "abs" in hows:
+            forms["abs"] = we.abs()
+        if "square" in hows:
+            forms["square"] = we * we
+        for name, (x, how) in jobs.items():
+            xe = x[rows]
+            plain = how is not None or prec is None or prec.plain_gemm
+            out[name][rows] = xe @ forms[how].T if plain else prec.mm(xe, we)
+        del we, forms
+    del x0
     return out
+
+
+def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | None = None, *,
+                     absolute: bool = False, square: bool = False) -> Tensor:
+    """One job of `_per_expert_gemms`: x[p] @ w[experts[p]]^T (|w| with `absolute`, w*w with `square`)."""
+    how = "abs" if absolute else "square" if square else None
+    return _per_expert_gemms({"y": (x, how)}, w, experts, prec)["y"]
 
 
 def _column_norms(w: Tensor) -> Tensor:
@@ -447,28 +462,40 @@ def forward_steps(
     x_in = prec.r(x * prec.r(w64)) if apply_router_weight_on_input else x  # k == 1 here: w64 is (T, 1)
     # FP8: the base GEMM reads the quantized input (per token / per group of 128, dynamic), the LoRA below x
     xr = (fake_quantize_activation(x_in, fp8) if fp8 is not None else x_in)[tok]
-    c1 = _per_expert_gemm(xr, W13, e_flat, prec)
-    if b13 is not None:
-        c1 = c1 + _per_expert_rows(b13, e_flat)
-    cache1 = prec.r(c1).reshape(T, k, N1)
     scale1 = under1 = flip1 = slack_step = var1 = rnd1 = None
     track_var = magnitudes and fp8 is None     # FP8's e4m3 MMA accumulation: the worst-case term (error model)
+    jobs = {"c1": (xr, None)}                  # every GEMM over w13 in one pass over the experts
     if track_var:   # GEMM1's fp32 accumulation over H (its input exact: the hidden states or their rounded product)
-        var1 = (_per_expert_gemm((U32 * U32 * H) * xr * xr, W13, e_flat, square=True)
-                + (U32 * U32 * (H + 1)) * c1 * c1).reshape(T, k, N1)
-        rnd1 = cache1 * cache1            # cache1's rounding; the weighted input's two roundings through w13^2
-        if apply_router_weight_on_input:
-            rnd1 = rnd1 + _per_expert_gemm(2.0 * xr * xr, W13, e_flat, square=True).reshape(T, k, N1)
+        jobs["var1"] = ((U32 * U32 * H) * xr * xr, "square")
+        if apply_router_weight_on_input:     # the weighted input's two roundings, through w13^2
+            jobs["rin1"] = (2.0 * xr * xr, "square")
     if magnitudes:
-        s1 = _per_expert_gemm(xr.abs(), W13, e_flat, absolute=True)
-        u1 = torch.ones_like(s1)                                # cache1's own rounding
+        jobs["s1"] = (xr.abs(), "abs")
         if apply_router_weight_on_input:                        # r(w), then r(x * r(w)), through |w13|
-            u1 = u1 + _per_expert_gemm(1.0 + x[tok].abs(), W13, e_flat, absolute=True)
+            jobs["u1"] = (1.0 + x[tok].abs(), "abs")
         if fp8 is not None:   # e4m3 flips of the input (the weighted input's two roundings widen the window)
             dt = hidden.dtype
             err = x_in.abs() * (eps(dt) * (1 + eps(dt))) if apply_router_weight_on_input else torch.zeros_like(x_in)
-            flip1 = _per_expert_gemm(flip_allowance(x_in, err, fp8)[tok], W13, e_flat, absolute=True)
+            jobs["flip1"] = (flip_allowance(x_in, err, fp8)[tok], "abs")
             slack_step = flip_step(x_in, torch.zeros_like(x_in), fp8)   # err 0: the scale arithmetic's window alone
+    got = _per_expert_gemms(jobs, W13, e_flat, prec)
+    del jobs
+    c1 = got.pop("c1")
+    if b13 is not None:
+        c1 = c1 + _per_expert_rows(b13, e_flat)
+    cache1 = prec.r(c1).reshape(T, k, N1)
+    if track_var:
+        var1 = (got.pop("var1") + (U32 * U32 * (H + 1)) * c1 * c1).reshape(T, k, N1)
+        rnd1 = cache1 * cache1            # cache1's rounding
+        if apply_router_weight_on_input:
+            rnd1 = rnd1 + got.pop("rin1").reshape(T, k, N1)
+    if magnitudes:
+        s1 = got.pop("s1")
+        u1 = torch.ones_like(s1)                                # cache1's own rounding
+        if apply_router_weight_on_input:
+            u1 = u1 + got.pop("u1")
+        if fp8 is not None:
+            flip1 = got.pop("flip1")
         if b13 is not None:
             s1 = s1 + _per_expert_rows(b13.abs(), e_flat)
         scale1 = s1.reshape(T, k, N1)
@@ -544,14 +571,28 @@ def forward_steps(
     # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input); FP8: it reads
     # the quantized activation, the w2 LoRA below the unquantized `a`
     aq = fake_quantize_activation(a, fp8) if fp8 is not None else a
-    c3 = _per_expert_gemm(aq, W2, e_flat, prec)
+    jobs = {"c3": (aq, None)}                  # every GEMM over w2 in one pass over the experts
+    if track_var:   # GEMM2's accumulation over I, and the activation's variance carried by w2^2
+        jobs["var3"] = (var2 + (U32 * U32 * I) * a * a, "square")
+        jobs["rnd3"] = (rnd2, "square")
+    if magnitudes:
+        jobs["s3"] = (s2 if fp8 is None else torch.maximum(s2, aq.abs()), "abs")
+        jobs["u3"] = (under2, "abs")
+        if fp8 is not None:   # GEMM1's flips carried here, and e4m3 flips of the activation, whose error the model
+            dt = hidden.dtype   # bounds by its own rule 2 (those flips included)
+            R = int(lora.stacked.w2_a[0].shape[2]) if lora is not None else 0
+            err = (A_BOUND_ULPS * eps(dt) + math.sqrt(H + R) * eps(torch.float32)) * s2 + tiny(dt) * under2 + flip2
+            allow2 = flip_allowance(a, err, fp8)
+            jobs["f3"] = (flip2 + allow2, "abs")
+    got = _per_expert_gemms(jobs, W2, e_flat, prec)
+    del jobs
+    c3 = got.pop("c3")
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)
     var3 = rnd3 = None
-    if track_var:   # GEMM2's accumulation over I, and the activation's variance carried by w2^2
-        var3 = (_per_expert_gemm(var2 + (U32 * U32 * I) * a * a, W2, e_flat, square=True)
-                + (U32 * U32 * (I + 1)) * c3 * c3)
-        rnd3 = _per_expert_gemm(rnd2, W2, e_flat, square=True)
+    if track_var:
+        var3 = got.pop("var3") + (U32 * U32 * (I + 1)) * c3 * c3
+        rnd3 = got.pop("rnd3")
     weight_out = not apply_router_weight_on_input or semantics.weight_on_output_too
     if weight_out:
         c3 = w_pair * c3
@@ -565,16 +606,12 @@ def forward_steps(
     del c3
     scale3 = under3 = flip3 = one3 = slack = None
     if magnitudes:
-        s3 = _per_expert_gemm(s2 if fp8 is None else torch.maximum(s2, aq.abs()), W2, e_flat, absolute=True)
+        s3 = got.pop("s3")
         if b2 is not None:
             s3 = s3 + _per_expert_rows(b2.abs(), e_flat)
-        u3 = _per_expert_gemm(under2, W2, e_flat, absolute=True)
-        if fp8 is not None:   # GEMM1's flips carried here, and e4m3 flips of the activation, whose error the model
-            dt = hidden.dtype   # bounds by its own rule 2 (those flips included)
-            R = int(lora.stacked.w2_a[0].shape[2]) if lora is not None else 0
-            err = (A_BOUND_ULPS * eps(dt) + math.sqrt(H + R) * eps(torch.float32)) * s2 + tiny(dt) * under2 + flip2
-            allow2 = flip_allowance(a, err, fp8)
-            f3 = _per_expert_gemm(flip2 + allow2, W2, e_flat, absolute=True)
+        u3 = got.pop("u3")
+        if fp8 is not None:
+            f3 = got.pop("f3")
             # one element j of the pair's activation flipped changes its output row by one step x column j of w2
             o3 = (flip_step(a, err, fp8) * _per_expert_rows(_column_norms(W2), e_flat)).amax(dim=1, keepdim=True)
             flip3 = (w_pair.abs() * f3 if weight_out else f3).reshape(T, k, H)

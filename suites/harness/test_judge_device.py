@@ -250,11 +250,11 @@ def test_token_chunks_compute_the_same_forward():
 
 def test_only_a_cuda_judge_chunks_and_the_chunk_is_the_cases(monkeypatch):
     """On the CPU expert_forward is one piece whatever T; the chunk is a function of the case (a DeepSeek-V3
-    layer: 8 pairs per token of 4096 + 2048 + 7168 float64 values -> 2520 tokens of 2^28 values)."""
+    layer: 8 pairs per token of 4096 + 2048 + 7168 float64 values -> 1260 tokens of 2^27 values)."""
     from moe_lora_harness.harness import expert_runner
     from moe_lora_harness.harness.expert_runner import token_chunk
     deepseek = Case(level="expert", T=16384, H=7168, I=2048, E=256, top_k=8, dtype="bfloat16")
-    assert token_chunk(deepseek) == (1 << 28) // (8 * (4096 + 2048 + 7168)) == 2520
+    assert token_chunk(deepseek) == (1 << 27) // (8 * (4096 + 2048 + 7168)) == 1260
     monkeypatch.setattr(expert_runner, "PAIR_VALUES_PER_CHUNK", 2000)
     big = Case(level="expert", T=40, H=64, I=32, E=4, top_k=2)
     assert token_chunk(big) == 2000 // (2 * (64 + 32 + 64)) == 6
