@@ -133,6 +133,7 @@ class Threshold:
     alpha: float | None
     multiple: float | None
     smallest: bool = False
+    no_effect: bool = False   # the slip changes nothing on this case (e.g. expert 0 received no token)
 
 
 @dataclass
@@ -201,7 +202,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
 
         def threshold(which: int) -> Threshold:
             if not at(1.0)[which]:
-                return Threshold(None, None)
+                return Threshold(None, None, no_effect=at(1.0)[2] == 0)
             lo, hi = 1e-7, 1.0
             if at(lo)[which]:
                 return Threshold(lo, at(lo)[2], smallest=True)
@@ -221,14 +222,17 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
 
 def _fmt(t: Threshold) -> str:
     x = t.multiple
-    return "-" if x is None else ("<=" if t.smallest else "") + (f"{x:.3g}" if x < 1e4 else f"{x:.2e}")
+    if x is None:
+        return "no-op" if t.no_effect else "-"
+    return ("<=" if t.smallest else "") + (f"{x:.3g}" if x < 1e4 else f"{x:.2e}")
 
 
 def power_table(reports) -> str:
     """One row per (case, slip): the judge's and the oracle's threshold (a multiple of the kernel's own error)."""
     lines = [f"{'case':<44} {'slip':<20} {'judge x':>8} {'oracle x':>9} {'oracle-only':>11}",
              "(x: the smallest failing slip's size as a multiple of the correct kernel's own distance from the truth; "
-             "<=: failed at the slip's smallest size; -: not failed even at full size)"]
+             "<=: failed at the slip's smallest size; -: not failed even at full size; no-op: the slip changes nothing "
+             "on this case)"]
     for r in reports:
         c = r.case
         label = f"{c.dtype} T{c.T} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}"
@@ -244,6 +248,7 @@ def to_json(reports) -> list:
                  kernel_ratio=r.kernel_ratio, kernel_ok=r.kernel_ok, oracle_ok=r.oracle_ok, seconds=round(r.seconds, 2),
                  slips=[dict(slip=s.slip, judge_alpha=s.judge.alpha, judge_multiple=s.judge.multiple,
                              judge_smallest=s.judge.smallest, oracle_smallest=s.oracle.smallest,
+                             no_effect=s.judge.no_effect and s.oracle.no_effect,
                              oracle_alpha=s.oracle.alpha, oracle_multiple=s.oracle.multiple,
                              oracle_only=s.oracle_only, evaluated=s.evaluated) for s in r.slips])
             for r in reports]

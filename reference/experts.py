@@ -21,8 +21,8 @@ from moe_lora_harness.reference.activations import (activation_scale, activation
                                                     lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance, flip_step
-from moe_lora_harness.reference.lora_op import (PairLayout, lora_expand, lora_shrink, lora_shrink_squared,
-                                                lora_shrink_variance, qualifying_pairs)
+from moe_lora_harness.reference.lora_op import (PairLayout, lora_expand, lora_shrink, qualifying_pairs,
+                                                shrink_magnitudes)
 from moe_lora_harness.reference.precision import Precision, eps, precision as make_precision, tiny
 from moe_lora_harness.reference.quant import ACTIVATION_SCHEMES, SCHEMES as WEIGHT_ONLY_SCHEMES
 from moe_lora_harness.reference.semantics import CONTRACT, Semantics
@@ -231,15 +231,10 @@ def _shrink_joined(x, stacked_a, x_scale, x_under, layout, k, mul_routed_weight,
     """
     u = lora_shrink(x, stacked_a, layout, k, mul_routed_weight, prec)
     parts = [u]
-    if x_scale is not None:
-        absolute = [a.abs() for a in stacked_a]
-        parts += [lora_shrink(x_scale, absolute, layout, k, mul_routed_weight, _EXACT),
-                  lora_shrink(x_under, absolute, layout, k, mul_routed_weight, _EXACT) + 1.0]
-        if track_var:
-            parts.append(lora_shrink_variance(x, x_var, stacked_a, layout, k, mul_routed_weight, u))
-            own = u.to(_F64) * u.to(_F64)
-            parts.append(own if x_round is None else
-                         own + lora_shrink_squared(x_round, stacked_a, layout, k, mul_routed_weight))
+    if x_scale is not None:     # every magnitude in one pass over the (slot, expert) weights
+        mags = shrink_magnitudes(x, x_scale, x_under, x_var, x_round, stacked_a, layout, k, mul_routed_weight, u,
+                                 track_var=track_var)
+        parts += [mags["scale"], mags["under"]] + ([mags["var"], mags["round"]] if track_var else [])
     if join is not None:
         joined = yield join, torch.cat([p.to(_F64) for p in parts], dim=0)
         parts = list(joined.split(u.shape[0], dim=0))

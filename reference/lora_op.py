@@ -69,25 +69,38 @@ def _chunks(n: int, per_item: int):
         yield slice(start, min(n, start + step))
 
 
-def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Precision | None = None, *,
-                     absolute: bool = False, square: bool = False) -> torch.Tensor:
-    """out[p] = w[lora[p], expert[p]] @ vec[p] in float64 (|w| with `absolute`: an error-scale magnitude; w*w with
-    `square`: a variance carried through).
+def _gathered_matvecs(w: torch.Tensor, lora, expert, jobs: dict, prec: Precision | None = None) -> dict:
+    """{name: (vec (P, inner) float64, how)} -> {name: out[p] = f(w[lora[p], expert[p]]) @ vec[p]} in float64, how
+    None: w (the value; `prec` with an alternative GEMM model computes it by that model: operand rounding per element,
+    a low-precision accumulation sequential over K in the gathered per-pair form; None or a path preset: exact),
+    "abs": |w| (an error-scale magnitude), "square": w*w (a variance carried through).
 
-    One GEMM per distinct (lora, expert) weight, so each weight is converted once, not once per pair.
-    `prec` with an alternative GEMM model computes each product by it (operand rounding per element; a
-    low-precision accumulation model, sequential over K, takes the gathered per-pair form); None or a path
-    preset: the exact float64 product.
+    One GEMM per distinct (lora, expert) weight and job, each weight converted once for every job, not once per pair
+    or per magnitude.
     """
     lead = w.shape[2]
-    out = torch.empty((vec.shape[0], lead), dtype=torch.float64, device=vec.device)
-    if vec.shape[0] == 0:
+    some = next(iter(jobs.values()))[0]
+    out = {name: torch.empty((vec.shape[0], lead), dtype=torch.float64, device=vec.device)
+           for name, (vec, _) in jobs.items()}
+    if some.shape[0] == 0:
         return out
     e_idx = _expert_index(w, expert)
+    hows = {how for _, how in jobs.values()}
+
+    def forms(mat):
+        f = {None: mat}
+        if "abs" in hows:
+            f["abs"] = mat.abs()
+        if "square" in hows:
+            f["square"] = mat * mat
+        return f
+
     if prec is not None and prec.accumulate is not None:
-        for sl in _chunks(vec.shape[0], w.shape[2] * w.shape[3]):
-            mats = w[lora[sl], e_idx[sl]].to(torch.float64)  # (c, lead, inner)
-            out[sl] = prec.bmv(mats.abs() if absolute else mats * mats if square else mats, vec[sl])
+        for sl in _chunks(some.shape[0], w.shape[2] * w.shape[3]):
+            f = forms(w[lora[sl], e_idx[sl]].to(torch.float64))  # (c, lead, inner)
+            for name, (vec, how) in jobs.items():
+                out[name][sl] = (prec.bmv(f[None], vec[sl]) if how is None
+                                 else torch.einsum("cij,cj->ci", f[how], vec[sl]))
         return out
     key = lora * w.shape[1] + e_idx
     order = torch.argsort(key, stable=True)
@@ -97,12 +110,19 @@ def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Pre
         idx = order[start:start + c]
         start += c
         mat = w[g // w.shape[1], g % w.shape[1]].to(torch.float64)
-        if absolute:
-            mat = mat.abs()
-        elif square:
-            mat = mat * mat
-        out[idx] = vec[idx] @ mat.T if prec is None or prec.plain_gemm else prec.mm(vec[idx], mat)
+        f = forms(mat)
+        for name, (vec, how) in jobs.items():
+            plain = how is not None or prec is None or prec.plain_gemm
+            out[name][idx] = vec[idx] @ f[how].T if plain else prec.mm(vec[idx], mat)
     return out
+
+
+def _gathered_matvec(w: torch.Tensor, lora, expert, vec: torch.Tensor, prec: Precision | None = None, *,
+                     absolute: bool = False, square: bool = False) -> torch.Tensor:
+    """One job of `_gathered_matvecs`: out[p] = w[lora[p], expert[p]] @ vec[p] (|w| with `absolute`, w*w with
+    `square`)."""
+    how = "abs" if absolute else "square" if square else None
+    return _gathered_matvecs(w, lora, expert, {"y": (vec, how)}, prec)["y"]
 
 
 def _x_rows(layout: PairLayout, top_k_num: int, mul_routed_weight: bool) -> torch.Tensor:
@@ -218,52 +238,43 @@ def _split_shrink(rows: torch.Tensor, lora_a_stacked, layout: PairLayout, prec: 
     return u
 
 
-def lora_shrink_scale(
-    x: torch.Tensor,
+def lora_shrinks(
+    jobs: dict,
     lora_a_stacked: Sequence[torch.Tensor],
     layout: PairLayout,
     top_k_num: int,
     mul_routed_weight: bool,
-) -> torch.Tensor:
-    """|A_s[l, e]| @ |x_row| (S, P, R): the magnitude u's rounding and summation errors scale with."""
-    rows = x.to(torch.float64)[_x_rows(layout, top_k_num, mul_routed_weight)].abs()
-    return torch.stack(
-        [_gathered_matvec(a, layout.lora, layout.expert, rows, absolute=True) for a in lora_a_stacked]
-    )
-
-
-def lora_shrink_variance(
-    x: torch.Tensor,
-    x_var: torch.Tensor | None,
-    lora_a_stacked: Sequence[torch.Tensor],
-    layout: PairLayout,
-    top_k_num: int,
-    mul_routed_weight: bool,
-    u: torch.Tensor,
-) -> torch.Tensor:
-    """Variance bound (S, P, R) of the fp32 error of u = A x_row (reference.accumulation): x_row's own variance
-    `x_var` (None: an exact input) carried by A^2, plus the accumulation over K; `u` the exact shrink (S, P, R)."""
+) -> dict:
+    """{name: (x (rows, K), how)} -> {name: (S, P, R) float64}: f(A_s[l, e]) @ x_row for every job in one pass over the
+    (slot, expert) weights (how "abs": |A|, a magnitude; "square": A^2, a variance carried through; None: A, exact)."""
     idx = _x_rows(layout, top_k_num, mul_routed_weight)
+    rows = {name: (x.to(torch.float64)[idx], how) for name, (x, how) in jobs.items()}
+    per = [_gathered_matvecs(a, layout.lora, layout.expert, rows) for a in lora_a_stacked]
+    return {name: torch.stack([p[name] for p in per]) for name in jobs}
+
+
+def shrink_magnitudes(x, x_scale, x_under, x_var, x_round, lora_a_stacked, layout, top_k_num, mul_routed_weight, u,
+                      *, track_var: bool = True) -> dict:
+    """The magnitudes of u = A x_row (S, P, R), in one pass: `scale` |A| x_scale, `under` |A| x_under + 1 (u's own
+    rounding; x_under None: not computed), and with `track_var` `var` (the fp32 accumulation's variance over K, x's `x_var` carried by A^2; None:
+    an exact input; reference.accumulation) and `round` (u's own rounding, x's exposure `x_round` carried by A^2)."""
     K = int(x.shape[-1])
-    rows = x.to(torch.float64)[idx]
-    rows = (U32 * U32 * K) * rows * rows
-    if x_var is not None:
-        rows = rows + x_var.to(torch.float64)[idx]
-    carried = torch.stack([_gathered_matvec(a, layout.lora, layout.expert, rows, square=True)
-                           for a in lora_a_stacked])
-    return carried + (U32 * U32 * K) * u * u
-
-
-def lora_shrink_squared(
-    x_sq: torch.Tensor,
-    lora_a_stacked: Sequence[torch.Tensor],
-    layout: PairLayout,
-    top_k_num: int,
-    mul_routed_weight: bool,
-) -> torch.Tensor:
-    """A_s[l, e]^2 @ x_sq_row (S, P, R), float64: a per-element exposure of x (a variance) carried through the shrink."""
-    rows = x_sq.to(torch.float64)[_x_rows(layout, top_k_num, mul_routed_weight)]
-    return torch.stack([_gathered_matvec(a, layout.lora, layout.expert, rows, square=True) for a in lora_a_stacked])
+    jobs = {"scale": (x_scale, "abs")}
+    if x_under is not None:
+        jobs["under"] = (x_under, "abs")
+    if track_var:
+        x64 = x.to(torch.float64)
+        jobs["var"] = ((U32 * U32 * K) * x64 * x64 + (0.0 if x_var is None else x_var.to(torch.float64)), "square")
+        if x_round is not None:
+            jobs["round"] = (x_round, "square")
+    got = lora_shrinks(jobs, lora_a_stacked, layout, top_k_num, mul_routed_weight)
+    if x_under is not None:
+        got["under"] = got["under"] + 1.0
+    if track_var:
+        u64 = u.to(torch.float64)
+        got["var"] = got["var"] + (U32 * U32 * K) * u64 * u64
+        got["round"] = u64 * u64 + got["round"] if "round" in got else u64 * u64
+    return got
 
 
 def lora_expand(
@@ -339,16 +350,20 @@ def lora_expand(
     occ[order] = torch.arange(len(sp), device=sp.device) - grp_start
     for s, b in enumerate(lora_b_stacked):
         N = b.shape[2]
-        d = _gathered_matvec(b, layout.lora, layout.expert, cache[s].to(torch.float64), prec) * w[:, None]
+        jobs = {"d": (cache[s].to(torch.float64), None)}        # the value and every magnitude in one pass
+        if magnitudes:
+            jobs.update(scale=(cs[s], "abs"), under=(cu[s], "abs"), var=(cv[s], "square"), round=(cr[s], "square"))
+        got = _gathered_matvecs(b, layout.lora, layout.expert, jobs, prec)
+        d = got["d"] * w[:, None]
         if magnitudes:   # the expand's own accumulation over R and the shrink's carried through, times w^2
-            dvar = (_gathered_matvec(b, layout.lora, layout.expert, cv[s], square=True) * (w * w)[:, None]
-                    + (U32 * U32 * (R + 1)) * d * d)
-            dround = _gathered_matvec(b, layout.lora, layout.expert, cr[s], square=True) * (w * w)[:, None] + d * d
+            dvar = got["var"] * (w * w)[:, None] + (U32 * U32 * (R + 1)) * d * d
+            dround = got["round"] * (w * w)[:, None] + d * d
         if prec.round_delta:
             d = prec.r(d)
         if magnitudes:
-            dscale = _gathered_matvec(b, layout.lora, layout.expert, cs[s], absolute=True) * w.abs()[:, None]
-            dunder = _gathered_matvec(b, layout.lora, layout.expert, cu[s], absolute=True) * w.abs()[:, None] + 2.0
+            dscale = got["scale"] * w.abs()[:, None]
+            dunder = got["under"] * w.abs()[:, None] + 2.0
+        del got, jobs
         cols = torch.arange(offset + s * N, offset + (s + 1) * N, device=prev.device)
         for rnd_i in range(int(occ.max()) + 1):
             sel = occ == rnd_i
@@ -414,9 +429,11 @@ def fused_moe_lora_expected(
     )
     _check_layout(layout, call.num_experts, call.experts_a, call.experts_b)
     cache = lora_shrink(call.x, call.lora_a, layout, k, mul, precision)
-    cache_scale = lora_shrink_scale(call.x, call.lora_a, layout, k, mul) if magnitudes else None
+    cache_scale = cache_var = None
+    if magnitudes:
+        mags = shrink_magnitudes(call.x, call.x.abs(), None, None, None, call.lora_a, layout, k, mul, cache)
+        cache_scale, cache_var = mags["scale"], mags["var"]
     cache_underflow = None       # u rounded once
-    cache_var = (lora_shrink_variance(call.x, None, call.lora_a, layout, k, mul, cache) if magnitudes else None)
     cache_round, cache_part = None, cache
     if call.fully_sharded and collective is not None:
         # each rank's partial u rounded once (an all-reduce sums them), the joined u rounded again; without
