@@ -28,7 +28,3 @@ def own_variance(value: torch.Tensor, ulps: float = 1.0) -> torch.Tensor:
     (ulps u |value|)^2."""
     return (ulps * U32) ** 2 * (value * value)
 
-
-def to_std(var: torch.Tensor | None) -> torch.Tensor | None:
-    """Standard deviations from variances (None stays None)."""
-    return None if var is None else var.clamp_min(0).sqrt()

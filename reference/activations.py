@@ -209,6 +209,30 @@ def apply_activation(
     return rnd(a * m, dtype)
 
 
+def activation_derivatives(x: torch.Tensor, name: str, *, situ_beta: float = SITU_BETA,
+                           situ_linear_beta: float | None = SITU_LINEAR_BETA) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, dh/dx) of the exact activation at `x` (float64): its value and one partial per input element, computed
+    once for every magnitude the reference carries through the activation (activation_scale, activation_variance)."""
+    spec = lookup_activation(name)
+    x = _as_f64(x, "x")
+    with torch.enable_grad():
+        xg = x.detach().clone().requires_grad_(True)
+        h = _exact(xg, spec, situ_beta, situ_linear_beta)
+        (grad,) = torch.autograd.grad(h.sum(), xg)  # elementwise: one partial per input element
+    return h.detach(), grad
+
+
+def _own_magnitude(h: torch.Tensor, x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """What the activation's own error scales with: |h|, plus the argument (|x|, gated |g u|) for the
+    ARGUMENT_RELATIVE activations, whose fp32 evaluation errs relative to it."""
+    if spec.name not in ARGUMENT_RELATIVE:
+        return h.abs()
+    if not spec.gated:
+        return h.abs() + x.abs()
+    g, u = _split(x, spec, "x")
+    return h.abs() + (g * u).abs()
+
+
 def activation_scale(
     x: torch.Tensor,
     xscale: torch.Tensor,
@@ -217,6 +241,7 @@ def activation_scale(
     situ_beta: float = SITU_BETA,
     situ_linear_beta: float | None = SITU_LINEAR_BETA,
     own: bool = True,
+    derivatives: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """First-order error magnitude of the activation output given input error magnitudes `xscale`.
 
@@ -224,7 +249,7 @@ def activation_scale(
     + |f(g) u|); non-gated: |f'(x)| xs + |f(x)|. The |h| term carries the output's own rounding; for the
     ARGUMENT_RELATIVE activations (gelu's forms, whose formula cancels for x << 0) it is |h| + |g u| (|h| + |x|),
     the fp32 evaluation's error being relative to the argument (`own=False` leaves it out: the input errors carried
-    through alone).
+    through alone). `derivatives`: activation_derivatives(x, name) when the caller has them.
     """
     spec = lookup_activation(name)
     x = _as_f64(x, "x")
@@ -233,46 +258,32 @@ def activation_scale(
         raise ValueError(f"xscale must have the shape of x {tuple(x.shape)}; got {tuple(xscale.shape)}")
     if bool((xscale < 0).any()) or not bool(torch.isfinite(xscale).all()):
         raise ValueError("xscale must be finite and >= 0")
-    with torch.enable_grad():
-        xg = x.detach().clone().requires_grad_(True)
-        h = _exact(xg, spec, situ_beta, situ_linear_beta)
-        (grad,) = torch.autograd.grad(h.sum(), xg)  # elementwise: one partial per input element
-    h = h.detach()
-    mine = h.abs() if own else torch.zeros_like(h)
-    cancels = own and spec.name in ARGUMENT_RELATIVE
+    h, grad = derivatives or activation_derivatives(x, name, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    mine = _own_magnitude(h, x, spec) if own else torch.zeros_like(h)
     if not spec.gated:
-        return grad.abs() * xscale + (mine + x.abs() if cancels else mine)
+        return grad.abs() * xscale + mine
     dg, du = _split(grad, spec, "x")
     sg, su = _split(xscale, spec, "xscale")
-    if cancels:
-        g, u = _split(x, spec, "x")
-        mine = mine + (g * u).abs()
     return dg.abs() * sg + du.abs() * su + mine
 
 
 def activation_variance(x: torch.Tensor, xvar: torch.Tensor, name: str, *, own_ulps: float,
-                        situ_beta: float = SITU_BETA, situ_linear_beta: float | None = SITU_LINEAR_BETA
-                        ) -> torch.Tensor:
+                        situ_beta: float = SITU_BETA, situ_linear_beta: float | None = SITU_LINEAR_BETA,
+                        derivatives: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """First-order variance of the activation output given independent input error variances `xvar`:
     (dh/dg)^2 var_g + (dh/du)^2 var_u (non-gated h'^2 var), plus the output's own fp32 evaluation error
     (own_ulps 2^-24 |h|)^2, (own_ulps 2^-24 (|h| + |g u|))^2 for the ARGUMENT_RELATIVE activations (non-gated
-    |h| + |x|; reference.accumulation: the statistical model)."""
+    |h| + |x|; reference.accumulation: the statistical model). `derivatives`: as activation_scale's."""
     spec = lookup_activation(name)
     x = _as_f64(x, "x")
     xvar = _as_f64(xvar, "xvar")
     if xvar.shape != x.shape:
         raise ValueError(f"xvar must have the shape of x {tuple(x.shape)}; got {tuple(xvar.shape)}")
-    with torch.enable_grad():
-        xg = x.detach().clone().requires_grad_(True)
-        h = _exact(xg, spec, situ_beta, situ_linear_beta)
-        (grad,) = torch.autograd.grad(h.sum(), xg)
-    h = h.detach()
-    k = (own_ulps * 2.0 ** -24) ** 2
-    cancels = spec.name in ARGUMENT_RELATIVE
+    h, grad = derivatives or activation_derivatives(x, name, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+    own = (own_ulps * 2.0 ** -24) ** 2 * _own_magnitude(h, x, spec) ** 2
     g2 = grad * grad
     if not spec.gated:
-        return g2 * xvar + k * (h.abs() + (x.abs() if cancels else 0.0)) ** 2
+        return g2 * xvar + own
     dg, du = _split(g2, spec, "x")
     vg, vu = _split(xvar, spec, "xvar")
-    g, u = _split(x, spec, "x")
-    return dg * vg + du * vu + k * (h.abs() + ((g * u).abs() if cancels else 0.0)) ** 2
+    return dg * vg + du * vu + own

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from moe_lora_harness.reference.accumulation import ACT_ULPS, U32, dot_variance, own_variance
-from moe_lora_harness.reference.activations import (activation_scale, activation_variance, apply_activation,
-                                                    lookup_activation)
+from moe_lora_harness.reference.activations import (activation_derivatives, activation_scale, activation_variance,
+                                                    apply_activation, lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance, flip_step
 from moe_lora_harness.reference.lora_op import (PairLayout, lora_expand, lora_shrink, qualifying_pairs,
@@ -136,7 +136,6 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
     experts never exists in float64 at once, and each expert's weights are read once per GEMM, not once per
     magnitude). Each expert's rows, in ascending order, are found by one stable sort (one host sync for the counts,
     not one per expert)."""
-    x0 = next(iter(jobs.values()))[0]
     out = {name: torch.zeros(x.shape[0], w.shape[1], dtype=_F64, device=x.device) for name, (x, _) in jobs.items()}
     order = torch.argsort(experts, stable=True)
     counts = torch.bincount(experts + 1, minlength=w.shape[0] + 1).tolist()   # [rows of -1 (not local), of 0, ...]
@@ -158,7 +157,6 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
             plain = how is not None or prec is None or prec.plain_gemm
             out[name][rows] = xe @ forms[how].T if plain else prec.mm(xe, we)
         del we, forms
-    del x0
     return out
 
 
@@ -549,16 +547,19 @@ def forward_steps(
     a = apply_activation(cache1.reshape(P, N1), spec.name, prec.dtype)
     cache1_exact = cache1.reshape(P, N1) if magnitudes and fp8 is not None else None   # the flips' starting point
     s2 = under2 = flip2 = var2 = rnd2 = None
+    act_in = cache1.reshape(P, N1)
+    ders = activation_derivatives(act_in, spec.name) if magnitudes else None    # one autograd pass for every magnitude
     if track_var:
-        var2 = activation_variance(cache1.reshape(P, N1), var1.reshape(P, N1), spec.name, own_ulps=ACT_ULPS)
-        rnd2 = activation_variance(cache1.reshape(P, N1), rnd1.reshape(P, N1), spec.name, own_ulps=0.0) + a * a
+        var2 = activation_variance(act_in, var1.reshape(P, N1), spec.name, own_ulps=ACT_ULPS, derivatives=ders)
+        rnd2 = activation_variance(act_in, rnd1.reshape(P, N1), spec.name, own_ulps=0.0, derivatives=ders) + a * a
     del var1, rnd1
     if magnitudes:
-        s2 = activation_scale(cache1.reshape(P, N1), scale1.reshape(P, N1), spec.name)
-        under2 = activation_scale(cache1.reshape(P, N1), under1.reshape(P, N1), spec.name, own=False) + 1.0
+        s2 = activation_scale(act_in, scale1.reshape(P, N1), spec.name, derivatives=ders)
+        under2 = activation_scale(act_in, under1.reshape(P, N1), spec.name, own=False, derivatives=ders) + 1.0
         if flip1 is not None:   # GEMM1's flips, carried through the activation (to first order, or across a kink)
-            flip2 = torch.maximum(activation_scale(cache1.reshape(P, N1), flip1, spec.name, own=False),
-                                  _activation_change(cache1.reshape(P, N1), flip1, spec))
+            flip2 = torch.maximum(activation_scale(act_in, flip1, spec.name, own=False, derivatives=ders),
+                                  _activation_change(act_in, flip1, spec))
+    del act_in, ders
     del scale1, under1, flip1
     if not return_intermediates:
         del cache1

@@ -256,8 +256,9 @@ def lora_shrinks(
 def shrink_magnitudes(x, x_scale, x_under, x_var, x_round, lora_a_stacked, layout, top_k_num, mul_routed_weight, u,
                       *, track_var: bool = True) -> dict:
     """The magnitudes of u = A x_row (S, P, R), in one pass: `scale` |A| x_scale, `under` |A| x_under + 1 (u's own
-    rounding; x_under None: not computed), and with `track_var` `var` (the fp32 accumulation's variance over K, x's `x_var` carried by A^2; None:
-    an exact input; reference.accumulation) and `round` (u's own rounding, x's exposure `x_round` carried by A^2)."""
+    rounding; x_under None: not computed), and with `track_var` `var` (the fp32 accumulation's variance over K,
+    x's `x_var` carried by A^2; None: an exact input; reference.accumulation) and `round` (u's own rounding, x's
+    exposure `x_round` carried by A^2)."""
     K = int(x.shape[-1])
     jobs = {"scale": (x_scale, "abs")}
     if x_under is not None:
@@ -302,7 +303,7 @@ def lora_expand(
 
     w = fp32(topk_weights[t, j]) only with mul_routed_weight; the inner r? is prec.round_delta;
     add_inputs=False writes r(d). Unwritten elements keep prev. `cache_scale` (S, P, R) is |A||x|
-    from lora_shrink_scale (|cache| if None); scale = |prev|*add_inputs + |w| |B| cache_scale.
+    from shrink_magnitudes (|cache| if None); scale = |prev|*add_inputs + |w| |B| cache_scale.
     underflow = prev_underflow*add_inputs + |w| |B| cache_underflow + 2 (the delta's rounding and the
     add's); `cache_underflow` (S, P, R) defaults to 1 (u rounded once), `prev_underflow` to 0 (an input).
     acc_var = prev_var*add_inputs + w^2 B^2 (cache_var + u^2 R cache^2) + u^2 R d^2: the fp32 accumulation's
