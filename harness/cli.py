@@ -652,22 +652,18 @@ def _power(args, device: str) -> int:
     """`selftest --power`: the judge's power table (harness.power); fails if the correct kernel fails, or if an
     output that assert_close fails passes the judge."""
     from moe_lora_harness.harness import power
-    from moe_lora_harness.harness.models import MODELS
-    known = [m.name for m in MODELS]
-    for m in args.model:
-        if m not in known:
-            raise UsageError(f"--model {m!r}: not in the catalogue; models: {', '.join(known)}")
+    from moe_lora_harness.harness.models import model_named
+    try:
+        layers = [model_named(m) for m in args.model]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     name = args.only[0] if args.only else ("triton_experts" if device == "cuda" else "eager")
     if not args.only:
         args.only = [name]
     specs = _backends(args)
     if name not in specs:
         raise UsageError(f"--only {name!r}: no such backend")
-    try:
-        tokens = tuple(sum(int(p) for p in t.split("+")) for t in args.tokens.split(",") if t)
-    except ValueError:
-        raise UsageError(f"--tokens must be a comma-separated list of counts (4096+17 allowed); got {args.tokens!r}")
-    cases = power.power_cases(device, models=args.model, tokens=tokens,
+    cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
                               dtypes=tuple(d for d in (args.dtype or "").split(",") if d))
     reports = []
     for case in cases:
@@ -809,7 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "multiple of the correct kernel's own error, beside assert_close(atol=rtol=2e-2)")
     t.add_argument("--model", action="append", default=[], metavar="NAME",
                    help="--power at this catalogued model's layer (repeatable; default: one H 1024 layer)")
-    t.add_argument("--tokens", default="", metavar="LIST", help="--power's token counts (default 16)")
+    t.add_argument("--tokens", type=_token_list, default=None, metavar="LIST",
+                   help="--power's token counts, e.g. 256,4096+17 (default 16)")
     t.add_argument("--dtype", default="", metavar="LIST", help="--power's dtypes (comma-separated)")
     palette_option(t)
     t.set_defaults(fn=cmd_selftest)

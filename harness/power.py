@@ -112,7 +112,7 @@ SLIPS = (
     Slip("scaling", "every LoRA B scaled by 1 - alpha (r/(r+1): alpha = 1/(r+1))",
          lambda i, a: _scaled_lists(_scaled_lists(i, "w13_b", a, (...,), _down), "w2_b", a, (...,), _down)),
     Slip("slice-scale", "the w13 delta's last slice (up, when gated) scaled by 1 + alpha",
-         lambda i, a: _scale_slice(i, a)),
+         _scale_slice),
     Slip("one-slot-w2", "slot 0's w2 LoRA delta reduced by alpha (missing at 1)",
          lambda i, a: _scaled_lists(i, "w2_b", a, (0,), _down)),
     Slip("one-expert-w13", "expert 0's w13 LoRA delta reduced by alpha (missing at 1)",
@@ -254,15 +254,15 @@ def to_json(reports) -> list:
             for r in reports]
 
 
-def power_cases(device: str, models=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0) -> list:
-    """The cases of a power table: each catalogued model's layer (harness.models; TP 1, EP 1) at each token count,
-    dtype and rank, every slot at that rank; without models, one layer of H 1024, I 512, E 8, top-k 2 (what a CPU
-    computes in seconds), at 16 tokens."""
-    from moe_lora_harness.harness.models import MODELS, case_fields
-    layers = [case_fields(m) for m in MODELS if m.name in models] if models else [
+def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0) -> list:
+    """The cases of a power table: each catalogued layer's (harness.models.MoELayer; TP 1, EP 1) at each token count,
+    dtype and rank, every slot at that rank; without layers, one of H 1024, I 512, E 8, top-k 2 (what a CPU computes
+    in seconds), at 16 tokens."""
+    from moe_lora_harness.harness.models import case_fields
+    shapes = [case_fields(m) for m in layers] if layers else [
         dict(H=1024, I=512, E=8, top_k=2, activation="silu", bias=False)]
     out = []
-    for fields in layers:
+    for fields in shapes:
         for T in tokens or (16,):
             for dt in dtypes or (("bfloat16", "float16") if device != "cpu" else ("float16", "float32")):
                 for r in ranks:
