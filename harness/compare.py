@@ -20,6 +20,11 @@ Error model (docs/error-model.md): over the elements the contract writes,
      sqrt(K+R) eps_fp32 ||scale||. `one_flip` (FP8 only) a row's output change from its costliest single flip (the
      emulation's own flips stand for a correct kernel's, except where it has next to none: a small case),
      `slack_flip` (FP8) a row's from the GEMM1 flips only a kernel's fp32 scale arithmetic takes.
+  4. the excess over the emulation, across token rows (`excess`, where the statistical model applies): each row's
+     D = ||out - truth||^2 - ||emulation - truth||^2 - allowed, allowed = sum of eps_dt^2/12 (round_var + emu^2)
+     + acc_var (one more rounding of every value the emulation rounds, the output included, and the fp32
+     accumulation); a correct kernel's D has mean <= 0, a slip's is its squared size; the rows' self-normalised sum
+     sum D / sqrt(sum D^2) must stay below EXCESS_SIGMAS (it cannot exceed sqrt(rows): silent below 83 rows).
 Elements the contract does not write are compared bit for bit with what the buffer held.
 """
 from __future__ import annotations
@@ -39,6 +44,10 @@ RATIO = 3.0    # aggregate: at most this many times farther from the truth than 
 # (a Gaussian tail of 6.1 sigma: 1e-9); docs/error-model.md, "The statistical model"
 ACC_SIGMAS = 1.2
 FALSE_VERDICT = 1e-9    # the per-case chance of a false per-element verdict the statistical bound allows
+# rule 4: a self-normalised sum of independent rows exceeds z with probability below exp(-z^2/2) when the rows' excesses
+# are symmetric (Efron 1969), and in general below that at z sqrt(2) once their squares estimate their variances
+# (Bercu and Touati 2008): 6.44 sqrt(2) for FALSE_VERDICT. docs/error-model.md, "The excess over the emulation"
+EXCESS_SIGMAS = math.sqrt(2.0 * 2.0 * math.log(1.0 / FALSE_VERDICT))
 
 
 def sigmas(n: int) -> float:
@@ -58,9 +67,11 @@ class Verdict:
     ratio: float = 0.0              # aggregate ratio (kernel error / allowed base)
     max_ulps: float = 0.0           # worst per-element error in units of the per-element bound
     worst: list = field(default_factory=list)   # [(index tuple, out, truth, emulation, bound)]
+    excess: float = 0.0             # rule 4's self-normalised excess over the emulation, in EXCESS_SIGMAS
 
     def summary(self) -> str:
-        return f"{self.kind}: ratio={self.ratio:.3g} (<= {RATIO}), worst element at {self.max_ulps:.3g}x its bound"
+        return (f"{self.kind}: ratio={self.ratio:.3g} (<= {RATIO}), worst element at {self.max_ulps:.3g}x its bound, "
+                f"excess {self.excess:.3g} (<= 1)")
 
 
 def _eps(dtype: torch.dtype) -> float:
@@ -191,17 +202,48 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     idx = _unravel(order, rel.shape)
     worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
     agg = max(ratio, row_ratio)      # the aggregate statistic: the whole tensor's, or its worst row's
+    exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
+                 work_dtype=work_dtype) if acc_var is not None and round_var is not None else None
+    x = 0.0 if exc is None else exc[0]
     if max_ulps > 1.0:
         return Verdict(False, "element", f"{int((rel > 1).sum())} element(s) exceed the per-element bound "
-                       f"(worst {max_ulps:.3g}x); aggregate ratio {agg:.3g}", agg, max_ulps, worst)
+                       f"(worst {max_ulps:.3g}x); aggregate ratio {agg:.3g}", agg, max_ulps, worst, x)
     if ratio > RATIO:
         return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
-                       f"{emu:.3g} (floor {floor:.3g}); bound {RATIO}", agg, max_ulps, worst)
+                       f"{emu:.3g} (floor {floor:.3g}); bound {RATIO}", agg, max_ulps, worst, x)
     if row_ratio > RATIO:
         return Verdict(False, "aggregate", f"row {names[0]}={row}'s aggregate error is {row_ratio:.3g}x the larger "
                        f"of its emulation's and its floor (rule 3 per token row); bound {RATIO}; "
-                       f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst)
-    return Verdict(True, "pass", "", agg, max_ulps, worst)
+                       f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst, x)
+    if x > 1.0:
+        _, rows_over, n_rows, extra = exc
+        return Verdict(False, "aggregate", f"the output is farther from the truth than the emulation plus one more "
+                       f"rounding of every value it rounds, consistently across rows (rule 4): {rows_over} of {n_rows} "
+                       f"rows exceed it, by {extra:.3g} of the allowance in all; self-normalised excess {x:.3g}x "
+                       f"its bound ({EXCESS_SIGMAS:.3g}); aggregate ratio {agg:.3g}", agg, max_ulps, worst, x)
+    return Verdict(True, "pass", "", agg, max_ulps, worst, x)
+
+
+def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
+           acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
+           underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None):
+    """Rule 4: (statistic in EXCESS_SIGMAS, rows whose excess is positive, rows, the total excess over the total
+    allowance), the statistic sum D / (EXCESS_SIGMAS sqrt(sum D^2)) over the rows (dim 0) with a written element,
+    D a row's squared error minus the emulation's minus its allowance. 0 for a 1-D output or no excess."""
+    if truth.dim() < 2:
+        return 0.0, 0, 1, 0.0
+    dims = tuple(range(1, truth.dim()))
+    w = written.to(torch.float64)
+    eps_dt = _eps(dtype)
+    allowed = eps_dt * eps_dt / 12.0 * (round_var.clamp_min(0) + emulation * emulation) + acc_var.clamp_min(0)
+    if underflow is not None:
+        allowed = allowed + (tiny(work_dtype or dtype) * underflow) ** 2
+    d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
+    live = w.sum(dim=dims) > 0
+    d = d[live]
+    total, spread = float(d.sum()), float(torch.linalg.vector_norm(d))
+    stat = total / (EXCESS_SIGMAS * spread) if total > 0 and spread > 0 else 0.0
+    return stat, int((d > 0).sum()), int(live.sum()), total / max(float((allowed * w).sum()), 1e-300)
 
 
 def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,

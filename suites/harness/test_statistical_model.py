@@ -136,3 +136,51 @@ def test_the_power_table_on_a_small_layer():
     assert by["scaling"].oracle.multiple is None or by["scaling"].oracle.multiple > 3 * by["scaling"].judge.multiple
     assert "scaling" in power.power_table([rep])
     assert U32 == 2.0 ** -24
+
+
+# rule 4, the excess over the emulation: a layer with enough token rows for it to speak (it cannot below 83)
+ROWS = '{"level":"expert","T":300,"H":768,"I":384,"E":4,"top_k":2,"max_rank":16,"dtype":"float16","seed":7}'
+
+
+def _noise(out, truth, size, seed=1):
+    """`out` plus random noise of norm `size` times its own distance from the truth (a slip spread over the tensor)."""
+    own = float(torch.linalg.vector_norm(out.to(F64) - truth.value))
+    noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    return (out.to(F64) + noise * (size * own / float(torch.linalg.vector_norm(noise)))).to(out.dtype)
+
+
+def test_the_excess_rule_fails_a_spread_slip_the_ratio_rule_admits():
+    """Noise of 1.5 times the kernel's own error, spread over every row: rule 3 admits it (its ratio stays below
+    3), rule 4 fails it; half that size passes. Without the statistical terms (no acc_var / round_var) rule 4 is off."""
+    case = Case.from_json(ROWS)
+    out, truth, emu = _eager(case)
+    assert _judge(case, out, truth, emu).ok
+    v = _judge(case, _noise(out, truth, 1.5), truth, emu)
+    assert not v.ok and v.kind == "aggregate" and "rule 4" in v.message and v.ratio < compare.RATIO, v.message
+    assert _judge(case, _noise(out, truth, 0.75), truth, emu).ok
+    assert _judge(case, _noise(out, truth, 1.5), truth, emu, acc_var=None, round_var=None).ok
+
+
+@pytest.mark.parametrize("other", ["one_shot_rank2x", "one_shot_rankraw", "small_batch", "two_kernel"])
+def test_the_excess_rule_admits_other_rounding_points(other):
+    """A correct kernel rounding where another production path does (the rank intermediate twice or not at all, the
+    small-batch path's points) passes rule 4 against the one-shot emulation, with a negative excess."""
+    case = Case.from_json(ROWS)
+    _, truth, emu = expert_expectations(case, "one_shot")
+    _, _, elsewhere = expert_expectations(case, other, emulation_only=True)
+    got = elsewhere.value.to(torch.float16)
+    v = _judge(case, got, truth, emu)
+    assert v.ok and v.excess == 0.0, v.summary()
+    stat, over, rows, extra = compare.excess(got.to(F64), truth.value, emu.value, torch.ones_like(got, dtype=torch.bool),
+                                             truth.acc_var, truth.round_var, dtype=torch.float16)
+    assert rows == case.T and extra < 0, (stat, over, rows, extra)
+
+
+def test_the_excess_rule_is_silent_below_its_row_count():
+    """A self-normalised sum of n rows is at most sqrt(n): rule 4 cannot fail 80 rows, however far off."""
+    assert 9.0 < compare.EXCESS_SIGMAS < 9.2 and math.sqrt(80) < compare.EXCESS_SIGMAS < math.sqrt(83)
+    truth = torch.randn(80, 64, dtype=F64, generator=torch.Generator().manual_seed(0))
+    zero = torch.zeros_like(truth)
+    stat, over, rows, _ = compare.excess(truth + 1.0, truth, truth, torch.ones_like(truth, dtype=torch.bool), zero, zero,
+                                         dtype=torch.float16)
+    assert over == rows == 80 and 0 < stat <= math.sqrt(80) / compare.EXCESS_SIGMAS
