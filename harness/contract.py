@@ -63,6 +63,14 @@ class Capabilities:
     graphs: bool = False
     max_tokens: int | None = None
     slot_reuse: bool = True
+    # layer level: a token may be mapped to a slot that holds no adapter (False: the engine cannot say so; vLLM maps
+    # adapter ids, and an unloaded id raises): scenarios then map tokens only to loaded slots or -1
+    maps_unloaded_slots: bool = True
+    # layer level: the values LayerConfig.max_rank may take (vLLM: 1, 8, 16, 32, 64, ...; None: any); a
+    # configuration is built at the smallest allowed max_rank that holds its adapters
+    layer_max_ranks: frozenset | None = None
+    # layer level: LoRA dtypes it holds factors in besides its activation dtype (LayerConfig.lora_dtype)
+    layer_lora_dtypes: frozenset = frozenset()
     # expert level: a token's output is the same bits whatever else is in its batch, its place in it and its
     # adapter's slot number (vLLM's batch-invariant mode); the property views (harness.properties) hold it exactly
     batch_invariant: bool = False

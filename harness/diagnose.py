@@ -142,10 +142,17 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
     """
     if truth is None:
         return None
-    dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
     out = output.detach().to(truth.value.device)
-    declared_emu = _emulation(case, backend_precision, out.device)
+    return name_model(out, truth, written, torch_dtype(case), k_plus_r, backend_precision,
+                      lambda name: _emulation(case, name, out.device))
+
+
+def name_model(out: torch.Tensor, truth, written: torch.Tensor, dtype: torch.dtype, k_plus_r: int,
+               backend_precision: str, emulation_of) -> Diagnosis | None:
+    """diagnose() for any level: `emulation_of(name)` gives a rounding model's value on the inputs `out` came
+    from (the layer level computes it from its scenario, the case levels from the case's seed)."""
+    declared_emu = emulation_of(backend_precision)
     verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,
                               dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
                               underflow=truth.underflow, work_dtype=dtype, **allowances(truth))
@@ -156,7 +163,7 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
         return None
     declared = _fit(backend_precision, describe(backend_precision), out, truth, declared_emu, written, dtype,
                     k_plus_r)
-    fits = [declared] + [_fit(n, describe(n), out, truth, _emulation(case, n, out.device), written, dtype, k_plus_r)
+    fits = [declared] + [_fit(n, describe(n), out, truth, emulation_of(n), written, dtype, k_plus_r)
                          for n in alternatives(backend_precision, dtype)]
     fits.sort(key=lambda f: f.distance)
     best = fits[0]

@@ -18,11 +18,18 @@ builds such a layer; the harness drives it through these methods (docs/architect
   forward(batch) -> (T, H)     `batch`: LayerBatch of the T tokens of the last mapping.
   capture(size)                (Capabilities.graphs) record a forward of `size` tokens (a CUDA graph on a GPU).
   replay(batch) -> (S, H)      `batch` holds S = a captured size tokens; the mapping covers its first
-                               T <= S; the other rows are padding and get no adapter (the layer pads the
-                               mapping with -1, as vLLM pads). Every returned row is judged.
+                               T <= S; the other rows are padding. Their values are free (an engine discards
+                               them; vLLM 0.33 does not pad the mapping: its padding rows read the previous
+                               batch's slots, or whatever the buffer held), but they must not change a real row.
+                               The first T rows are judged.
 
-The twin is the same factory with `lora_enabled=False`, driven the same way but never given an adapter or
-a mapping: a token without an adapter must come out of the layer bit for bit as out of the twin.
+The twin is the same factory with `lora_enabled=False, base_twin=True`, driven the same way but never given an
+adapter or a mapping: a token without an adapter must come out of the layer bit for bit as out of the twin (an
+engine that would select other experts without LoRA must build the twin on the LoRA layer's experts).
+Routing: the batch carries the router's logits and its choice; the logits lead at the k-th expert by
+`layer_scenario.ROUTING_MARGIN`, so a layer that routes itself chooses the same experts.
+What an engine cannot express is declared (harness.contract.Capabilities: maps_unloaded_slots, layer_max_ranks,
+layer_lora_dtypes, slot_reuse, graphs, max_tokens) and the scenarios that need it are declined with the reason.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from moe_lora_harness.reference.activations import (
 )
 
 LAYER_METHODS = ("load_adapter", "unload_adapter", "set_mapping", "forward")
+LAYER_DTYPES = ("float16", "bfloat16", "float32")
 GRAPH_METHODS = ("capture", "replay")
 
 
@@ -66,15 +74,35 @@ class LayerConfig:
     situ_linear_beta: float = SITU_LINEAR_BETA
     renormalize: bool = True               # router: softmax over E, top-k, renormalized to sum 1
     capture_sizes: tuple = ()              # the padded batch sizes a graph may be captured at
+    lora_dtype: str = ""                   # the LoRA factors' dtype ("": the layer's dtype; vLLM's lora_dtype)
+    max_num_seqs: int = 0                  # the engine's most sequences per batch (0: max_tokens, every token may
+                                           # be its own sequence; vLLM sizes its LoRA metadata by it)
+    base_twin: bool = False                # built as a LoRA layer's base twin: build the base path with the experts
+                                           # the LoRA-enabled layer uses (an engine that selects another experts
+                                           # class without LoRA must pin the LoRA layer's here)
+
+    def __post_init__(self):
+        for name in ("dtype", "lora_dtype"):
+            v = getattr(self, name)
+            if v not in LAYER_DTYPES and not (name == "lora_dtype" and v == ""):
+                raise ValueError(f"LayerConfig.{name} must be one of {LAYER_DTYPES}" +
+                                 (" or '' (the layer's dtype)" if name == "lora_dtype" else "") + f"; got {v!r}")
+        if self.max_num_seqs < 0:
+            raise ValueError(f"LayerConfig.max_num_seqs must be >= 0 (0: max_tokens); got {self.max_num_seqs}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The layer's activation and LoRA dtype."""
+        """The layer's activation dtype."""
         return getattr(torch, self.dtype)
 
+    @property
+    def lora_torch_dtype(self) -> torch.dtype:
+        """The dtype the layer holds its LoRA factors in."""
+        return getattr(torch, self.lora_dtype or self.dtype)
+
     def twin(self) -> "LayerConfig":
-        """The same layer with LoRA disabled."""
-        return dataclasses.replace(self, lora_enabled=False)
+        """The same layer with LoRA disabled, built as the LoRA layer's base twin."""
+        return dataclasses.replace(self, lora_enabled=False, base_twin=True)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written, same_bits
+from moe_lora_harness.harness.compare import compare_written, format_worst, same_bits
 from moe_lora_harness.harness.contract import BackendSpec
 from moe_lora_harness.harness.expectation import allowances
+from moe_lora_harness.harness.layer_diagnosis import StepContext, explain
 from moe_lora_harness.harness.layer_scenario import LayerState, Scenario, base_weights, batch
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.adapters import pack_moe_lora
@@ -40,14 +41,15 @@ def layer_case(config, tokens: int) -> Case:
                 max_rank=config.max_rank, bias=config.bias, quant=config.quant, lora=config.lora_enabled)
 
 
-def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, mapping=None):
-    """(truth, emulation) of a batch: base only, or with the adapters loaded now and `mapping` (judged slots)."""
+def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, mapping=None, adapters=None):
+    """(truth, emulation) of a batch: base only, or with the adapters loaded now (`adapters`: others) and `mapping`
+    (judged slots)."""
     c = scenario.config
     lora_in = None
     if mapping is not None:
-        stacked = pack_moe_lora(state.adapters(), max_loras=c.max_loras, max_rank=c.max_rank, num_experts=c.E,
-                                hidden_size=c.H, intermediate_size=c.I, dtype=c.torch_dtype,
-                                gated=is_gated(c.activation))
+        stacked = pack_moe_lora(state.adapters() if adapters is None else adapters, max_loras=c.max_loras,
+                                max_rank=c.max_rank, num_experts=c.E, hidden_size=c.H, intermediate_size=c.I,
+                                dtype=c.lora_torch_dtype, gated=is_gated(c.activation))
         lora_in = LoRAInputs(stacked, mapping)
     args = (b.hidden_states, w.w13, w.w2, b.topk_weights, b.topk_ids)
     kw = dict(activation=c.activation, w13_bias=w.w13_bias, w2_bias=w.w2_bias, lora=lora_in)
@@ -56,13 +58,29 @@ def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, 
     return truth, emu
 
 
-def _values(rows, truth, emu, config, precision_name) -> StepVerdict | None:
+def _compare(rows, truth, emu, config, precision_name, real: int):
+    """compare_written over rows [0, real) (padding rows beyond are free)."""
     dt = config.torch_dtype
-    written = torch.ones(rows.shape, dtype=torch.bool)
-    v = compare_written(rows, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(precision_name, dt),
-                        k_plus_r=config.H + config.I + config.max_rank, names=("t", "h"),
-                        underflow=truth.underflow, work_dtype=dt, **allowances(truth))
-    return None if v.ok else StepVerdict(False, v.kind, VALUES, v.message + (f"; worst: {v.worst}" if v.worst else ""))
+    written = torch.zeros(rows.shape, dtype=torch.bool)
+    written[:real] = True
+    return compare_written(rows, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(precision_name, dt),
+                           k_plus_r=k_plus_r(config), names=("t", "h"), underflow=truth.underflow, work_dtype=dt,
+                           **allowances(truth))
+
+
+def k_plus_r(config) -> int:
+    return config.H + config.I + config.max_rank
+
+
+def _failed(kind_prefix: str, feature: str, head: str, v, ctx: StepContext, truth, emu, dtype) -> StepVerdict:
+    """A value failure's verdict: the judge's message, the worst elements (labelled, with their rows' slots), and
+    the diagnosis (harness.layer_diagnosis)."""
+    slot = lambda idx: f"slot {int(ctx.effective[idx[0]])}" if int(ctx.effective[idx[0]]) >= 0 else "no adapter"  # noqa: E731
+    lines = [head + v.message]
+    if v.worst:
+        lines.append("worst elements (t: token row, h: hidden column):\n" + format_worst(v, ("t", "h"), coords=slot))
+    lines += explain(ctx, truth, emu, dtype, v.kind)
+    return StepVerdict(False, kind_prefix + v.kind, feature, "\n  ".join(lines))
 
 
 def _who(state: LayerState, step: dict, t: int) -> str:
@@ -73,24 +91,39 @@ def _who(state: LayerState, step: dict, t: int) -> str:
 
 
 def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: dict, rows, twin_rows,
-               device: str) -> StepVerdict:
-    """Judge the outputs of one forward/replay step, the state being what the steps before it left."""
+               device: str, previous: tuple | None = None) -> StepVerdict:
+    """Judge the outputs of one forward/replay step, the state being what the steps before it left; `previous`:
+    (mapping, rows) of the run before it (the diagnosis reads it)."""
     c = scenario.config
     size = step.get("size", len(step["mapping"]))
     for who, r in (("layer", rows), ("LoRA-disabled twin", twin_rows)):
         if tuple(r.shape) != (size, c.H) or r.dtype != c.torch_dtype:
             return StepVerdict(False, "shape", VALUES, f"the {who} returned {tuple(r.shape)} {r.dtype}; expected "
                                                        f"({size}, {c.H}) {c.torch_dtype} for a batch of {size} tokens")
-    if size == 0:
+    real = len(step["mapping"])          # rows beyond are a replay's padding: their values are free
+    if real == 0:
         return StepVerdict(True)
     precision_name = spec.precision_for(layer_case(c, size), device)
     w, b = base_weights(scenario, "cpu"), batch(c, step, "cpu")     # what both expectations are computed from
-    twin_truth, twin_emu = _expected(scenario, state, w, b, precision_name)
-    bad = _values(twin_rows, twin_truth, twin_emu, c, precision_name)
-    if bad is not None:
-        return StepVerdict(False, "twin-" + bad.kind, TWIN, "the LoRA-disabled twin is not the base layer: " + bad.message)
     effective = state.effective_mapping(step)
+
+    def expected(mapping, adapters=None, precision=None):
+        return _expected(scenario, state, w, b, precision or precision_name, mapping, adapters)
+
+    def judge(r, truth, emu, name):
+        return _compare(r, truth, emu, c, name, real)
+
+    def context(r, slots, adapters):
+        return StepContext(r, real, slots, adapters, expected, precision_name, judge, k_plus_r(c), previous)
+
+    twin_truth, twin_emu = expected(None)
+    v = judge(twin_rows, twin_truth, twin_emu, precision_name)
+    if not v.ok:
+        none = torch.full_like(effective, -1)
+        return _failed("twin-", TWIN, "the LoRA-disabled twin is not the base layer: ", v,
+                       context(twin_rows, none, [None] * c.max_loras), twin_truth, twin_emu, c.torch_dtype)
     none = effective < 0
+    none[real:] = False
     diff = none[:, None] & ~same_bits(rows, twin_rows)
     if diff.any():
         tokens = sorted({int(t) for t in diff.nonzero()[:, 0]})
@@ -101,6 +134,8 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
                            f"{tokens[:8]}); token {t} ({_who(state, step, t)}), column {h}: layer "
                            f"{float(rows[t, h]):.8g} vs twin {float(twin_rows[t, h]):.8g} "
                            f"({int(diff[t].sum())} of {c.H} columns differ)")
-    truth, emu = _expected(scenario, state, w, b, precision_name, effective)
-    bad = _values(rows, truth, emu, c, precision_name)
-    return bad or StepVerdict(True)
+    truth, emu = expected(effective)
+    v = judge(rows, truth, emu, precision_name)
+    if not v.ok:
+        return _failed("", VALUES, "", v, context(rows, effective, state.adapters()), truth, emu, c.torch_dtype)
+    return StepVerdict(True)

@@ -28,7 +28,31 @@ def layer_support(spec: BackendSpec, scenario: Scenario, device: str) -> tuple[b
         return False, f"max_tokens {c.max_tokens} > supported {cap.max_tokens}"
     if not cap.slot_reuse and _reuses_a_slot(scenario):
         return False, "loading an adapter into a slot that held another not declared (Capabilities.slot_reuse)"
+    if cap.layer_max_ranks is not None and c.max_rank not in cap.layer_max_ranks:
+        return False, (f"max_rank {c.max_rank} is not one the engine allows (Capabilities.layer_max_ranks: "
+                       f"{sorted(cap.layer_max_ranks)})")
+    if c.lora_dtype and c.lora_dtype != c.dtype and c.lora_dtype not in cap.layer_lora_dtypes:
+        return False, (f"LoRA factors in {c.lora_dtype} beside {c.dtype} activations not declared "
+                       f"(Capabilities.layer_lora_dtypes)")
+    if not cap.maps_unloaded_slots:
+        where = _maps_an_unloaded_slot(scenario)
+        if where is not None:
+            return False, (f"step {where} maps a token to a slot that holds no adapter, which the engine cannot "
+                           f"express (Capabilities.maps_unloaded_slots)")
     return True, ""
+
+
+def _maps_an_unloaded_slot(scenario: Scenario) -> int | None:
+    """The first run step that maps a token to an empty slot (None: none does)."""
+    loaded: set = set()
+    for i, s in enumerate(scenario.steps):
+        if s["do"] == "load":
+            loaded.add(s["slot"])
+        elif s["do"] == "unload":
+            loaded.discard(s["slot"])
+        elif s["do"] in RUNS and any(m >= 0 and m not in loaded for m in s["mapping"]):
+            return i
+    return None
 
 
 def _reuses_a_slot(scenario: Scenario) -> bool:
@@ -65,6 +89,7 @@ def first_failure(spec: BackendSpec, scenario: Scenario, device: str, ex, start:
     """Judge the steps `start:` of an execution (ScenarioExecution) in order; `state`: the model after the steps
     before `start` (advanced in place)."""
     state = state or LayerState(scenario.config)
+    previous = None        # (mapping, rows) of the last run judged: the diagnosis reads it
     for i in range(start, len(scenario.steps)):
         step = scenario.steps[i]
         if ex.failure is not None and (ex.failed_step is None or ex.failed_step <= i):
@@ -73,9 +98,10 @@ def first_failure(spec: BackendSpec, scenario: Scenario, device: str, ex, start:
             return LayerFailure(i, f.kind, step["do"], f"step {i} ({step['do']}): {what}")
         if step["do"] in RUNS:
             rows, twin = ex.outputs[i]
-            v: StepVerdict = judge_step(spec, scenario, state, step, rows, twin, device)
+            v: StepVerdict = judge_step(spec, scenario, state, step, rows, twin, device, previous)
             if not v.ok:
                 return LayerFailure(i, v.kind, v.feature, f"step {i} ({step['do']}): {v.message}")
+            previous = (step["mapping"], rows)
         state.apply(step)
     return None
 
@@ -114,8 +140,8 @@ def failed_outcome(spec: BackendSpec, scenario: Scenario, device: str, failure: 
     lines = [f"FAIL backend={spec.name} level=layer device={device} kind={failure.kind} feature={failure.feature}",
              f"  {failure.message}"]
     if failure.feature == NEUTRALITY:
-        lines.append("  (neutrality: a token without an adapter, or whose slot was unloaded, or a padding token, must "
-                     "come out bit for bit as out of the same layer built with LoRA disabled)")
+        lines.append("  (neutrality: a token without an adapter, or whose slot was unloaded, must come out bit for bit "
+                     "as out of the same layer built with LoRA disabled; a replay's padding rows are free)")
     if log.strip():
         lines.append("  layer output (tail):\n    " + "\n    ".join(log.strip().splitlines()[-12:]))
     lines += [f"SCENARIO: {cut.to_json()}", f"REPRO: {repro}"]

@@ -65,8 +65,11 @@ class Scenario:
             kind = s["do"]
             if kind in ("load", "unload") and not 0 <= s["slot"] < c.max_loras:
                 out.append(f"steps[{i}]: slot {s['slot']} outside [0, max_loras={c.max_loras})")
-            if kind == "load" and not 1 <= s["rank"] <= c.max_rank:
-                out.append(f"steps[{i}]: rank {s['rank']} outside [1, max_rank={c.max_rank}]")
+            if kind == "load":
+                out += [f"steps[{i}]: {k} {s.get(k)!r} outside [1, max_rank={c.max_rank}]" for k in ("rank", "w2_rank")
+                        if (k == "rank" or k in s) and not (type(s.get(k)) is int and 1 <= s[k] <= c.max_rank)]
+                out += [f"steps[{i}]: {k} {s[k]!r} is not a finite number" for k in ("scaling", "w2_scaling")
+                        if k in s and not (type(s[k]) in (int, float) and math.isfinite(s[k]))]
             if kind in RUNS:
                 T = len(s["mapping"])
                 size = s.get("size", T)
@@ -104,9 +107,11 @@ def base_weights(scenario: Scenario, device) -> LayerWeights:
 
 
 def adapter(config: LayerConfig, step: dict) -> ExpertAdapter:
-    """The adapter a load step loads (float32 checkpoint factors, scaling ADAPTER_SCALING); zero_b: B = 0."""
+    """The adapter a load step loads (float32 checkpoint factors): w13 rank `rank` and scaling `scaling` (default
+    ADAPTER_SCALING), w2 its own `w2_rank` / `w2_scaling` when given (PEFT's gate_up 2r, down r); zero_b: B = 0."""
     a = ExpertAdapter.random(config.E, config.H, config.I, step["rank"], is_gated(config.activation),
-                             scaling=ADAPTER_SCALING, generator=_gen(step["seed"], 2))
+                             scaling=step.get("scaling", ADAPTER_SCALING), generator=_gen(step["seed"], 2),
+                             down_rank=step.get("w2_rank"), down_scaling=step.get("w2_scaling"))
     if step.get("zero_b"):
         a = dataclasses.replace(a, gate_b=torch.zeros_like(a.gate_b), down_b=torch.zeros_like(a.down_b),
                                 up_b=None if a.up_b is None else torch.zeros_like(a.up_b))
@@ -120,9 +125,26 @@ def batch(config: LayerConfig, step: dict, device) -> LayerBatch:
     g = _gen(step["seed"], 3)
     x = torch.randn(size, config.H, generator=g).to(config.torch_dtype)
     x[::3, ::7] = -0.0            # a token's sign of zero must survive the layer's untouched paths
-    logits = torch.randn(size, config.E, generator=g, dtype=torch.float32)
+    logits = with_margin(torch.randn(size, config.E, generator=g, dtype=torch.float32), config.top_k)
     w, ids = fused_topk(logits, config.top_k, config.renormalize)
     return LayerBatch(x.to(device), logits.to(device), w.to(device), ids.to(device))
+
+
+# the least gap between a token's k-th and (k+1)-th logit: a layer that routes itself from the logits (a real engine's
+# fused top-k, its own softmax) chooses the same experts as the judge's router whatever its fp32 rounding (a near-tie
+# chosen the other way would read as a wrong value); logits are N(0, 1), their fp32 rounding ~1e-7
+ROUTING_MARGIN = 0.05
+
+
+def with_margin(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """`logits` (S, E) with each row's top k raised so they lead the rest by at least ROUTING_MARGIN (the same
+    choice, no near-tie at the boundary)."""
+    if k >= logits.shape[-1] or logits.shape[0] == 0:
+        return logits
+    top, ids = logits.topk(k + 1, dim=-1)
+    lift = (ROUTING_MARGIN - (top[:, k - 1] - top[:, k])).clamp_min(0)
+    chosen = torch.zeros_like(logits).scatter_(1, ids[:, :k], 1.0)
+    return logits + chosen * lift[:, None]
 
 
 def mapping(step: dict, device) -> torch.Tensor:
@@ -154,7 +176,8 @@ class LayerState:
 
     def effective_mapping(self, step: dict) -> torch.Tensor:
         """The slot each row of the step's output is judged with: -1 where the token has no adapter (mapped
-        to -1 or to an empty slot) and for padding rows; (S,) int32 on the CPU."""
+        to -1 or to an empty slot); (S,) int32 on the CPU. Padding rows (a replay's beyond its mapping) read -1
+        here, but their values are free (harness.layer_judge judges the first len(mapping) rows)."""
         size = step.get("size", len(step["mapping"]))
         m = torch.full((size,), -1, dtype=torch.int32)
         for t, s in enumerate(step["mapping"]):
