@@ -41,11 +41,11 @@ def _pad_rank(t: torch.Tensor, dim: int, r: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_per_module_rank_and_scaling_load(name):
-    c = CONFIG
-    weights = base_weights(Scenario(c), "cpu")
-    b = scenario_batch(c, {"mapping": [0] * 6, "seed": 3}, "cpu")
-    mapping = torch.zeros(6, dtype=torch.int32)
+def test_per_module_rank_and_scaling_load(name, device):
+    c = dataclasses.replace(CONFIG, device=device)
+    weights = base_weights(Scenario(CONFIG), device)
+    b = scenario_batch(c, {"mapping": [0] * 6, "seed": 3}, device)
+    mapping = torch.zeros(6, dtype=torch.int32, device=device)
     mixed = ExpertAdapter.random(c.E, c.H, c.I, 6, True, 0.5, torch.Generator().manual_seed(1),
                                  down_rank=3, down_scaling=4.0)
 

@@ -23,7 +23,8 @@ TINY = {
     "mixtral": ("mixtral", dict(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
                                 num_hidden_layers=1)),
     "gpt_oss": ("gpt_oss", dict(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2,
-                                num_hidden_layers=1, layer_types=["full_attention"], sliding_window=8)),
+                                num_hidden_layers=1, layer_types=["full_attention"], sliding_window=8,
+                                swiglu_limit=7.0)),   # as the hub's config (a transformers may not write it)
     "deepseek_v3": ("deepseek_v3", dict(hidden_size=H, moe_intermediate_size=I // 2, intermediate_size=48,
                                         n_routed_experts=E, num_experts_per_tok=2, n_group=4, topk_group=2,
                                         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,

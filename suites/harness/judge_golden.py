@@ -1,12 +1,14 @@
 """Fingerprints of the judge's CPU work on a spread of op and expert cases (inputs, digest, truth, emulations,
 verdicts), RECORDED before the judge learned to build and compute on a CUDA device: on the CPU every bit must
 stay as it was (suites/harness/test_judge_device.py). `python -m moe_lora_harness.suites.harness.judge_golden`
-prints the current fingerprints as JSON."""
+prints the current fingerprints as JSON; with `--record` it also records them for the running torch build (a build
+other than CI's keeps its own: BUILDS_FILE)."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import pathlib
 
 import torch
 
@@ -321,6 +323,31 @@ RECORDED = {
     },
 }
 
+RECORDED_BUILD = "2.13"     # the torch build RECORDED was computed under (CI's pin)
+# other builds' fingerprints: float64 GEMM blocking and libm differ between torch builds, so the truth's last bits
+# (and the verdicts' numbers read from it) are a build's own; the inputs and their digest are the same on every one
+BUILDS_FILE = pathlib.Path(__file__).with_name("judge_golden_builds.json")
+BUILD_INDEPENDENT = ("tensors", "digest")
+
+
+def torch_build() -> str:
+    """The running torch's major.minor (a CUDA or CPU wheel of one release computes the CPU judge alike)."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def recorded_for(build: str) -> dict | None:
+    """{case json: fingerprint} recorded under `build`, None when that build has none."""
+    if build == RECORDED_BUILD:
+        return RECORDED
+    builds = json.loads(BUILDS_FILE.read_text()) if BUILDS_FILE.exists() else {}
+    return builds.get(build)
+
 
 if __name__ == "__main__":
-    print(json.dumps({c.to_json(): fingerprint(c) for c in CASES}, indent=1, sort_keys=True))
+    import sys
+    got = {c.to_json(): fingerprint(c) for c in CASES}
+    if sys.argv[1:] == ["--record"]:      # add (or replace) the running build's fingerprints in BUILDS_FILE
+        builds = json.loads(BUILDS_FILE.read_text()) if BUILDS_FILE.exists() else {}
+        builds[torch_build()] = got
+        BUILDS_FILE.write_text(json.dumps(builds, indent=1, sort_keys=True) + "\n")
+    print(json.dumps(got, indent=1, sort_keys=True))

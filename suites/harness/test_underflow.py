@@ -54,10 +54,13 @@ def test_correct_kernel_passes_where_values_go_subnormal(case, device):
 
 @pytest.mark.parametrize("case", TINY_OP + TINY_EXPERT, ids=lambda c: c.id)
 def test_the_allowance_is_what_passes_them(case, device):
-    """Without the underflow term these correct outputs fail per element: the term is needed, not decoration."""
+    """Without the underflow term these correct outputs fail per element on the CPU, where the cases were found: the
+    term is needed, not decoration. (On a GPU the same kernels may round where nothing underflows, e.g. eager's w2
+    delta kept in fp32 by its GEMM until the add: the term is then unused, and only the passing verdict is claimed.)"""
     with_allowance, without = _verdicts(_correct(case), case, device)
     assert with_allowance.ok, with_allowance.message
-    assert not without.ok and without.kind == "element", without.summary()
+    if device == "cpu":
+        assert not without.ok and without.kind == "element", without.summary()
 
 
 @pytest.mark.parametrize("case", TINY_OP[:2], ids=lambda c: c.id)
