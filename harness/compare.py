@@ -47,7 +47,12 @@ FALSE_VERDICT = 1e-9    # the per-case chance of a false per-element verdict the
 # rule 4: a self-normalised sum of independent rows exceeds z with probability below exp(-z^2/2) when the rows' excesses
 # are symmetric (Efron 1969), and in general below that at z sqrt(2) once their squares estimate their variances
 # (Bercu and Touati 2008): 6.44 sqrt(2) for FALSE_VERDICT. docs/error-model.md, "The excess over the emulation"
-EXCESS_SIGMAS = math.sqrt(2.0 * 2.0 * math.log(1.0 / FALSE_VERDICT))
+def excess_sigmas(tests: int = 1) -> float:
+    """Rule 4's threshold when it is tried on `tests` sets of rows (a union bound: each at FALSE_VERDICT / tests)."""
+    return math.sqrt(2.0 * 2.0 * math.log(max(int(tests), 1) / FALSE_VERDICT))
+
+
+EXCESS_SIGMAS = excess_sigmas(1)
 
 
 def sigmas(n: int) -> float:
@@ -118,7 +123,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                     underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
                     flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None,
                     slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
-                    round_var: torch.Tensor | None = None) -> Verdict:
+                    round_var: torch.Tensor | None = None, row_groups: torch.Tensor | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
@@ -127,7 +132,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     `flip` (T, H), `one_flip` and `slack_flip` (T,) (the reference's ExpertExpected fields, absolute; None: none)
     widen the per-element bound and the aggregate floor. `acc_var` (the truth's, None: the worst-case accumulation
     term) gives the floor's statistical accumulation term; with `round_var` too, the per-element bound is the smaller
-    of the worst case and the statistical one. Rule 3 holds for each row (dim 0) too (`row_ratios`).
+    of the worst case and the statistical one. Rule 3 holds for each row (dim 0) too (`row_ratios`). `row_groups`
+    (one label per row: each token's LoRA slot) makes rule 4 hold for each group's rows too.
     Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
@@ -203,7 +209,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
     agg = max(ratio, row_ratio)      # the aggregate statistic: the whole tensor's, or its worst row's
     exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                 work_dtype=work_dtype) if acc_var is not None and round_var is not None else None
+                 work_dtype=work_dtype, row_groups=row_groups) if acc_var is not None and round_var is not None else None
     x = 0.0 if exc is None else exc[0]
     if max_ulps > 1.0:
         return Verdict(False, "element", f"{int((rel > 1).sum())} element(s) exceed the per-element bound "
@@ -216,22 +222,24 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        f"of its emulation's and its floor (rule 3 per token row); bound {RATIO}; "
                        f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst, x)
     if x > 1.0:
-        _, rows_over, n_rows, extra = exc
+        _, rows_over, n_rows, extra, where = exc
         return Verdict(False, "aggregate", f"the output is farther from the truth than the emulation plus one more "
-                       f"rounding of every value it rounds, consistently across rows (rule 4): {rows_over} of {n_rows} "
-                       f"rows exceed it, by {extra:.3g} of the allowance in all; self-normalised excess {x:.3g}x "
-                       f"its bound ({EXCESS_SIGMAS:.3g}); aggregate ratio {agg:.3g}", agg, max_ulps, worst, x)
+                       f"rounding of every value it rounds, consistently across rows (rule 4): over {where}, "
+                       f"{rows_over} of {n_rows} rows exceed it, by {extra:.3g} of the allowance in all; "
+                       f"self-normalised excess {x:.3g}x its bound; aggregate ratio {agg:.3g}", agg, max_ulps, worst, x)
     return Verdict(True, "pass", "", agg, max_ulps, worst, x)
 
 
 def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
            acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
-           underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None):
-    """Rule 4: (statistic in EXCESS_SIGMAS, rows whose excess is positive, rows, the total excess over the total
-    allowance), the statistic sum D / (EXCESS_SIGMAS sqrt(sum D^2)) over the rows (dim 0) with a written element,
-    D a row's squared error minus the emulation's minus its allowance. 0 for a 1-D output or no excess."""
+           underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
+           row_groups: torch.Tensor | None = None):
+    """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
+    the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
+    The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
+    its allowance; > 1 fails. A 1-D output has none."""
     if truth.dim() < 2:
-        return 0.0, 0, 1, 0.0
+        return 0.0, 0, 1, 0.0, "no rows"
     dims = tuple(range(1, truth.dim()))
     w = written.to(torch.float64)
     eps_dt = _eps(dtype)
@@ -239,11 +247,21 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     if underflow is not None:
         allowed = allowed + (tiny(work_dtype or dtype) * underflow) ** 2
     d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
+    a = (allowed * w).sum(dim=dims)
     live = w.sum(dim=dims) > 0
-    d = d[live]
-    total, spread = float(d.sum()), float(torch.linalg.vector_norm(d))
-    stat = total / (EXCESS_SIGMAS * spread) if total > 0 and spread > 0 else 0.0
-    return stat, int((d > 0).sum()), int(live.sum()), total / max(float((allowed * w).sum()), 1e-300)
+    sets = [("every row", live)]
+    if row_groups is not None and row_groups.numel() == live.numel():
+        g = row_groups.to(live.device)
+        sets += [(f"the rows labelled {int(v)} (row_groups: each token's LoRA slot)", live & (g == v)) for v in torch.unique(g[live]).tolist()]
+        sets = [sets[0]] + [(n, m) for n, m in sets[1:] if int(m.sum()) > 1 and int(m.sum()) < int(live.sum())]
+    z = excess_sigmas(len(sets))
+    found = []
+    for name, m in sets:
+        dm = d[m]
+        total, spread = float(dm.sum()), float(torch.linalg.vector_norm(dm))
+        stat = total / (z * spread) if total > 0 and spread > 0 else 0.0
+        found.append((stat, int((dm > 0).sum()), int(m.sum()), total / max(float(a[m].sum()), 1e-300), name))
+    return max(found, key=lambda f: f[0])     # the first (every row) among equals
 
 
 def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,

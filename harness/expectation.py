@@ -36,6 +36,15 @@ def allowances(truth) -> dict:
     return {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
 
 
+def row_groups(inputs, truth) -> torch.Tensor | None:
+    """Each output row's LoRA slot (-1: none), the groups rule 4 also holds for (harness.compare.excess): a mistake
+    confined to one slot's tokens is measured against those rows' own allowance. None where rows are not tokens."""
+    m = getattr(inputs, "token_lora_mapping", None)
+    if m is None or truth.value.dim() < 2 or m.numel() != truth.value.shape[0]:
+        return None
+    return m.reshape(-1)
+
+
 def judging(case: Case, truth) -> tuple:
     """(written mask, K+R, index names): what a case's output is compared over."""
     if case.level == "op":

@@ -58,14 +58,15 @@ def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, 
     return truth, emu
 
 
-def _compare(rows, truth, emu, config, precision_name, real: int):
-    """compare_written over rows [0, real) (padding rows beyond are free)."""
+def _compare(rows, truth, emu, config, precision_name, real: int, slots=None):
+    """compare_written over rows [0, real) (padding rows beyond are free); `slots`: each row's judged slot (rule 4
+    holds per slot too)."""
     dt = config.torch_dtype
     written = torch.zeros(rows.shape, dtype=torch.bool)
     written[:real] = True
     return compare_written(rows, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(precision_name, dt),
                            k_plus_r=k_plus_r(config), names=("t", "h"), underflow=truth.underflow, work_dtype=dt,
-                           **allowances(truth))
+                           row_groups=slots, **allowances(truth))
 
 
 def k_plus_r(config) -> int:
@@ -110,8 +111,8 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     def expected(mapping, adapters=None, precision=None):
         return _expected(scenario, state, w, b, precision or precision_name, mapping, adapters)
 
-    def judge(r, truth, emu, name):
-        return _compare(r, truth, emu, c, name, real)
+    def judge(r, truth, emu, name, slots=None):
+        return _compare(r, truth, emu, c, name, real, slots)
 
     def context(r, slots, adapters):
         return StepContext(r, real, slots, adapters, expected, precision_name, judge, k_plus_r(c), previous)
@@ -135,7 +136,7 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
                            f"{float(rows[t, h]):.8g} vs twin {float(twin_rows[t, h]):.8g} "
                            f"({int(diff[t].sum())} of {c.H} columns differ)")
     truth, emu = expected(effective)
-    v = judge(rows, truth, emu, precision_name)
+    v = judge(rows, truth, emu, precision_name, effective)
     if not v.ok:
         return _failed("", VALUES, "", v, context(rows, effective, state.adapters()), truth, emu, c.torch_dtype)
     return StepVerdict(True)

@@ -22,7 +22,7 @@ import torch
 from moe_lora_harness.harness.builders import ExpertInputs, torch_dtype
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness.expectation import allowances, judging
+from moe_lora_harness.harness.expectation import allowances, judging, row_groups
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
 
@@ -180,7 +180,8 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
 
     def judge(out):
         return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=dt, k_plus_r=k_plus_r,
-                               names=names, underflow=truth.underflow, work_dtype=dt, **allowances(truth))
+                               names=names, underflow=truth.underflow, work_dtype=dt,
+                               row_groups=row_groups(inp, truth), **allowances(truth))
 
     out0 = run(inp)
     v0 = judge(out0)

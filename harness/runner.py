@@ -20,7 +20,7 @@ from moe_lora_harness.harness.compare import Verdict, compare_written, format_wo
 from moe_lora_harness.harness.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execute import Execution, InProcess, inputs_digest
-from moe_lora_harness.harness.expectation import allowances, judging, op_expectations
+from moe_lora_harness.harness.expectation import allowances, judging, op_expectations, row_groups
 from moe_lora_harness.harness.interpreter import cannot_run_here
 from moe_lora_harness.harness.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -209,7 +209,7 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
                               dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=k_plus_r,
                               before=exp.before, names=names,
                               underflow=exp.truth.underflow, work_dtype=torch_dtype(case),
-                              **allowances(exp.truth))
+                              row_groups=row_groups(exp.inputs, exp.truth), **allowances(exp.truth))
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict

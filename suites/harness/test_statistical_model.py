@@ -171,8 +171,9 @@ def test_the_excess_rule_admits_other_rounding_points(other):
     got = elsewhere.value.to(torch.float16)
     v = _judge(case, got, truth, emu)
     assert v.ok and v.excess == 0.0, v.summary()
-    stat, over, rows, extra = compare.excess(got.to(F64), truth.value, emu.value, torch.ones_like(got, dtype=torch.bool),
-                                             truth.acc_var, truth.round_var, dtype=torch.float16)
+    stat, over, rows, extra, _ = compare.excess(got.to(F64), truth.value, emu.value,
+                                                torch.ones_like(got, dtype=torch.bool), truth.acc_var, truth.round_var,
+                                                dtype=torch.float16)
     assert rows == case.T and extra < 0, (stat, over, rows, extra)
 
 
@@ -181,6 +182,26 @@ def test_the_excess_rule_is_silent_below_its_row_count():
     assert 9.0 < compare.EXCESS_SIGMAS < 9.2 and math.sqrt(80) < compare.EXCESS_SIGMAS < math.sqrt(83)
     truth = torch.randn(80, 64, dtype=F64, generator=torch.Generator().manual_seed(0))
     zero = torch.zeros_like(truth)
-    stat, over, rows, _ = compare.excess(truth + 1.0, truth, truth, torch.ones_like(truth, dtype=torch.bool), zero, zero,
-                                         dtype=torch.float16)
+    stat, over, rows, _, _ = compare.excess(truth + 1.0, truth, truth, torch.ones_like(truth, dtype=torch.bool), zero,
+                                            zero, dtype=torch.float16)
     assert over == rows == 80 and 0 < stat <= math.sqrt(80) / compare.EXCESS_SIGMAS
+
+
+def test_the_excess_rule_holds_per_slot_group():
+    """Noise on the rows of one slot's tokens only, of 1.2 times the kernel's own error over the whole tensor: with
+    the tokens' slots as row groups rule 4 fails it over that slot's rows; over every row alone it passes."""
+    case = Case.from_json(ROWS)
+    inp, truth, emu = expert_expectations(case, "one_shot")
+    call = inp.call("cpu")
+    EAGER.experts(call)
+    out = call.output
+    slots = inp.token_lora_mapping
+    one = slots == int(slots.max())
+    own = float(torch.linalg.vector_norm(out.to(F64) - truth.value))
+    noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=F64) * one[:, None]
+    bad = (out.to(F64) + noise * (1.2 * own / float(torch.linalg.vector_norm(noise)))).to(out.dtype)
+    v = _judge(case, bad, truth, emu, row_groups=slots)
+    assert not v.ok and "rows labelled" in v.message, v.summary()
+    assert _judge(case, bad, truth, emu).ok
+    assert _judge(case, out, truth, emu, row_groups=slots).ok
+    assert compare.excess_sigmas(5) > compare.EXCESS_SIGMAS
