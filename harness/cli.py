@@ -8,7 +8,7 @@
                         [--junit F] [--palette auto|free|classes] [--jobs N]
   moe-lora-harness list [--backend REF] [--only NAME]
   moe-lora-harness selftest [--corpus op|tp|semantics|ep|fp8|reach|schedule|layer|production] [--detectors check,fuzz]
-                            [--quick] [--junit F]
+                            [--quick] [--budget 10m] [--junit F] [--json F] [--write-order PATH]
   moe-lora-harness adapter verify DIR [DIR...] --model-config PATH [--layers N] [--against DIR...]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
@@ -599,7 +599,8 @@ def cmd_selftest(args) -> int:
     if args.power:
         return _power(args, device)
     from moe_lora_harness.harness.report import to_junit
-    from moe_lora_harness.harness.selftest import CORPORA, junit_cases, kill_matrix_text, run_selftest
+    from moe_lora_harness.harness.selftest import CORPORA, SelftestResult, junit_cases, kill_matrix_text, run_selftest
+    from moe_lora_harness.harness.selftest_progress import SelftestProgress
     known = [c.name for c in CORPORA]
     for name in args.corpus:
         if name not in known:
@@ -608,29 +609,39 @@ def cmd_selftest(args) -> int:
     bad = [d for d in detectors if d not in ("check", "fuzz")]
     if bad or not detectors:
         raise UsageError(f"--detectors must be a comma-separated subset of check,fuzz; got {args.detectors!r}")
+    if args.write_order and "check" not in detectors:
+        raise UsageError("--write-order needs the check detector (--detectors check)")
     budget = args.fuzz_budget if args.fuzz_budget is not None else (5.0 if args.quick else 20.0)
     examples = 120 if args.quick else 200     # the tp corpus needs 20-50 draws (fully-sharded cases)
     executor = _executor(args)
     t0 = time.time()
+    res = SelftestResult()          # filled as it goes: a Ctrl-C keeps what finished
+    progress = SelftestProgress(live=_progress_wanted(args), verbose=args.verbose)
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        res = run_selftest(device, executor, corpora=args.corpus or None, detectors=detectors, fuzz_budget_s=budget,
-                           fuzz_max_examples=examples, palette=args.palette,
-                           progress=(lambda what: print(f"[selftest] {what}", file=sys.stderr)) if args.verbose else None)
+        run_selftest(device, executor, corpora=args.corpus or None, detectors=detectors, fuzz_budget_s=budget,
+                     fuzz_max_examples=examples, palette=args.palette, progress=progress, result=res,
+                     deadline=time.monotonic() + args.budget if args.budget else None, all_rows=bool(args.write_order))
     except KeyboardInterrupt:
-        print("INTERRUPTED", file=sys.stderr)
-        return 130
+        res.stopped = "interrupted"
     finally:
+        signal.signal(signal.SIGTERM, previous_term)
         executor.close()
+        progress.close()
     print(kill_matrix_text(res, detectors))
     if args.junit:
         pathlib.Path(args.junit).write_text(to_junit("moe-lora-harness selftest", junit_cases(res)))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
             "device": device, "detectors": detectors, "fuzz_budget_s": budget, "seconds": round(time.time() - t0, 1),
+            "budget_s": args.budget, "partial": bool(res.stopped), "stopped": res.stopped or None,
+            "not_reached": ["/".join(k) for k in res.not_reached], "in_flight": "/".join(res.in_flight or ()) or None,
             "mutants": {f"{c}/{b}": {d: vars(k) for d, k in cells.items()} for (c, b), cells in res.cells.items()},
             "controls": {f"{c}/{b}": fails for (c, b), fails in res.controls.items()},
             "skipped": res.skipped, "survivors": [f"{c}/{b}" for c, b in res.survivors],
             "misnamed": [f"{c}/{b}/{d}" for c, b, d in res.misnamed]}, indent=1, sort_keys=True))
+    if args.write_order:
+        _write_order(args.write_order, device, res)
     n = len(res.cells)
     print(f"\n{n} mutants, {n - len(res.survivors)} killed, {len(res.survivors)} survived; "
           f"{len(res.controls) - len(res.failing_controls)} of {len(res.controls)} controls pass; "
@@ -642,10 +653,26 @@ def cmd_selftest(args) -> int:
         print(f"MISNAMED: {c}/{b} by {d}: commits {k.expected}, named {k.named or 'nothing'}")
     for c, b in res.failing_controls:
         print(f"CONTROL FAILED: {c}/{b}: {'; '.join(res.controls[(c, b)])}")
+    if res.stopped:      # partial: what finished is above; what did not is no pass
+        print(f"PARTIAL: {len(res.not_reached)} of {len(res.planned)} mutants and controls not finished "
+              f"({'interrupted' if res.stopped == 'interrupted' else f'--budget {args.budget:g}s spent'})")
+        return 130 if res.stopped == "interrupted" else 1
     if not n and not res.controls:
         print("NOTHING TESTED: no corpus ran here")
         return 1
     return 1 if (res.survivors or res.failing_controls or res.misnamed) else 0
+
+
+def _write_order(path: str, device: str, res) -> None:
+    """selftest --write-order: every check row's kills of the mutants that finished, merged into PATH's section
+    for this device kind (harness.check_order: check --budget's order)."""
+    from moe_lora_harness.harness.check_order import write_data
+    kills = {f"{c}/{b}": list(cells["check"].rows) for (c, b), cells in res.cells.items()
+             if "check" in cells and not cells["check"].error}
+    data = write_data(path, device, kills, res.check_rows)
+    print(f"\n--write-order {path}: {len(kills)} mutants over {len(res.check_rows)} rows; {len(data['order'])} rows "
+          f"kill one, the first {len(set(data['first_killer'].values()))} in the order kill every planted bug "
+          f"that a row kills; no check row kills {len(data['no_check_killer'])}")
 
 
 def _power(args, device: str) -> int:
@@ -797,9 +824,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fuzz-budget", type=parse_budget, default=None, metavar="DURATION",
                    help="per mutant (default 20s; 5s with --quick)")
     t.add_argument("--quick", action="store_true", help="the bounded form CI runs: short fuzz budgets")
+    t.add_argument("--budget", type=parse_budget, default=None, metavar="DURATION",
+                   help="stop after this long (90s, 10m): the kill matrix of what finished, the JSON marked partial, "
+                        "exit 1")
+    t.add_argument("--write-order", metavar="PATH", default=None,
+                   help="run every check row against every mutant (not only to the first failure) and write which "
+                        "rows kill which planted bugs to PATH (harness/check_order_data.py: check --budget's order)")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--junit", metavar="PATH", help="JUnit XML: one test case per mutant x detector")
-    t.add_argument("-v", "--verbose", action="store_true")
+    t.add_argument("-v", "--verbose", action="store_true", help="also a line as each mutant starts")
+    t.add_argument("-q", "--quiet", action="store_true", help="no live progress line (off anyway when not a "
+                                                              "terminal, or when $CI is set)")
     t.add_argument("--power", action="store_true",
                    help="the judge's power table instead: the smallest planted slip of each class it fails, as a "
                         "multiple of the correct kernel's own error, beside assert_close(atol=rtol=2e-2)")

@@ -6,7 +6,8 @@ the level they run at and the check features that concern them. Each mutant is a
 the kill matrix gives, per mutant and detector, whether and after how long it was caught. A mutant whose
 mechanism is a semantic alternative (reference.semantics; the corpus' `mechanisms`) must also be named as
 that mistake by each detector that catches it. The run fails if a mutant survives every detector, is
-caught but misnamed, or a control fails anything.
+caught but misnamed, or a control fails anything. A run stopped by its deadline (selftest --budget) or by Ctrl-C
+keeps what finished: its result is partial and says what was not reached.
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ class Kill:
     error: str = ""       # the detector could not run (load error, nothing claimed)
     named: str = ""       # the semantic alternative the caught failure was named as ('' none)
     expected: str = ""    # the one the mutant commits ('' when its mechanism is not in the table)
+    row: str = ""         # check: the row that failed first
+    rows: tuple = ()      # check: every row that failed (all of them only when every row was run)
 
     @property
     def misnamed(self) -> bool:
@@ -99,11 +102,24 @@ class Kill:
         return self.caught and bool(self.expected) and self.named != self.expected
 
 
+class BudgetSpent(Exception):
+    """The deadline passed in the middle of a mutant: its detectors' cells are not kept."""
+
+
 @dataclass
 class SelftestResult:
     cells: dict = field(default_factory=dict)      # (corpus, backend) -> {detector: Kill}
     controls: dict = field(default_factory=dict)   # (corpus, backend) -> list of failure summaries
     skipped: dict = field(default_factory=dict)    # corpus -> why it did not run
+    planned: list = field(default_factory=list)    # (corpus, backend) of every mutant and control, in run order
+    check_rows: list = field(default_factory=list)  # every check row run, in the order first run
+    stopped: str = ""                              # why it stopped early: "budget", "interrupted" ('' finished)
+    in_flight: tuple | None = None                 # the (corpus, backend) unfinished when it stopped
+
+    @property
+    def not_reached(self) -> list:
+        """Planned mutants and controls that did not finish (the one in flight included)."""
+        return [k for k in self.planned if k not in self.cells and k not in self.controls]
 
     @property
     def survivors(self) -> list:
@@ -139,25 +155,60 @@ def _check_rows(corpus: Corpus, spec, device: str):
                                                                         reruns=0, diagnose=diagnose)
 
 
-def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: bool, expected: str = "") -> Kill:
+def _in_time(deadline: float | None) -> float | None:
+    """Seconds left before `deadline` (None: no deadline); BudgetSpent once it has passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise BudgetSpent
+    return left
+
+
+def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: bool, expected: str = "", *,
+                    deadline: float | None = None, step=None, seen: list | None = None) -> Kill:
+    """The corpus' check rows in turn, to the first failure (`stop_at_first`) or all of them; `step(row)` is told
+    each row, `seen` collects the rows run."""
     t0, runs, claimed = time.monotonic(), 0, 0
-    failures = []
+    failures, rows, first = [], [], None
     for row, run in _check_rows(corpus, spec, device):
-        o = run(executor, bool(expected))
+        _in_time(deadline)
+        if step:
+            step(f"check: {row}")
+        if seen is not None and row not in seen:
+            seen.append(row)
+        o = run(executor, bool(expected) and first is None)     # a mutant's first failure is diagnosed
         runs += 1
         claimed += o.judged
         if o.failed:
             failures.append(f"{row}: {o.kind} {o.message[:120]}"
                             + (f" [consistent with {o.semantics}]" if o.semantics else ""))
+            rows.append(row)
+            first = first or (time.monotonic() - t0, runs, o.semantics)
             if stop_at_first:
-                return Kill(True, time.monotonic() - t0, runs, failures[0], named=o.semantics, expected=expected)
+                break
     if not claimed:
         return Kill(False, time.monotonic() - t0, runs, error="declined every check row")
-    return Kill(bool(failures), time.monotonic() - t0, runs, "; ".join(failures[:3]))
+    if first is None:
+        return Kill(False, time.monotonic() - t0, runs)
+    seconds, at, named = first
+    return Kill(True, seconds, at, "; ".join(failures[:3]), named=named, expected=expected, row=rows[0],
+                rows=tuple(rows))
 
 
 def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int,
-                   palette: str = "auto", expected: str = "") -> Kill:
+                   palette: str = "auto", expected: str = "", *, deadline: float | None = None) -> Kill:
+    """A campaign to its first failure, within `budget_s` (and the deadline: one it cut is BudgetSpent)."""
+    left = _in_time(deadline)
+    k = _campaign(spec, corpus, device, executor, budget_s if left is None else min(budget_s, left), max_examples,
+                  palette, expected)
+    if not k.caught and left is not None and left < budget_s:
+        _in_time(deadline)
+    return k
+
+
+def _campaign(spec, corpus: Corpus, device: str, executor, budget_s: float, max_examples: int, palette: str,
+              expected: str) -> Kill:
     t0 = time.monotonic()
     if corpus.level == "layer":   # time to detection: the first failing scenario, unshrunk
         from moe_lora_harness.harness.layer_machine import first_layer_failure
@@ -178,11 +229,10 @@ def _fuzz_detector(spec, corpus: Corpus, device: str, executor, budget_s: float,
     return Kill(False, time.monotonic() - t0, r.examples)
 
 
-def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fuzz"), fuzz_budget_s: float = 20.0,
-                 fuzz_max_examples: int = 200, progress=None, palette: str = "auto") -> SelftestResult:
-    """Every mutant of the chosen corpora under every detector; every control through check (all rows)."""
-    res = SelftestResult()
+def _plan(res: SelftestResult, device: str, corpora) -> list:
+    """[(corpus, spec, mechanisms)] of the chosen corpora that run here; the others in `res.skipped`."""
     dev = "cuda" if str(device).startswith("cuda") else str(device)
+    plan = []
     for corpus in CORPORA:
         if corpora and corpus.name not in corpora:
             continue
@@ -195,24 +245,78 @@ def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fu
         except Exception as e:  # noqa: BLE001 - e.g. Triton missing: the corpus is reported as not run
             res.skipped[corpus.name] = f"{type(e).__name__}: {e}"
             continue
-        for spec in specs:
-            key = (corpus.name, spec.name)
-            if progress:
-                progress(f"{corpus.name}/{spec.name}")
+        plan += [(corpus, spec, mechanisms) for spec in specs]
+    return plan
+
+
+def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fuzz"), fuzz_budget_s: float = 20.0,
+                 fuzz_max_examples: int = 200, progress=None, palette: str = "auto", deadline: float | None = None,
+                 all_rows: bool = False, result: SelftestResult | None = None) -> SelftestResult:
+    """Every mutant of the chosen corpora under every detector (check to its first failure, or through every row
+    with `all_rows`); every control through check (all rows). It stops at `deadline` (time.monotonic()) with what
+    finished; `result` is filled as it goes (a caller that catches KeyboardInterrupt keeps it); `progress` (a
+    selftest_progress.SelftestProgress) is told each mutant's start, step and end."""
+    res = result if result is not None else SelftestResult()
+    plan = _plan(res, device, corpora)
+    res.planned = [(corpus.name, spec.name) for corpus, spec, _ in plan]
+    if progress:
+        progress.begin(len(plan))
+    for corpus, spec, mechanisms in plan:
+        key = res.in_flight = (corpus.name, spec.name)
+        t0 = time.monotonic()
+        step = (lambda what, key=key: progress.step(key, what)) if progress else None
+        if progress:
+            progress.start(key)
+        try:
             if spec.name in corpus.controls:
-                k = _check_detector(spec, corpus, device, executor, stop_at_first=False)
+                k = _check_detector(spec, corpus, device, executor, stop_at_first=False, deadline=deadline, step=step)
                 res.controls[key] = ([k.first] if k.caught else []) + ([k.error] if k.error else [])
-                continue
-            cells = {}
-            expected = mechanisms.get(spec.name, "")
-            if "check" in detectors:
-                cells["check"] = _check_detector(spec, corpus, device, executor, stop_at_first=True,
-                                                 expected=expected)
-            if "fuzz" in detectors:
-                cells["fuzz"] = _fuzz_detector(spec, corpus, device, executor, fuzz_budget_s, fuzz_max_examples,
-                                               palette, expected=expected)
-            res.cells[key] = cells
+            else:
+                res.cells[key] = _mutant_cells(spec, corpus, device, executor, detectors, mechanisms.get(spec.name, ""),
+                                               fuzz_budget_s, fuzz_max_examples, palette, deadline, all_rows, step,
+                                               res.check_rows)
+        except BudgetSpent:
+            res.stopped = "budget"
+            return res
+        res.in_flight = None
+        if progress:
+            progress.finished(key, res, time.monotonic() - t0)
     return res
+
+
+def _mutant_cells(spec, corpus, device, executor, detectors, expected, fuzz_budget_s, fuzz_max_examples, palette,
+                  deadline, all_rows, step, seen) -> dict:
+    """One mutant's {detector: Kill}."""
+    cells = {}
+    if "check" in detectors:
+        cells["check"] = _check_detector(spec, corpus, device, executor, stop_at_first=not all_rows,
+                                         expected=expected, deadline=deadline, step=step, seen=seen)
+    if "fuzz" in detectors:
+        if step:
+            step(f"fuzz ({fuzz_budget_s:g}s, {fuzz_max_examples} examples at most)")
+        cells["fuzz"] = _fuzz_detector(spec, corpus, device, executor, fuzz_budget_s, fuzz_max_examples, palette,
+                                       expected=expected, deadline=deadline)
+    return cells
+
+
+def verdict(cells: dict) -> str:
+    """One mutant's verdict in a line: killed (by which detector, at which check row, after how long), MISNAMED or
+    SURVIVED."""
+    parts = []
+    for d, k in cells.items():
+        if k.misnamed:
+            parts.append(f"{d} named it {k.named or 'nothing'}, it commits {k.expected}")
+        elif k.caught:
+            parts.append(f"by {d}" + (f" at {k.row!r}" if k.row else "") + f" in {k.seconds:.1f}s")
+        else:
+            parts.append(f"{d} survived" + (f" ({k.error})" if k.error else f" ({k.runs} runs)"))
+    head = ("MISNAMED" if any(k.misnamed for k in cells.values()) else
+            "killed" if any(k.caught for k in cells.values()) else "SURVIVED")
+    return f"{head}: " + "; ".join(parts)
+
+
+def control_verdict(fails: list) -> str:
+    return "control FAILED: " + "; ".join(fails) if fails else "control passes"
 
 
 def _killed(k: Kill) -> str:
@@ -237,7 +341,15 @@ def kill_matrix_text(res: SelftestResult, detectors) -> str:
         lines.append(f"{corpus + '/' + name:<{w}}  control: " + ("FAILED: " + "; ".join(fails) if fails else "passes"))
     for corpus, why in res.skipped.items():
         lines.append(f"corpus {corpus} not run: {why}")
+    if res.stopped:
+        lines.append(f"\nPARTIAL ({STOPPED[res.stopped]}): {len(res.planned) - len(res.not_reached)} of "
+                     f"{len(res.planned)} mutants and controls finished"
+                     + (f"; in flight: {'/'.join(res.in_flight)}" if res.in_flight else ""))
+        lines.append("not reached: " + ", ".join("/".join(k) for k in res.not_reached))
     return "\n".join(lines)
+
+
+STOPPED = {"budget": "the --budget was spent", "interrupted": "interrupted"}
 
 
 def junit_cases(res: SelftestResult) -> list:
@@ -255,4 +367,7 @@ def junit_cases(res: SelftestResult) -> list:
     for (corpus, name), fails in res.controls.items():
         cases.append(dict(classname=f"selftest.{corpus}.{name}", name="control passes", seconds=0.0,
                           status="fail" if fails else "pass", message="; ".join(fails)))
+    for corpus, name in res.not_reached:
+        cases.append(dict(classname=f"selftest.{corpus}.{name}", name="not reached", seconds=0.0, status="skip",
+                          message=f"not finished: {STOPPED[res.stopped]}" if res.stopped else "not finished"))
     return cases
