@@ -1,6 +1,6 @@
 """`moe-lora-harness`: check every registered backend (the matrix), replay one case, list, fuzz.
 
-  moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--json F] [--markdown F]
+  moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--budget 2m] [--json F] [--markdown F]
   moe-lora-harness check --model NAME|--model-config PATH [--tp N] [--ep N] [--tokens LIST] [--only NAME]
   moe-lora-harness models [--sources]
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
@@ -101,6 +101,7 @@ def _write_reports(args, matrix, names, meta, title):
 
 
 def cmd_check(args) -> int:
+    deadline = time.monotonic() + args.budget if args.budget else None    # --budget counts from here
     device = _device(args)
     from moe_lora_harness.harness.features import FEATURES, feature_cases
     from moe_lora_harness.harness.report import build_matrix, to_text
@@ -131,7 +132,11 @@ def cmd_check(args) -> int:
         from moe_lora_harness.harness.layer_scenarios import claimed_scenario
         plan += [(name, spec, label, claimed_scenario(spec, sc, device)) for name, spec in specs.items()
                  if "layer" in spec.capabilities.levels for label, sc in layer_rows]
-    feature_of, outcomes = {}, []
+    if deadline is not None:     # the rows that kill the most planted bugs first (harness.check_order)
+        from moe_lora_harness.harness.check_order import row_key, stored
+        key = row_key(stored(device), names)
+        plan = sorted(plan, key=lambda run: key(run[2]))
+    feature_of, outcomes, unreached, row_s = {}, [], [], {}
     for feat, o in (model.prejudged if model is not None else []):   # cases too large for this machine
         feature_of[id(o)] = feat
         outcomes.append(o)
@@ -144,7 +149,10 @@ def cmd_check(args) -> int:
     from moe_lora_harness.harness.check_progress import CheckProgress
     progress = CheckProgress(len(plan), _progress_wanted(args))
     try:
-        for name, spec, feat, case in plan:
+        for i, (name, spec, feat, case) in enumerate(plan):
+            if deadline is not None and time.monotonic() + row_s.get(feat, 0.0) >= deadline:   # as its row's last run
+                unreached = [(run[0], run[2]) for run in plan[i:]]
+                break
             in_flight, t1 = (name, feat, case), time.time()
             progress.start(name, feat)
             if hasattr(case, "steps"):
@@ -153,7 +161,8 @@ def cmd_check(args) -> int:
                 o = run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
             feature_of[id(o)] = feat
             outcomes.append(o)
-            progress.finished(o, time.time() - t1)
+            row_s[feat] = time.time() - t1
+            progress.finished(o, row_s[feat])
             if o.failed and args.verbose:
                 print(o.detail, file=sys.stderr)
         in_flight = None
@@ -170,11 +179,19 @@ def cmd_check(args) -> int:
         if times:
             print(times, file=sys.stderr)
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
+    left = []
+    if unreached:        # --budget spent: the cells not reached are marked so (and skipped in the JUnit)
+        from moe_lora_harness.harness.report import add_not_reached
+        left = add_not_reached(matrix, unreached)
+        matrix = {b: matrix[b] for b in [*specs, *matrix] if b in matrix}
     failures = [o for o in outcomes if o.failed]
     if failures:   # grouped, and before the matrix, so that the matrix and the summary end the output
         from moe_lora_harness.harness.failure_groups import group_failures, groups_text
         print(groups_text(group_failures(failures, lambda o: feature_of[id(o)]), specs) + "\n")
     print(to_text(matrix, names))
+    if left:
+        from moe_lora_harness.harness.report import not_reached_text
+        print("\n" + not_reached_text(left, args.budget, total))
     if model is not None:
         print("\n".join(model.notes()))
     for o in outcomes:
@@ -182,8 +199,9 @@ def cmd_check(args) -> int:
             print(f"NOTE {o.backend} works where it claims not to: {o.reason}: {o.case.to_json()}")
     if absent:
         print(f"\nnot in this run (no case of the selected features at their levels): {', '.join(absent)}")
+    cut = {b for b, _ in unreached}       # a backend the budget did not reach is not said to be untested
     untested = [name for name in specs
-                if not any(o.backend == name and o.judged for o in outcomes)]
+                if not any(o.backend == name and o.judged for o in outcomes) and name not in cut]
     # a backend that declares this device not its own (Capabilities.device_reasons) is not a failure, as long as
     # something was tested; alone, it tested nothing
     elsewhere = [n for n in untested if device_kind(device) in specs[n].capabilities.device_reasons]
@@ -204,6 +222,9 @@ def cmd_check(args) -> int:
             "interrupted": bool(interrupted), "not_tested": untested if not interrupted else []}
     if model is not None:
         meta["model"] = model.meta()
+    if deadline is not None:
+        meta.update(budget_s=args.budget, order="rows ranked by the planted bugs they kill (harness.check_order)",
+                    not_reached_runs=len(unreached), not_reached=left)
     if harness_error:
         meta["harness_error"] = harness_error
     if interrupted:
@@ -214,7 +235,8 @@ def cmd_check(args) -> int:
              f"Conformance of {model.layer.name}'s layer on {device} ({meta['model']['layer']}; T in {model.tokens})")
     _write_reports(args, matrix, names, meta, title + "\n")
     summary = (f"\n{len(outcomes)} runs: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-               + f" in {time.time() - t0:.0f}s on {device}" + (f"; {restarts} worker restart(s)" if restarts else ""))
+               + f" in {time.time() - t0:.0f}s on {device}" + (f"; {restarts} worker restart(s)" if restarts else "")
+               + (f"; {len(unreached)} not reached within --budget" if unreached else ""))
     print(summary)
     if harness_error:
         where = f"{in_flight[0]} / {in_flight[1]}: {in_flight[2].to_json()}" if in_flight else "the run"
@@ -750,6 +772,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the features whose name contains TEXT (repeatable)")
     c.add_argument("--probe-unsupported", action="store_true",
                    help="also run declined cases and report those that pass")
+    c.add_argument("--budget", type=parse_budget, default=None, metavar="DURATION",
+                   help="a gate: run the rows that kill the most planted bugs first (selftest's kill data, "
+                        "harness/check_order_data.py) and start no run that would end past DURATION (90s, 2m), by "
+                        "its row's previous run; the rows not reached are listed, and skipped in the JUnit")
     c.add_argument("--json", metavar="PATH", help="write the matrix as JSON (also on a failure or Ctrl-C)")
     c.add_argument("--markdown", metavar="PATH", help="write the matrix as Markdown (also on a failure or Ctrl-C)")
     c.add_argument("--junit", metavar="PATH", help="write JUnit XML, one test case per feature x backend")

@@ -1,4 +1,4 @@
-"""The check matrix (backend x feature) as text, JSON and Markdown."""
+"""The check matrix (backend x feature) as text, JSON and Markdown; the cells a budgeted check did not reach."""
 from __future__ import annotations
 
 import json
@@ -54,6 +54,31 @@ def _short(c: dict) -> str:
 NOT_ASKED = "-"
 LEGEND = (f"{NOT_ASKED}: not run for that backend (the row is at a level it does not provide, or does not apply to "
           f"it); unsupported: it declines the row's cases (reasons below)")
+NOT_REACHED = "not-reached"
+NOT_REACHED_REASON = "not reached within --budget"
+
+
+def add_not_reached(matrix: dict, runs: list) -> list[dict]:
+    """A budgeted check's runs not made, as (backend, feature) pairs: each cell that holds no outcome is marked
+    NOT_REACHED in `matrix`; [{backend, feature, runs}] for every cell with runs left (partly run ones too)."""
+    left = defaultdict(int)
+    for backend, feature in runs:
+        left[(backend, feature)] += 1
+        matrix.setdefault(backend, {}).setdefault(feature, {
+            "status": NOT_REACHED, "counts": {}, "reason": NOT_REACHED_REASON, "kinds": {}, "seconds": 0.0,
+            "failures": [], "probed_failing": {}, "probed_messages": []})
+    return [{"backend": b, "feature": f, "runs": n} for (b, f), n in left.items()]
+
+
+def not_reached_text(left: list[dict], budget_s: float, planned: int) -> str:
+    """The runs a budgeted check did not reach, counted, and listed by row (in the order they would have run)."""
+    rows = defaultdict(list)
+    for c in left:
+        rows[c["feature"]].append(c["backend"])
+    n = sum(c["runs"] for c in left)
+    return "\n".join([f"NOT REACHED within --budget {budget_s:g}s: {n} of {planned} planned runs, {len(left)} "
+                      f"(backend, row) cells in {len(rows)} rows:"]
+                     + [f"  {row}: {', '.join(backends)}" for row, backends in rows.items()])
 
 
 def _blocks(backends: list, ws: dict, w0: int, width: int) -> list[list]:
@@ -82,9 +107,11 @@ def to_text(matrix: dict, features: list[str], width: int | None = None) -> str:
         head = (f"{'feature':<{w0}}  " + "  ".join(f"{b:<{ws[b]}}" for b in block)).rstrip()
         lines += ([""] if i else []) + [head, "-" * len(head)]
         lines += [(f"{f:<{w0}}  " + "  ".join(f"{cells[b][f]:<{ws[b]}}" for b in block)).rstrip() for f in features]
+    import textwrap
     if any(c == NOT_ASKED for b in backends for c in cells[b].values()):
-        import textwrap
         lines += textwrap.wrap(LEGEND, width, subsequent_indent="   ")
+    if any(c == NOT_REACHED for b in backends for c in cells[b].values()):
+        lines += textwrap.wrap(f"{NOT_REACHED}: {NOT_REACHED_REASON} (listed below)", width, subsequent_indent="   ")
     for status, title in (("unsupported", "unsupported, as declared"), ("not-runnable", "not runnable on this machine")):
         reasons = sorted({(b, matrix[b][f]["reason"]) for b in backends for f in features
                           if f in matrix[b] and matrix[b][f]["status"] == status})
@@ -151,7 +178,8 @@ def matrix_junit_cases(matrix: dict, suite: str = "check") -> list[dict]:
     cases = []
     for backend, feats in matrix.items():
         for feature, c in feats.items():
-            status = "fail" if c["status"] in ("fail", "xpass") else "skip" if c["status"] in NO_VERDICT else "pass"
+            status = ("fail" if c["status"] in ("fail", "xpass") else
+                      "skip" if c["status"] in NO_VERDICT or c["status"] == NOT_REACHED else "pass")
             cases.append(dict(classname=f"{suite}.{backend}", name=feature, status=status,
                               message=c["reason"] or ", ".join(f"{k}={v}" for k, v in c["kinds"].items()),
                               detail="\n\n".join(c["failures"]), seconds=c.get("seconds", 0.0)))
