@@ -691,7 +691,7 @@ def _write_order(path: str, device: str, res) -> None:
     from moe_lora_harness.harness.check_order import write_data
     kills = {f"{c}/{b}": list(cells["check"].rows) for (c, b), cells in res.cells.items()
              if "check" in cells and not cells["check"].error}
-    data = write_data(path, device, kills, res.check_rows)
+    data = write_data(path, device, kills, res.check_rows, ["/".join(k) for k in res.planned])
     print(f"\n--write-order {path}: {len(kills)} mutants over {len(res.check_rows)} rows; {len(data['order'])} rows "
           f"kill one, the first {len(set(data['first_killer'].values()))} in the order kill every planted bug "
           f"that a row kills; no check row kills {len(data['no_check_killer'])}")

@@ -20,18 +20,12 @@ def test_rank_rows_is_a_greedy_cover_of_the_planted_bugs():
     assert check_order.first_killers(kills, order) == {"a": "r1", "b": "r2", "c": "r3", "d": "r1"}
 
 
-def _check_rows(device):
-    from moe_lora_harness.harness.features import FEATURES
-    from moe_lora_harness.harness.layer_scenarios import layer_scenarios
-    return [f.name for f in FEATURES] + [label for label, _ in layer_scenarios(device)]
-
-
 @pytest.mark.parametrize("kind", sorted(ORDER))
 def test_every_planted_bugs_first_killer_comes_before_the_rows_that_kill_nothing(kind):
     data = ORDER[kind]
     assert data["order"] == check_order.rank_rows(data["kills"], data["rows"])       # the data is what it says
     assert data["first_killer"] == check_order.first_killers(data["kills"], data["order"])
-    rows = _check_rows(kind)
+    rows = check_order.check_rows(kind)
     ordered = sorted(rows, key=check_order.row_key(data, rows))
     killing = {r for killers in data["kills"].values() for r in killers}
     last_first_killer = max(ordered.index(r) for r in data["first_killer"].values() if r in rows)
@@ -47,7 +41,17 @@ def test_the_order_data_knows_every_planted_bug_of_the_cpu_corpora_and_names_rea
     planted = {f"{c.name}/{s.name}" for c in CORPORA if "cpu" in c.devices for s in load_ref(c.ref)
                if c.select(s) and s.name not in c.controls}
     assert planted == set(data["kills"]), f"stale: regenerate with {check_order.REGENERATE.format(device='cpu')}"
-    assert set(data["rows"]) <= set(_check_rows("cpu")), set(data["rows"]) - set(_check_rows("cpu"))
+    assert not set(data["rows"]) - set(check_order.check_rows("cpu")), "rows check no longer has"
+
+
+def test_write_order_replaces_a_rerun_corpus_and_keeps_the_others(tmp_path):
+    path = tmp_path / "order_data.py"
+    check_order.write_data(path, "cpu", {"op/a": ["fp16"], "tp/b": ["fp32"]}, ["fp16", "fp32", "no such row"],
+                           ["op/a", "tp/b"])
+    d = check_order.write_data(path, "cpu", {"op/c": ["bf16"]}, ["bf16"], ["op/c"])
+    assert d["kills"] == {"op/c": ["bf16"], "tp/b": ["fp32"]}        # op/a is no longer planted; tp was not re-run
+    assert d["rows"] == ["bf16", "fp16", "fp32"] and d["order"] == ["bf16", "fp32"]
+    assert check_order.read_data(path) == {"cpu": d}
 
 
 def test_a_budget_runs_the_killing_row_first_and_lists_what_it_did_not_reach(tmp_path, monkeypatch, capsys):
