@@ -88,11 +88,14 @@ class CaptureTimeMetadata(StatefulMoELoRALayer):
         return body
 
 
-class PaddingToSlotZero(StatefulMoELoRALayer):
-    """A padded replay maps the padding rows to slot 0 instead of -1: padding tokens get adapter 0."""
+class PaddingRightAligned(StatefulMoELoRALayer):
+    """A padded replay writes its T tokens' mapping at the end of the captured batch (the padding first): real rows
+    read the padding's -1 or another token's slot."""
 
     def _pad_mapping(self, T, S):
-        self._mapping[T:S].fill_(0)
+        real = self._mapping[:T].clone()
+        self._mapping[:S - T].fill_(-1)
+        self._mapping[S - T:S].copy_(real)
 
 
 class SplitKWithLoRA(TritonExperts):
@@ -146,7 +149,7 @@ _DEFECTS = {   # short name: (layer class, experts class)
     "reload-no-zero": (ReloadWithoutZeroing, TritonExperts),
     "metadata-cached": (MetadataCached, TritonExperts),
     "capture-time-metadata": (CaptureTimeMetadata, TritonExperts),
-    "padding-slot-zero": (PaddingToSlotZero, TritonExperts),
+    "padding-right-aligned": (PaddingRightAligned, TritonExperts),
     "split-k-with-lora": (None, SplitKWithLoRA),
     "dual-stream-event-reuse": (None, EventReuseExperts),
 }
@@ -188,8 +191,8 @@ SCENARIOS = {
     "layer-mutant-metadata-cached": [_load(0, 8, 1), _fwd([0, -1, 0, -1], 2), _fwd([-1, 0, -1, 0], 3)],
     "layer-mutant-capture-time-metadata": [_load(0, 8, 1), {"do": "capture", "size": 4},
                                            {"do": "replay", "size": 4, "mapping": [0, 0, 0, 0], "seed": 2}],
-    "layer-mutant-padding-slot-zero": [_load(0, 8, 1), {"do": "capture", "size": 4},
-                                       {"do": "replay", "size": 4, "mapping": [-1, 0], "seed": 2}],
+    "layer-mutant-padding-right-aligned": [_load(0, 8, 1), {"do": "capture", "size": 4},
+                                           {"do": "replay", "size": 4, "mapping": [0, -1], "seed": 2}],
     "layer-mutant-split-k-with-lora": [_load(0, 8, 1), _fwd([-1, 0, -1, -1, 0, -1, -1, -1], 2)],
     "layer-mutant-dual-stream-event-reuse": [_load(0, 8, 1), _fwd([0, -1, 0, -1], 2), _fwd([0, 0, -1, -1], 3)],
 }
@@ -202,7 +205,7 @@ FAILS_NAMED = {
     "layer-mutant-reload-no-zero": "layer: smaller rank into a used slot",
     "layer-mutant-metadata-cached": "layer: adapter, then base-model tokens (#42008)",
     "layer-mutant-capture-time-metadata": "layer: graph: capture, replay with new contents and adapters",
-    "layer-mutant-padding-slot-zero": "layer: graph: padding tokens carry no adapter",
+    "layer-mutant-padding-right-aligned": "layer: graph: a padded replay after a full batch",
     "layer-mutant-split-k-with-lora": "layer: adapter, then base-model tokens (#42008)",
     "layer-mutant-dual-stream-event-reuse": "layer: adapter, then base-model tokens (#42008)",
 }
@@ -215,7 +218,7 @@ SHOWS = {
     "layer-mutant-reload-no-zero": "out-of-bound",
     "layer-mutant-metadata-cached": "not-neutral",
     "layer-mutant-capture-time-metadata": "out-of-bound",
-    "layer-mutant-padding-slot-zero": "not-neutral",
+    "layer-mutant-padding-right-aligned": "out-of-bound",
     "layer-mutant-split-k-with-lora": "not-neutral",
     "layer-mutant-dual-stream-event-reuse": "raises ScheduleError",
 }
