@@ -567,27 +567,28 @@ def cmd_fuzz(args) -> int:
 
 
 def fuzz_layer(args, spec, device: str) -> int:
-    """A layer-level campaign: the state machine of harness.layer_machine at the device's layer configuration
-    (in the first dtype the layer claims), every distinct failure shrunk to a scenario with its REPRO."""
+    """A layer-level campaign: the state machine of harness.layer_machine at the device's layer configuration in
+    every dtype the layer claims (one --budget for all), every distinct failure shrunk to a scenario with its REPRO."""
     import dataclasses
 
     from moe_lora_harness.harness.fuzz_report import FailureRecord, print_report, write_reports
-    from moe_lora_harness.harness.layer_machine import fuzz_config, search_layer
+    from moe_lora_harness.harness.layer_machine import fuzz_configs, search_layers
     from moe_lora_harness.harness.signatures import Signature, failure_class
-    config = fuzz_config(spec, device)
+    configs = fuzz_configs(spec, device)
+    config = configs[0] if configs else None
     name = spec.name
     if not args.quiet:
-        print(f"[fuzz] {name}, layer level on {device}: " + (f"{config.dtype}, H={config.H} I={config.I} "
-              f"E={config.E} top_k={config.top_k}, {config.max_loras} slots, max_tokens {config.max_tokens}"
-              if config else "no layer configuration it claims"), file=sys.stderr)
+        print(f"[fuzz] {name}, layer level on {device}: " + (f"{', '.join(c.dtype for c in configs)}, H={config.H} "
+              f"I={config.I} E={config.E} top_k={config.top_k}, {config.max_loras} slots, max_tokens "
+              f"{config.max_tokens}" if config else "no layer configuration it claims"), file=sys.stderr)
     records, examples, seconds, stopped = [], 0, 0.0, "nothing claimed"
     executor = _executor(args)
     interrupted = False
     try:
-        if config is not None:
-            result = search_layer(spec, config, device, executor=executor, budget_s=args.budget,
-                                  max_examples=args.max_examples or (10**9 if args.budget else 100),
-                                  derandomize=args.seed is None and os.environ.get("MOE_LORA_HARNESS_PROFILE") == "ci")
+        if configs:
+            result = search_layers(spec, configs, device, executor=executor, budget_s=args.budget,
+                                   max_examples=args.max_examples or (10**9 if args.budget else 100), seed=args.seed,
+                                   derandomize=args.seed is None and os.environ.get("MOE_LORA_HARNESS_PROFILE") == "ci")
             examples, seconds, stopped = result.examples, result.seconds, result.exhausted
             for o in result.found:
                 m = re.match(r"step \d+ \((\w+)\)", o.message)
@@ -602,14 +603,14 @@ def fuzz_layer(args, spec, device: str) -> int:
         executor.close()
     summary = {"backend": name, "origin": spec.origin, "level": "layer", "device": device, "examples": examples,
                "seconds": round(seconds, 1), "stopped": stopped, "interrupted": interrupted,
-               "config": dataclasses.asdict(config) if config else None, "claimed": config is not None}
+               "configs": [dataclasses.asdict(c) for c in configs], "claimed": bool(configs)}
     write_reports(records, summary, args.out, args.junit, name=name, level="layer", seconds=seconds,
-                  claimed=config is not None)
+                  claimed=bool(configs))
     print_report(records, [], name=name, level="layer", device=device, examples=examples, seconds=seconds,
                  stopped="interrupted" if interrupted else stopped, out=args.out)
     if interrupted:
         return 130
-    if config is None:
+    if not configs:
         print(f"{name}: NOTHING TESTED: it claims no layer configuration on {device}")
         return 1
     return 1 if records else 0
