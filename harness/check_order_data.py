@@ -22,15 +22,29 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                                                                         'contents and adapters',
                           'layer/layer-mutant-metadata-cached': 'layer: graph: capture, replay with new contents and '
                                                                 'adapters',
+                          'layer/layer-mutant-padding-delta-leaks': 'layer: graph: a padded replay after a full '
+                                                                    'batch',
                           'layer/layer-mutant-padding-right-aligned': 'layer: graph: capture, replay with new '
                                                                       'contents and adapters',
                           'layer/layer-mutant-reload-no-zero': 'layer: smaller rank into a used slot',
+                          'layer/layer-mutant-reload-stays-disabled': 'layer: reload after an unload (another '
+                                                                      'adapter, then the same again)',
+                          'layer/layer-mutant-same-adapter-reload-skipped': 'layer: reload after an unload (another '
+                                                                            'adapter, then the same again)',
+                          'layer/layer-mutant-slot-keeps-first-rank': 'layer: larger rank into a slot that held a '
+                                                                      'smaller one',
                           'layer/layer-mutant-split-k-with-lora': 'layer: graph: capture, replay with new contents '
                                                                   'and adapters',
                           'layer/layer-mutant-stale-mapping': 'layer: graph: capture, replay with new contents and '
                                                               'adapters',
                           'layer/layer-mutant-unload-leaves-live': 'layer: graph: capture, replay with new contents '
                                                                    'and adapters',
+                          'layer/layer-mutant-w13-rank-from-down': 'layer: larger rank into a slot that held a '
+                                                                   'smaller one',
+                          'layer/layer-mutant-w2-scaled-like-w13': 'layer: w13 and w2 of other ranks and scalings '
+                                                                   '(PEFT: gate_up 2r, down r)',
+                          'layer/layer-mutant-zero-token-replay-deactivates': 'layer: graph: a zero-token replay '
+                                                                              'after a batch with live slots',
                           'op/mutant-bf16-operands': 'pairwise op #3',
                           'op/mutant-clobbers-offset': 'pairwise op #3',
                           'op/mutant-drops-slice': 'pairwise op #2',
@@ -169,10 +183,17 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                                                           'slots',
                                                           'layer: adapter, then base-model tokens (#42008) '
                                                           '[float32]'],
+                   'layer/layer-mutant-padding-delta-leaks': ['layer: graph: a padded replay after a full batch'],
                    'layer/layer-mutant-padding-right-aligned': ['layer: graph: capture, replay with new contents and '
                                                                 'adapters',
                                                                 'layer: graph: a padded replay after a full batch'],
                    'layer/layer-mutant-reload-no-zero': ['layer: smaller rank into a used slot'],
+                   'layer/layer-mutant-reload-stays-disabled': ['layer: reload after an unload (another adapter, '
+                                                                'then the same again)'],
+                   'layer/layer-mutant-same-adapter-reload-skipped': ['layer: reload after an unload (another '
+                                                                      'adapter, then the same again)'],
+                   'layer/layer-mutant-slot-keeps-first-rank': ['layer: larger rank into a slot that held a smaller '
+                                                                'one'],
                    'layer/layer-mutant-split-k-with-lora': ['layer: adapter, then base-model tokens (#42008)',
                                                             'layer: batches grow and shrink (0, 1, max_tokens, small '
                                                             'after large)',
@@ -207,6 +228,14 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'layer/layer-mutant-unload-leaves-live': ['layer: unloaded slot still in the mapping',
                                                              'layer: graph: capture, replay with new contents and '
                                                              'adapters'],
+                   'layer/layer-mutant-w13-rank-from-down': ['layer: w13 and w2 of other ranks and scalings (PEFT: '
+                                                             'gate_up 2r, down r)',
+                                                             'layer: larger rank into a slot that held a smaller '
+                                                             'one'],
+                   'layer/layer-mutant-w2-scaled-like-w13': ['layer: w13 and w2 of other ranks and scalings (PEFT: '
+                                                             'gate_up 2r, down r)'],
+                   'layer/layer-mutant-zero-token-replay-deactivates': ['layer: graph: a zero-token replay after a '
+                                                                        'batch with live slots'],
                    'op/mutant-bf16-operands': ['fp16',
                                                'fp32',
                                                'sorted layout',
@@ -502,12 +531,17 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'pairwise op #2',
                    'experts: fp8 block',
                    'experts: fully-sharded LoRA, TP 2',
+                   'layer: reload after an unload (another adapter, then the same again)',
+                   'layer: larger rank into a slot that held a smaller one',
                    'pairwise op #1',
                    'experts: disabled slot',
                    'experts: router weight on input',
+                   'layer: graph: a padded replay after a full batch',
                    'pairwise op #12',
+                   'layer: graph: a zero-token replay after a batch with live slots',
                    'op: top_k 8, E 16',
                    'layer: smaller rank into a used slot',
+                   'layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)',
                    'experts: EP + fully-sharded LoRA (must be refused)',
                    'experts: silu',
                    'pairwise op #11',
@@ -521,7 +555,6 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'experts: EP swigluoai with biases',
                    'add_inputs=False',
                    'op: subnormal deltas (float16, x times 2^-20, add_inputs=False)',
-                   'layer: graph: a padded replay after a full batch',
                    'offset != 0',
                    'tokens without adapter (-1)',
                    'num_active_loras = the distinct slots (specialize_active_lora)',
@@ -531,6 +564,11 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'pairwise op #16',
                    'experts: fp32',
                    'experts: rank padding',
+                   'layer: adapter, then base-model tokens (#42008)',
+                   'layer: batches grow and shrink (0, 1, max_tokens, small after large)',
+                   'layer: unloaded slot still in the mapping',
+                   'layer: mapping changes, same batch size',
+                   'layer: adapter, then base-model tokens (#42008) [float32]',
                    'fp16',
                    'fp32',
                    'sorted layout',
@@ -551,32 +589,37 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'op: many experts, few tokens (E=64, T=5)',
                    'op: subnormal sums (float16, x and the output buffer times 2^-20, add_inputs=True)',
                    'pairwise op #4',
-                   'layer: adapter, then base-model tokens (#42008)',
-                   'layer: batches grow and shrink (0, 1, max_tokens, small after large)',
-                   'layer: unloaded slot still in the mapping',
-                   'layer: mapping changes, same batch size',
-                   'layer: adapter, then base-model tokens (#42008) [float32]',
-                   'layer: graph: a zero-token replay after a batch with live slots',
-                   'layer: reload after an unload (another adapter, then the same again)',
+                   'layer: every slot, then a base-model batch',
                    'w13 one slice (non-gated)',
                    'op: K, N multiples of 8, not of 16',
                    'pairwise op #7',
                    'pairwise op #15',
                    'pairwise op #18',
                    'pairwise op #19',
-                   'layer: every slot, then a base-model batch',
-                   'layer: larger rank into a slot that held a smaller one',
                    'bf16',
                    'pairwise op #6',
                    'experts: fp8 w8a8',
+                   'layer: zero-B adapter beside a real one',
                    'pairwise op #5',
                    'pairwise op #8',
                    'pairwise op #9',
                    'pairwise op #20',
-                   'experts: TP 2 (sliced weights, outputs all-reduced)',
-                   'layer: zero-B adapter beside a real one',
-                   'layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)'],
-         'rows': ['fp16',
+                   'experts: TP 2 (sliced weights, outputs all-reduced)'],
+         'rows': ['layer: adapter, then base-model tokens (#42008)',
+                  'layer: batches grow and shrink (0, 1, max_tokens, small after large)',
+                  'layer: unloaded slot still in the mapping',
+                  'layer: smaller rank into a used slot',
+                  'layer: zero-B adapter beside a real one',
+                  'layer: mapping changes, same batch size',
+                  'layer: every slot, then a base-model batch',
+                  'layer: graph: capture, replay with new contents and adapters',
+                  'layer: graph: a padded replay after a full batch',
+                  'layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)',
+                  'layer: larger rank into a slot that held a smaller one',
+                  'layer: reload after an unload (another adapter, then the same again)',
+                  'layer: graph: a zero-token replay after a batch with live slots',
+                  'layer: adapter, then base-model tokens (#42008) [float32]',
+                  'fp16',
                   'bf16',
                   'fp32',
                   'sorted layout',
@@ -647,14 +690,4 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                   'experts: fp8 w8a8',
                   'experts: fp8 block',
                   'experts: fp32',
-                  'experts: rank padding',
-                  'layer: adapter, then base-model tokens (#42008)',
-                  'layer: batches grow and shrink (0, 1, max_tokens, small after large)',
-                  'layer: unloaded slot still in the mapping',
-                  'layer: smaller rank into a used slot',
-                  'layer: zero-B adapter beside a real one',
-                  'layer: mapping changes, same batch size',
-                  'layer: every slot, then a base-model batch',
-                  'layer: graph: capture, replay with new contents and adapters',
-                  'layer: graph: a padded replay after a full batch',
-                  'layer: adapter, then base-model tokens (#42008) [float32]']}}
+                  'experts: rank padding']}}

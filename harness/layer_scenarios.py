@@ -2,7 +2,9 @@
 
 Each entry writes the steps that show one way a layer's state goes wrong across calls (the serving bugs of
 2026: stale mappings leaking into base-model requests, LoRA paths that are not neutral for tokens without an
-adapter, graphs replayed with stale metadata); `layer_scenarios(device)` builds them at the device's sizes.
+adapter, graphs replayed with stale metadata; adapters whose w13 and w2 differ in rank and scaling, slots reloaded
+with a larger rank or after an unload, zero-token and padded replays); `layer_scenarios(device)` builds them at
+the device's sizes.
 """
 from __future__ import annotations
 
@@ -86,12 +88,41 @@ def _graph_new_contents(s):
 
 
 def _graph_padding(s):
-    # a full batch with an adapter, then padded replays of fewer tokens: an engine that leaves the padding rows'
-    # mapping as the last batch wrote it (vLLM 0.33) passes, their values being free; its real rows are judged
+    # a full batch with an adapter (replayed, then eager), then padded replays of fewer tokens: an engine that leaves
+    # the padding rows' mapping as the last batch wrote it (vLLM 0.33) passes, their values being free; its real rows
+    # are judged
     small, big = min(s.capture_sizes), max(s.capture_sizes)
     return [_load(0, s.max_rank, 1), {"do": "capture", "size": small}, {"do": "capture", "size": big},
             _replay(big, [0] * big, 2), _replay(big, [0, -1], 3), _replay(big, [0], 4), _replay(small, [0] * small, 5),
-            _replay(big, [-1] * (big // 2), 6)]
+            _replay(big, [-1] * (big // 2), 6), _fwd([0] * big, 7), _replay(big, _cycle([-1, 0], big // 2 + 1), 8)]
+
+
+def _module_ranks(s):
+    # PEFT's per-expert conversion: gate_up rank 2r at alpha / 2r, down rank r at alpha / r; and the other way round
+    R, n = s.max_rank, s.max_tokens
+    return [_load(0, R, 1, w2_rank=R // 2 or 1, scaling=0.5, w2_scaling=1.0),
+            _load(1, R // 4 or 1, 2, w2_rank=R, scaling=1.0, w2_scaling=0.125), _fwd(_cycle([0, 1, -1], n), 3)]
+
+
+def _larger_rank(s):
+    n = s.max_tokens
+    return [_load(0, 1, 1), _load(1, s.max_rank // 2 or 1, 2, w2_rank=1), _fwd(_cycle([0, 1, -1], n), 3),
+            _load(0, s.max_rank, 4), _load(1, s.max_rank, 5), _fwd(_cycle([1, 0, -1], n), 6)]
+
+
+def _reload_after_unload(s):
+    # mapped only to loaded slots or -1 (an engine that maps adapter ids cannot name an unloaded one)
+    n, R = s.max_tokens, s.max_rank
+    return [_load(0, R, 1), _load(1, R // 2 or 1, 2), _fwd(_cycle([0, 1, -1], n), 3), {"do": "unload", "slot": 0},
+            _fwd(_cycle([1, -1], n), 4), _load(0, R // 2 or 1, 5), _fwd(_cycle([0, 1, -1], n), 6),
+            {"do": "unload", "slot": 0}, _load(0, R // 2 or 1, 5), _fwd(_cycle([-1, 0, 1], n), 7)]
+
+
+def _zero_token_replay(s):
+    small, big, n = min(s.capture_sizes), max(s.capture_sizes), s.max_tokens
+    return [_load(0, s.max_rank, 1), _load(1, s.max_rank // 2 or 1, 2), {"do": "capture", "size": small},
+            {"do": "capture", "size": big}, _fwd(_cycle([0, 1, -1], n), 3), _replay(small, [], 4),
+            _fwd(_cycle([1, 0, -1], n), 5), _replay(big, [], 6), _replay(big, _cycle([0, -1, 1], big), 7)]
 
 
 SCENARIOS = (
@@ -104,6 +135,10 @@ SCENARIOS = (
     LayerScenario("every slot, then a base-model batch", _every_slot_then_base),
     LayerScenario("graph: capture, replay with new contents and adapters", _graph_new_contents, graphs=True),
     LayerScenario("graph: a padded replay after a full batch", _graph_padding, graphs=True),
+    LayerScenario("w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)", _module_ranks),
+    LayerScenario("larger rank into a slot that held a smaller one", _larger_rank),
+    LayerScenario("reload after an unload (another adapter, then the same again)", _reload_after_unload),
+    LayerScenario("graph: a zero-token replay after a batch with live slots", _zero_token_replay, graphs=True),
 )
 
 

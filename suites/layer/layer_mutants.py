@@ -1,16 +1,20 @@
-"""Planted stateful-layer bugs: our StatefulMoELoRALayer wrong in one way that serving code with LoRA has
-shipped (stale mappings, slots left live, cached or capture-time metadata, padding given an adapter, a base
-path that changes with LoRA on, events reused across calls). Each is a layer-level backend the harness must
-fail; CONTROL holds the same layers without a defect, which must pass. MECHANISMS says how each goes wrong
-and SCENARIOS holds the short scripted scenario (harness.layer_scenario's step format) that shows it.
+"""Planted stateful-layer bugs: our StatefulMoELoRALayer (or its contract adapter, backends.layer.ContractLayer)
+wrong in one way that serving code with LoRA has shipped (stale mappings, slots left live, cached or capture-time
+metadata, a base path that changes with LoRA on, events reused across calls; w2 loaded with w13's rank or scaling,
+a slot's rank fixed at its first load, reloads after an unload, a dummy zero-token replay, padding that reaches
+real rows). Each is a layer-level backend the harness must fail; CONTROL holds the same layers without a defect,
+which must pass. MECHANISMS says how each goes wrong and SCENARIOS holds the short scripted scenario
+(harness.layer_scenario's step format) that shows it.
 
   moe-lora-harness check --backend moe_lora_harness.suites.layer.layer_mutants:MUTANTS ...
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from moe_lora_harness.backends.layer import LAYER_DUAL_STREAM, layer_spec
+from moe_lora_harness.backends.layer import LAYER_DUAL_STREAM, ContractLayer, layer_spec, make_factory
 from moe_lora_harness.kernels.experts.dual_stream import AUX, dual_stream_program
 from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
 from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
@@ -98,6 +102,105 @@ class PaddingRightAligned(StatefulMoELoRALayer):
         self._mapping[S - T:S].copy_(real)
 
 
+class SlotKeepsFirstRank(StatefulMoELoRALayer):
+    """A slot's rank is fixed at its first load (the rank the kernels loop to per slot): a larger rank loaded into
+    a slot that held a smaller one is cut to the smaller."""
+
+    def set_lora(self, index, w13_a, w13_b, w2_a, w2_b):
+        r = self.__dict__.setdefault("_first_rank", {}).setdefault(index, int(w2_a.shape[1]))
+        super().set_lora(index, [a[:, :r] for a in w13_a], [b[..., :r] for b in w13_b], w2_a[:, :r], w2_b[..., :r])
+
+
+class ReloadStaysDisabled(StatefulMoELoRALayer):
+    """set_lora enables a slot only when it first allocates it, reset_lora disables it: an adapter loaded into a
+    slot after an unload is copied in but stays disabled (its tokens get no adapter)."""
+
+    def set_lora(self, index, *factors):
+        freed = index in self.__dict__.setdefault("_freed", set())
+        super().set_lora(index, *factors)
+        if freed:
+            self.adapter_enabled[index] = 0
+
+    def reset_lora(self, index):
+        super().reset_lora(index)
+        self.__dict__.setdefault("_freed", set()).add(index)
+
+
+class ZeroTokenReplayDeactivates(StatefulMoELoRALayer):
+    """A replay with no real token (a data-parallel dummy batch at a captured size) deactivates every slot so its
+    padding reads no adapter, and leaves them so: the next batch's tokens get no adapter."""
+
+    def replay(self, hidden_states, topk_weights, topk_ids):
+        if self.lora_ctx is not None and self._num_tokens == 0:
+            self.adapter_enabled.zero_()
+        return super().replay(hidden_states, topk_weights, topk_ids)
+
+
+class UnpaddedMapping(StatefulMoELoRALayer):
+    """No defect (vLLM's padding): a padded replay's padding rows keep whatever the mapping buffer held (the last
+    batch's slots); their outputs are discarded."""
+
+    def _pad_mapping(self, T, S):
+        pass
+
+
+class PaddingDeltaLeaks(UnpaddedMapping):
+    """A padded replay's LoRA expand scatters by token index modulo the real count: each padding row's LoRA delta
+    (its slot the last batch's, as in vLLM) is added to real row t mod T as well."""
+
+    def replay(self, hidden_states, topk_weights, topk_ids):
+        out = super().replay(hidden_states, topk_weights, topk_ids)
+        S, T = out.shape[0], self._num_tokens
+        if self.lora_ctx is None or not T or T == S:
+            return out
+        self._token_lora[:S].fill_(-1)            # the same rows without LoRA: the padding rows' delta
+        self.lora_ctx.token_lora_mapping = self._token_lora[:S]
+        self._apply(S)
+        return out.index_add_(0, torch.arange(T, S, device=out.device) % T, out[T:] - self._out[T:S])
+
+
+# ----------------------------------------------------------------------------- defects of the contract adapter
+
+
+class W2ScaledLikeW13(ContractLayer):
+    """load_adapter folds the w13 modules' scaling into w2's B too: the down module's own scaling (PEFT's
+    alpha / r at its rank) is ignored."""
+
+    def load_adapter(self, slot, adapter):
+        super().load_adapter(slot, dataclasses.replace(adapter, down_scaling=None))
+
+
+class W13RankFromDown(ContractLayer):
+    """load_adapter reads the slot's rank from the down (w2) factors: gate_up factors of a larger rank (PEFT's 2r
+    beside down's r) are cut to it."""
+
+    def load_adapter(self, slot, adapter):
+        r = adapter.w2_rank
+        cut = {f: None if t is None else (t[:, :r] if f.endswith("_a") else t[..., :r])
+               for f, t in (("gate_a", adapter.gate_a), ("gate_b", adapter.gate_b),
+                            ("up_a", adapter.up_a), ("up_b", adapter.up_b))}
+        super().load_adapter(slot, dataclasses.replace(adapter, **cut))
+
+
+class SameAdapterReloadSkipped(ContractLayer):
+    """load_adapter skips loading the adapter a slot already holds, and unload_adapter does not forget what the
+    slot held: the same adapter loaded again after an unload is skipped, and the slot stays empty."""
+
+    def load_adapter(self, slot, adapter):
+        held = self.__dict__.setdefault("_held", {})
+        if slot in held and _same_adapter(held[slot], adapter):
+            return
+        held[slot] = adapter
+        super().load_adapter(slot, adapter)
+
+
+def _same_adapter(a, b) -> bool:
+    """Whether two ExpertAdapters hold the same factors and scalings."""
+    pairs = [(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)]
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+               for x, y in pairs)
+
+
 class SplitKWithLoRA(TritonExperts):
     """With LoRA enabled the base w13 GEMM is split over K (two partial GEMMs added in the working dtype), another
     base configuration than the LoRA-disabled layer's: the base output rounds differently, so tokens without an
@@ -138,30 +241,43 @@ class EventReuseExperts(DualStreamTritonExperts):
 # ----------------------------------------------------------------------------- specs
 
 
-def _spec(name: str, doc: str, *, layer_cls=None, experts_cls=TritonExperts, origin=ORIGIN, precision=None):
-    return layer_spec(name, experts_cls, " ".join(doc.split()), layer_cls=layer_cls, origin=origin,
+def _spec(name: str, doc: str, *, layer_cls=None, experts_cls=TritonExperts, contract_cls=None, origin=ORIGIN,
+          precision=None):
+    spec = layer_spec(name, experts_cls, " ".join(doc.split()), layer_cls=layer_cls, origin=origin,
                       precision=precision)
+    if contract_cls is None:
+        return spec
+    factory = make_factory(experts_cls, layer_cls)
+    return dataclasses.replace(spec, layer=lambda config, weights: contract_cls(factory(config, weights).layer, config))
 
 
-_DEFECTS = {   # short name: (layer class, experts class)
-    "stale-mapping": (StaleMapping, TritonExperts),
-    "unload-leaves-live": (UnloadLeavesSlotLive, TritonExperts),
-    "reload-no-zero": (ReloadWithoutZeroing, TritonExperts),
-    "metadata-cached": (MetadataCached, TritonExperts),
-    "capture-time-metadata": (CaptureTimeMetadata, TritonExperts),
-    "padding-right-aligned": (PaddingRightAligned, TritonExperts),
-    "split-k-with-lora": (None, SplitKWithLoRA),
-    "dual-stream-event-reuse": (None, EventReuseExperts),
+_DEFECTS = {   # short name: (layer class, experts class, contract adapter class)
+    "stale-mapping": (StaleMapping, TritonExperts, None),
+    "unload-leaves-live": (UnloadLeavesSlotLive, TritonExperts, None),
+    "reload-no-zero": (ReloadWithoutZeroing, TritonExperts, None),
+    "metadata-cached": (MetadataCached, TritonExperts, None),
+    "capture-time-metadata": (CaptureTimeMetadata, TritonExperts, None),
+    "split-k-with-lora": (None, SplitKWithLoRA, None),
+    "dual-stream-event-reuse": (None, EventReuseExperts, None),
+    "w2-scaled-like-w13": (None, TritonExperts, W2ScaledLikeW13),
+    "w13-rank-from-down": (None, TritonExperts, W13RankFromDown),
+    "slot-keeps-first-rank": (SlotKeepsFirstRank, TritonExperts, None),
+    "reload-stays-disabled": (ReloadStaysDisabled, TritonExperts, None),
+    "same-adapter-reload-skipped": (None, TritonExperts, SameAdapterReloadSkipped),
+    "zero-token-replay-deactivates": (ZeroTokenReplayDeactivates, TritonExperts, None),
+    "padding-right-aligned": (PaddingRightAligned, TritonExperts, None),
+    "padding-delta-leaks": (PaddingDeltaLeaks, TritonExperts, None),
 }
 
 MECHANISMS = {
-    f"layer-mutant-{short}": " ".join(((layer or experts).__doc__ or "").split())
-    for short, (layer, experts) in _DEFECTS.items()}
+    f"layer-mutant-{short}": " ".join(((contract or layer or experts).__doc__ or "").split())
+    for short, (layer, experts, contract) in _DEFECTS.items()}
 
 MUTANTS = [
     _spec(f"layer-mutant-{short}", MECHANISMS[f"layer-mutant-{short}"], layer_cls=layer, experts_cls=experts,
+          contract_cls=contract,
           precision=LAYER_DUAL_STREAM.precision if issubclass(experts, DualStreamTritonExperts) else None)
-    for short, (layer, experts) in _DEFECTS.items()]
+    for short, (layer, experts, contract) in _DEFECTS.items()]
 
 CONTROL = [
     _spec("layer-control", "no defect: StatefulMoELoRALayer over TritonExperts", origin=CONTROL_ORIGIN),
@@ -169,45 +285,70 @@ CONTROL = [
           experts_cls=DualStreamTritonExperts, origin=CONTROL_ORIGIN, precision=LAYER_DUAL_STREAM.precision),
 ]
 BACKENDS = [*MUTANTS, *CONTROL]     # selftest's layer corpus (each spec keeps the origin it loads by)
-CONTROL_FOR = {s.name: ("layer-control-dual-stream" if "dual-stream" in s.name else "layer-control")
-               for s in MUTANTS}
+# vLLM's padding (no defect; outside selftest's corpus, whose controls are CONTROL): the padding mutants' layer
+# without their defect, which must pass every named scenario
+UNPADDED = _spec("layer-unpadded-mapping", UnpaddedMapping.__doc__, layer_cls=UnpaddedMapping,
+                 origin="moe_lora_harness.suites.layer.layer_mutants:UNPADDED")
+CONTROL_FOR = {f"layer-mutant-{short}": ("layer-control-dual-stream" if issubclass(experts, DualStreamTritonExperts)
+                                         else UNPADDED.name if layer and issubclass(layer, UnpaddedMapping)
+                                         else "layer-control") for short, (layer, experts, _) in _DEFECTS.items()}
 
 
 # ----------------------------------------------------------------------------- the scenario each defect shows on
 
 
-def _load(slot, rank, seed):
-    return {"do": "load", "slot": slot, "rank": rank, "seed": seed}
+def _load(slot, rank, seed, **kw):
+    return {"do": "load", "slot": slot, "rank": rank, "seed": seed, **kw}
 
 
 def _fwd(mapping, seed):
     return {"do": "forward", "mapping": list(mapping), "seed": seed}
 
 
+def _replay(size, mapping, seed):
+    return {"do": "replay", "size": size, "mapping": list(mapping), "seed": seed}
+
+
+UNLOAD0, CAPTURE4, CAPTURE8 = {"do": "unload", "slot": 0}, {"do": "capture", "size": 4}, {"do": "capture", "size": 8}
+FULL8 = _fwd([0] * 8, 2)     # a full batch, every token with an adapter: a padded replay's padding keeps its slots
+
 SCENARIOS = {
     "layer-mutant-stale-mapping": [_load(0, 8, 1), _fwd([0, 0, 0, 0], 2), _fwd([-1, -1, -1, -1], 3)],
-    "layer-mutant-unload-leaves-live": [_load(0, 8, 1), {"do": "unload", "slot": 0}, _fwd([0, 0, -1, 0], 2)],
+    "layer-mutant-unload-leaves-live": [_load(0, 8, 1), UNLOAD0, _fwd([0, 0, -1, 0], 2)],
     "layer-mutant-reload-no-zero": [_load(0, 8, 1), _load(0, 2, 4), _fwd([0, 0, 0, 0], 2)],
     "layer-mutant-metadata-cached": [_load(0, 8, 1), _fwd([0, -1, 0, -1], 2), _fwd([-1, 0, -1, 0], 3)],
-    "layer-mutant-capture-time-metadata": [_load(0, 8, 1), {"do": "capture", "size": 4},
-                                           {"do": "replay", "size": 4, "mapping": [0, 0, 0, 0], "seed": 2}],
-    "layer-mutant-padding-right-aligned": [_load(0, 8, 1), {"do": "capture", "size": 4},
-                                           {"do": "replay", "size": 4, "mapping": [0, -1], "seed": 2}],
+    "layer-mutant-capture-time-metadata": [_load(0, 8, 1), CAPTURE4, _replay(4, [0, 0, 0, 0], 2)],
+    "layer-mutant-padding-right-aligned": [_load(0, 8, 1), CAPTURE4, _replay(4, [0, -1], 2)],
     "layer-mutant-split-k-with-lora": [_load(0, 8, 1), _fwd([-1, 0, -1, -1, 0, -1, -1, -1], 2)],
     "layer-mutant-dual-stream-event-reuse": [_load(0, 8, 1), _fwd([0, -1, 0, -1], 2), _fwd([0, 0, -1, -1], 3)],
+    "layer-mutant-w2-scaled-like-w13": [_load(0, 8, 1, w2_rank=4, scaling=0.5, w2_scaling=1.0), _fwd([0, -1, 0, 0], 2)],
+    "layer-mutant-w13-rank-from-down": [_load(0, 8, 1, w2_rank=4), _fwd([0, -1, 0, 0], 2)],
+    "layer-mutant-slot-keeps-first-rank": [_load(0, 1, 1), _fwd([0, 0, -1, 0], 2), _load(0, 8, 3), _fwd([0, -1, 0], 4)],
+    "layer-mutant-reload-stays-disabled": [_load(0, 8, 1), UNLOAD0, _load(0, 4, 2), _fwd([0, 0, -1, 0], 3)],
+    "layer-mutant-same-adapter-reload-skipped": [_load(0, 4, 1), UNLOAD0, _load(0, 4, 1), _fwd([0, 0, -1, 0], 2)],
+    "layer-mutant-zero-token-replay-deactivates": [_load(0, 8, 1), CAPTURE4, _fwd([0, 0, -1, 0], 2),
+                                                   _replay(4, [], 3), _fwd([0, -1, 0, 0], 4)],
+    "layer-mutant-padding-delta-leaks": [_load(0, 8, 1), CAPTURE8, FULL8, _replay(8, [-1, -1, -1, 0, -1], 3)],
 }
 
-# the named scenario (harness.layer_scenarios, check's layer rows) each planted bug fails first: the suite runs
-# that row alone (check runs them all, so failing it is failing check); selftest runs every row
+# a named scenario (harness.layer_scenarios, check's layer rows) each planted bug fails, its family's: the suite
+# runs that row alone (check runs them all, so failing it is failing check); selftest runs every row
 FAILS_NAMED = {
     "layer-mutant-stale-mapping": "layer: adapter, then base-model tokens (#42008)",
     "layer-mutant-unload-leaves-live": "layer: unloaded slot still in the mapping",
     "layer-mutant-reload-no-zero": "layer: smaller rank into a used slot",
     "layer-mutant-metadata-cached": "layer: adapter, then base-model tokens (#42008)",
     "layer-mutant-capture-time-metadata": "layer: graph: capture, replay with new contents and adapters",
-    "layer-mutant-padding-right-aligned": "layer: graph: a padded replay after a full batch",
     "layer-mutant-split-k-with-lora": "layer: adapter, then base-model tokens (#42008)",
     "layer-mutant-dual-stream-event-reuse": "layer: adapter, then base-model tokens (#42008)",
+    "layer-mutant-w2-scaled-like-w13": "layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)",
+    "layer-mutant-w13-rank-from-down": "layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)",
+    "layer-mutant-slot-keeps-first-rank": "layer: larger rank into a slot that held a smaller one",
+    "layer-mutant-reload-stays-disabled": "layer: reload after an unload (another adapter, then the same again)",
+    "layer-mutant-same-adapter-reload-skipped": "layer: reload after an unload (another adapter, then the same again)",
+    "layer-mutant-zero-token-replay-deactivates": "layer: graph: a zero-token replay after a batch with live slots",
+    "layer-mutant-padding-right-aligned": "layer: graph: a padded replay after a full batch",
+    "layer-mutant-padding-delta-leaks": "layer: graph: a padded replay after a full batch",
 }
 
 # what each scenario shows: "not-neutral" (a token without an adapter differs from the twin), "out-of-bound"
@@ -221,4 +362,11 @@ SHOWS = {
     "layer-mutant-padding-right-aligned": "out-of-bound",
     "layer-mutant-split-k-with-lora": "not-neutral",
     "layer-mutant-dual-stream-event-reuse": "raises ScheduleError",
+    "layer-mutant-w2-scaled-like-w13": "out-of-bound",
+    "layer-mutant-w13-rank-from-down": "out-of-bound",
+    "layer-mutant-slot-keeps-first-rank": "out-of-bound",
+    "layer-mutant-reload-stays-disabled": "out-of-bound",
+    "layer-mutant-same-adapter-reload-skipped": "out-of-bound",
+    "layer-mutant-zero-token-replay-deactivates": "out-of-bound",
+    "layer-mutant-padding-delta-leaks": "not-neutral",
 }

@@ -79,6 +79,18 @@ def test_planted_layer_bug_fails_under_check_and_fuzz(mutant, device, executor):
     assert fuzz.caught, f"{mutant} survived 30 state-machine examples: {fuzz.error}"
 
 
+def test_a_layer_that_does_not_pad_the_mapping_passes_every_graph_row(device, executor):
+    """vLLM's padding (layer_mutants.UNPADDED: a padded replay's padding rows keep the last batch's slots) is not a
+    bug: the padded replay after a full batch, and every other graph row, pass."""
+    from moe_lora_harness.harness.layer_scenarios import SCENARIOS
+    from moe_lora_harness.suites.layer.layer_mutants import UNPADDED
+    graph_rows = {f"layer: {sc.name}" for sc in SCENARIOS if sc.graphs}
+    for label, sc in layer_scenarios(device):
+        if label in graph_rows:
+            o = run_scenario(UNPADDED, claimed_scenario(UNPADDED, sc, device), device, executor=executor)
+            assert o.status == "pass", f"{label}: {o.detail or o.reason}"
+
+
 def test_a_layer_failure_replays_alone_from_its_repro(tmp_path):
     """The REPRO of a failing scenario, run in a fresh shell elsewhere, fails the same way (and the scenario is
     printed as JSON that `replay --scenario` reads back)."""

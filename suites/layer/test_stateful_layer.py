@@ -17,9 +17,10 @@ from moe_lora_harness.harness.layer_runner import run_scenario as run_layer_scen
 from moe_lora_harness.harness.layer_scenario import Scenario, base_weights
 from moe_lora_harness.harness.layer_scenario import adapter as scenario_adapter, batch as scenario_batch
 from moe_lora_harness.reference.adapters import ExpertAdapter
-from moe_lora_harness.suites.layer.layer_mutants import CONTROL, CONTROL_FOR, MECHANISMS, MUTANTS, SCENARIOS, SHOWS
+from moe_lora_harness.suites.layer.layer_mutants import (
+    CONTROL, CONTROL_FOR, MECHANISMS, MUTANTS, SCENARIOS, SHOWS, UNPADDED)
 
-CONTROLS = {s.name: s for s in CONTROL}
+CONTROLS = {s.name: s for s in (*CONTROL, UNPADDED)}
 KINDS_SHOWN = {   # what layer_mutants.SHOWS says -> the harness's failure kinds
     "not-neutral": lambda p: p.startswith("not-neutral:"),
     "out-of-bound": lambda p: p.split(":")[0] in ("element", "aggregate"),
