@@ -91,7 +91,7 @@ def test_a_layer_that_does_not_pad_the_mapping_passes_every_graph_row(device, ex
             assert o.status == "pass", f"{label}: {o.detail or o.reason}"
 
 
-def test_a_layer_failure_replays_alone_from_its_repro(tmp_path):
+def test_a_layer_failure_replays_alone_from_its_repro(tmp_path, device):
     """The REPRO of a failing scenario, run in a fresh shell elsewhere, fails the same way (and the scenario is
     printed as JSON that `replay --scenario` reads back)."""
     import os
@@ -104,7 +104,7 @@ def test_a_layer_failure_replays_alone_from_its_repro(tmp_path):
     from moe_lora_harness.suites.layer.layer_mutants import BACKENDS
     spec = next(s for s in BACKENDS if s.name == "layer-mutant-stale-mapping")
     sc = Scenario(layer_config(SMALL_LAYER, "float32"), tuple(SCENARIOS[0].steps(SMALL_LAYER)))
-    o = run_scenario(spec, sc, "cpu", executor=InProcess())
+    o = run_scenario(spec, sc, device, executor=InProcess())
     assert o.status == "fail" and o.kind == "not-neutral" and "SCENARIO: {" in o.detail, o.detail
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "MOE_LORA_HARNESS_PROFILE"))}
     r = subprocess.run(["bash", "-c", o.repro.replace(" --scenario ", " --repeat 1 --scenario ", 1)], cwd=tmp_path,

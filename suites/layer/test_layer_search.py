@@ -1,6 +1,7 @@
 """The layer search itself (harness.layer_machine): it reaches every dtype the layer claims, draws mappings a layer
 can take, holds its budget through the shrink, reproduces under a seed, and shrinks to the steps a failure needs;
-and the load step's per-module ranks and scalings (harness.layer_scenario)."""
+and the load step's per-module ranks and scalings (harness.layer_scenario). At the CPU's layer shapes on the run's
+device (in-process: a GPU run's Triton kernels cannot read CPU tensors)."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +48,7 @@ def test_a_load_step_gives_w2_its_own_rank_and_scaling():
     assert [p.split(":")[1].split()[0] for p in bad.problems()] == ["w2_rank", "w2_scaling"], bad.problems()
 
 
-def test_the_search_reaches_every_dtype_and_draws_only_what_the_layer_declares():
+def test_the_search_reaches_every_dtype_and_draws_only_what_the_layer_declares(device):
     """A layer that cannot map an unloaded slot (Capabilities.maps_unloaded_slots False: vLLM's adapter ids) nor
     reuse one gets only scenarios it claims (mappings over its live slots and -1, a load per slot); the search
     runs in each claimed dtype."""
@@ -57,30 +58,30 @@ def test_the_search_reaches_every_dtype_and_draws_only_what_the_layer_declares()
     configs = fuzz_configs(spec, "cpu")
     assert [c.dtype for c in configs] == list(SMALL_LAYER.dtypes)
     ex = Recording()
-    r = search_layers(spec, configs, "cpu", executor=ex, max_examples=4, derandomize=True, rounds=1)
+    r = search_layers(spec, configs, device, executor=ex, max_examples=4, derandomize=True, rounds=1)
     assert not r.found and {sc.config.dtype for sc in ex.scenarios} == set(SMALL_LAYER.dtypes)
     assert sum(s["do"] in RUNS for sc in ex.scenarios for s in sc.steps) > 4
     for sc in ex.scenarios:
-        assert layer_support(spec, sc, "cpu") == (True, ""), sc.to_json()
+        assert layer_support(spec, sc, device) == (True, ""), sc.to_json()
 
 
-def test_the_search_holds_its_budget_through_the_shrink():
+def test_the_search_holds_its_budget_through_the_shrink(device):
     """A planted bug found at once, then shrunk (hypothesis's shrink and minimize) and searched on: the whole
     search ends within 10 % of its budget."""
     budget, spec = 8.0, MUTANT["layer-mutant-split-k-with-lora"]
     t0 = time.monotonic()
-    r = search_layer(spec, fuzz_configs(spec, "cpu")[0], "cpu", executor=InProcess(), budget_s=budget,
+    r = search_layer(spec, fuzz_configs(spec, "cpu")[0], device, executor=InProcess(), budget_s=budget,
                      max_examples=10**6, derandomize=True)
     wall = time.monotonic() - t0
     assert r.found and r.exhausted == "budget", (r.found, r.exhausted)
     assert wall <= 1.1 * budget, f"the search took {wall:.1f}s for a budget of {budget}s"
 
 
-def test_a_seed_reproduces_the_search():
+def test_a_seed_reproduces_the_search(device):
     spec, config = MUTANT["layer-mutant-split-k-with-lora"], layer_config(SMALL_LAYER, "float16")
 
     def found(seed):
-        r = search_layer(spec, config, "cpu", executor=InProcess(), max_examples=10, seed=seed, rounds=1,
+        r = search_layer(spec, config, device, executor=InProcess(), max_examples=10, seed=seed, rounds=1,
                          shrink=False)
         assert r.found
         return _scenario_of(r.found[0]).to_json()
@@ -97,14 +98,14 @@ BASE4 = {"do": "forward", "mapping": [-1, -1, -1, -1], "seed": 4}
     ((LOAD0, LOAD1, CAPTURE4, ADAPTER4, BASE4), {1, 2}),   # unneeded from the start
     ((LOAD0, CAPTURE4, {"do": "replay", "size": 4, "mapping": [0, 0, 0, 0], "seed": 5}, ADAPTER4, BASE4), set()),
 ], ids=["unneeded", "unneeded-once-its-replay-went"])
-def test_a_shrunk_failure_keeps_only_the_steps_it_needs(steps, drop):
+def test_a_shrunk_failure_keeps_only_the_steps_it_needs(steps, drop, device):
     """minimize drops a capture no replay uses and a load of a slot no run maps, also once the removal of another
     step (the replay) leaves them so: a planted stale mapping shrinks to load, forward, forward."""
     spec, c = MUTANT["layer-mutant-stale-mapping"], layer_config(SMALL_LAYER, "float32")
     assert unneeded(steps) == drop
     sc, ex = Scenario(c, steps), InProcess()
-    f = first_failure(spec, sc, "cpu", ex.execute_scenario(spec, sc, "cpu", 0))
-    best, best_f, _ = minimize(spec, sc, f, "cpu", ex)
+    f = first_failure(spec, sc, device, ex.execute_scenario(spec, sc, device, 0))
+    best, best_f, _ = minimize(spec, sc, f, device, ex)
     assert best.steps == (LOAD0, ADAPTER4, BASE4) and best_f.kind == f.kind == "not-neutral"
 
 
