@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU lane, run on the H200 through the device tool (never in CPU CI). Everything lands in $OUT
 # (default bench/results/latest). Targets, in the order `all` runs them (about 9 min on one H200):
-#   tests     all suites on CUDA, 1 case per feature, 3 hypothesis examples (~80 s)
+#   tests     all suites on CUDA, 1 case per feature, 3 hypothesis examples; then the CPU full tier (the tests
+#             marked slow, which CPU CI's gate tier deselects) on this host's cores
 #   bench     the op benchmark, 60 shapes, every path verified first, vLLM's figures beside ours (~200 s)
 #   experts   the expert benchmark: kernel level and expert level with/without LoRA (~95 s)
 #   dual      the dual-stream benchmark, 15 shapes (~25 s)
@@ -47,7 +48,13 @@ for t in "${targets[@]}"; do
         --deselect src/moe_lora_harness/suites/test_one_name.py::test_static_tools_resolve_every_import_of_the_repository \
         --moe-lora-cases-per-feature ${CASES_PER_FEATURE:-1} --durations=12 --junitxml="$OUT/gpu_suites.junit.xml" \
         > "$OUT/gpu_suites.log" 2>&1 || rc=1
-      tail -3 "$OUT/gpu_suites.log" ;;
+      tail -3 "$OUT/gpu_suites.log"
+      # the CPU full tier: the tests CPU CI's gate tier deselects (marked slow), on this host's cores, in the
+      # interpreter as CI would run them (the GPU hidden, so the suites take the CPU profile)
+      CUDA_VISIBLE_DEVICES= MOE_LORA_HARNESS_PROFILE=ci OMP_NUM_THREADS=1 timeout ${CPU_FULL_TIMEOUT:-300} \
+        python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-12} --moe-lora-tier full -m slow \
+        --durations=8 --junitxml="$OUT/cpu_full_tier.junit.xml" > "$OUT/cpu_full_tier.log" 2>&1 || rc=1
+      tail -2 "$OUT/cpu_full_tier.log" ;;
     bench)
       timeout ${BENCH_TIMEOUT:-330} python3 bench/bench_lora_op.py --anchors $ANCHORS --budget-s 280 --verify-all \
         --out "$OUT/lora_op_bench.json" --md "$OUT/lora_op_bench.md" "$@" > "$OUT/lora_op_bench.txt" 2>&1 || rc=1

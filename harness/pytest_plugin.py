@@ -5,7 +5,7 @@ nothing heavy and changes nothing unless our suites run: `pytest --pyargs moe_lo
 --moe-lora-backend mypkg.moe:fused_moe_lora`. Options (all prefixed, so they clash with no other
 plugin): --moe-lora-device, --moe-lora-backend (repeatable), --moe-lora-only (repeatable),
 --moe-lora-probe-unsupported, --moe-lora-cases-per-feature, --moe-lora-profile, --moe-lora-max-examples,
---moe-lora-case-timeout, --moe-lora-test-timeout, --moe-lora-in-process.
+--moe-lora-case-timeout, --moe-lora-test-timeout, --moe-lora-in-process, --moe-lora-tier.
 """
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ import pytest
 
 SUITES_DIR = pathlib.Path(__file__).resolve().parent.parent / "suites"
 TEST_TIMEOUT_DEFAULT = 900.0
+TIERS = ("gate", "full")
+TIER_ENV = "MOE_LORA_HARNESS_TIER"
 _NEVER_RAN = pytest.StashKey[list]()
+_FULL_TIER = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser):
@@ -35,7 +38,8 @@ def pytest_addoption(parser):
     g.addoption("--moe-lora-probe-unsupported", action="store_true",
                 help="also run cases a backend declines; warn about the ones that pass")
     g.addoption("--moe-lora-cases-per-feature", type=int, default=None, metavar="N",
-                help="cases per feature and backend (default 2 on CPU, 3 on CUDA)")
+                help="cases per feature and backend (default on CPU 1 in the gate tier, 2 in the full tier; 3 on "
+                     "CUDA)")
     g.addoption("--moe-lora-profile", default=None, choices=("ci", "dev", "fuzz"),
                 help="hypothesis profile of our suites (default: $MOE_LORA_HARNESS_PROFILE or ci, derandomized)")
     g.addoption("--moe-lora-max-examples", type=int, default=None, metavar="N",
@@ -44,6 +48,10 @@ def pytest_addoption(parser):
                 help="per backend call in the supervised worker (default 300)")
     g.addoption("--moe-lora-test-timeout", type=float, default=TEST_TIMEOUT_DEFAULT, metavar="SECONDS",
                 help=f"per test of our suites (default {TEST_TIMEOUT_DEFAULT:.0f}; 0 = none)")
+    g.addoption("--moe-lora-tier", default=None, choices=TIERS,
+                help="gate: the CPU gate CI runs (tests marked `slow`, the full tier's cross-products and end-to-end "
+                     "campaigns, deselected); full: every test (default: $MOE_LORA_HARNESS_TIER, else gate on CPU "
+                     "and full on CUDA)")
     g.addoption("--moe-lora-in-process", action="store_true",
                 help="call backends in the test process instead of a supervised worker (for debuggers; a "
                      "crashing backend then takes the test process with it)")
@@ -51,7 +59,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (bf16 and real shapes)")
-    config.addinivalue_line("markers", "slow: larger shapes; excluded from the default CPU run with -m 'not slow'")
+    config.addinivalue_line("markers", "slow: the full tier only (a claim's further cross-products, or an end-to-end "
+                                       "campaign whose parts the gate tests): not run in the CPU gate tier")
     # our suites read these when their modules are imported (hypothesis settings are set per test, never
     # globally, so a user's own hypothesis tests in the same session keep their profile)
     if config.getoption("moe_lora_profile"):
@@ -66,6 +75,29 @@ def pytest_configure(config):
             parse_device(dev, "--moe-lora-device")
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+
+
+def tier(config) -> str:
+    """gate or full (--moe-lora-tier, else $MOE_LORA_HARNESS_TIER, else gate on a CPU device, full on CUDA)."""
+    chosen = config.getoption("moe_lora_tier") or os.environ.get(TIER_ENV)
+    if chosen:
+        if chosen not in TIERS:
+            raise pytest.UsageError(f"${TIER_ENV} must be one of {', '.join(TIERS)}; got {chosen!r}")
+        return chosen
+    return "gate" if selected_device(config) == "cpu" else "full"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The gate tier deselects our tests marked `slow` (counted in the summary, never silent)."""
+    ours = [i for i in items if is_ours(i)]
+    if not ours or tier(config) == "full":
+        return
+    slow = [i for i in ours if i.get_closest_marker("slow")]
+    if slow:
+        keep = set(map(id, slow))
+        items[:] = [i for i in items if id(i) not in keep]
+        config.hook.pytest_deselected(items=slow)
+        config.stash[_FULL_TIER] = len(slow)
 
 
 def _only_our_suites(config) -> bool:
@@ -222,6 +254,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _LEDGER.ours and tier(config) == "gate":
+        n = config.stash.get(_FULL_TIER, None)     # known in this process (not on the xdist controller)
+        terminalreporter.line(f"moe-lora-harness: the gate tier ran; {'the' if n is None else n} tests marked slow "
+                              f"(the full tier) were deselected: --moe-lora-tier full runs every test")
     never = config.stash.get(_NEVER_RAN, [])
     if not never:
         return

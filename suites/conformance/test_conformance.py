@@ -20,7 +20,7 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import support_for
 from moe_lora_harness.harness.features import FEATURES, feature_cases
 from moe_lora_harness.harness.profiles import draw_sizes
-from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
+from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device, tier
 from moe_lora_harness.harness.runner import run_case
 from moe_lora_harness.harness.strategies import claimed_cases, suite_settings
 
@@ -37,7 +37,8 @@ def pytest_generate_tests(metafunc):
     specs = selected_backends(config)
     names = sorted(specs)
     if "feature_case" in metafunc.fixturenames:
-        n = config.getoption("moe_lora_cases_per_feature") or (3 if device.startswith("cuda") else 2)
+        n = config.getoption("moe_lora_cases_per_feature") or (
+            3 if device.startswith("cuda") else 1 if tier(config) == "gate" else 2)
         params, ids = [], []
         for name in names:
             levels = specs[name].capabilities.levels   # a backend is asked only at the levels it has

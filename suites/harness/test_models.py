@@ -329,6 +329,7 @@ def _cli(*args, cwd):
                           cwd=cwd, env=env, timeout=600)
 
 
+@pytest.mark.slow     # the CLI over a whole model plan; the gate: the plan, the estimate and the memory rules above
 def test_check_model_config_end_to_end(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = _cli("check", "--model-config", "config.json", "--only", "eager", "--device", "cpu", "--tokens", "1,17",

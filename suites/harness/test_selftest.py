@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from moe_lora_harness.harness.execute import InProcess
 from moe_lora_harness.harness.selftest import CORPORA, kill_matrix_text, run_selftest
 
@@ -26,6 +28,7 @@ def test_op_and_tp_corpora_are_killed_by_check():
     assert all(cells["check"].caught for cells in res.cells.values()), kill_matrix_text(res, ("check",))
 
 
+@pytest.mark.slow     # every op and tp mutant through a fuzz campaign; the gate: check kills them (above)
 def test_compile_classes_keep_the_fuzz_detector_killing_every_op_and_tp_mutant():
     """The palette a GPU campaign draws from (harness/compile_classes.py) loses none of these planted bugs."""
     res = run_selftest("cpu", InProcess(), corpora=("op", "tp"), detectors=("fuzz",), fuzz_budget_s=BACKSTOP_S,

@@ -62,6 +62,7 @@ def test_check_names_the_planted_mistake(planted):
     assert "semantics: consistent with " in o.detail and f"({mechanism})" in o.detail
 
 
+@pytest.mark.slow     # a fuzz campaign per planted mistake; the gate: test_check_names_the_planted_mistake
 def test_fuzz_names_every_planted_mistake(tmp_path):
     """The selftest's fuzz detector over the corpora whose mutants have a mechanism in the table: each caught
     and named as its mechanism (a misnamed catch fails the selftest; check's naming: the test above, and
@@ -145,6 +146,7 @@ def test_a_partial_failure_names_the_rows_and_what_they_share():
     assert "every failing row, and no passing one, has adapter slot 1" in rows, o.detail
 
 
+@pytest.mark.slow     # a whole campaign; the gate: the grouping by signature (test_signatures) and check's naming
 def test_a_fuzz_campaign_reports_one_named_failure_however_many_shapes_show_it():
     """300 examples meet the dropped w2 delta per element on some shapes and only in aggregate on others (bf16):
     one named mistake, one distinct failure."""

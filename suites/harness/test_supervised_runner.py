@@ -278,3 +278,15 @@ def test_a_declaration_that_raises_is_the_backends_failure():
         levels=frozenset({"op"}), rules=(Rule("broken", broken, "always raises"),)))
     out = run_case(spec, W13, "cpu")
     assert out.status == "fail" and out.kind == "declaration" and "ZeroDivisionError: rule bug" in out.detail
+
+
+def test_the_gate_tier_deselects_the_full_tier_and_says_so():
+    """On a CPU device the gate tier (CI's) leaves out the tests marked slow and says so; --moe-lora-tier full
+    (ci/gpu.sh's CPU full tier runs `-m slow` with it) keeps them."""
+    args = ("--co", "-p", "no:xdist", "--pyargs", "moe_lora_harness.suites.layer.test_layer_scenarios",
+            "-k", "planted_layer_bug", "--moe-lora-device", "cpu")
+    gate, full = _pytest(*args), _pytest(*args, "--moe-lora-tier", "full")
+    assert gate.returncode == 0 and full.returncode == 0, gate.stdout[-2000:] + full.stdout[-2000:]
+    assert "fails_its_check_row" in gate.stdout and "fails_under_fuzz" not in gate.stdout, gate.stdout[-2000:]
+    assert "tests marked slow (the full tier) were deselected" in gate.stdout, gate.stdout[-2000:]
+    assert "fails_under_fuzz" in full.stdout and "(the full tier) were deselected" not in full.stdout, full.stdout[-2000:]

@@ -74,6 +74,7 @@ def test_each_mutant_passes_its_small_control_with_its_mutated_kernel(name, spec
             assert bindings(replacement) == [] and bindings(original), f"{name} left {original} replaced"
 
 
+@pytest.mark.slow     # production-size shapes in the interpreter (8-14 s each); the GPU lane runs them at served shapes
 @pytest.mark.parametrize("name", [m.name for m in PRODUCTION if m.cpu_fails_on is not None])
 def test_a_mutant_the_interpreter_can_take_past_its_gate_fails_there(name, specs, device):
     m = MUTANTS[name]
