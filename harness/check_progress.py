@@ -43,10 +43,11 @@ class LiveLine:
 
 
 class CheckProgress:
-    """The live line (only when `live`: a terminal, neither -q nor $CI) and the time per backend."""
+    """The live line (only when `live`: a terminal, neither -q nor $CI) and the time per backend; with `jobs` > 1
+    (check --jobs) the line says so and names the run handed out last."""
 
-    def __init__(self, planned: int, live: bool, stream=None, every_s: float = 0.5):
-        self.planned, self.line = planned, LiveLine(live, stream, every_s)
+    def __init__(self, planned: int, live: bool, stream=None, every_s: float = 0.5, jobs: int = 1):
+        self.planned, self.line, self.jobs = planned, LiveLine(live, stream, every_s), jobs
         self.done = self.failed = 0
         self.per_backend = defaultdict(float)
         self._t0 = time.monotonic()
@@ -55,11 +56,13 @@ class CheckProgress:
         """A run begins: the line names it (at most every `every_s` seconds)."""
         el = time.monotonic() - self._t0
         left = f", ~{clock(el / self.done * (self.planned - self.done))} left" if self.done else ""
-        self.line.show(f"[check] {self.done}/{self.planned} runs, {self.failed} failed, {clock(el)}{left} | "
+        jobs = f" ({self.jobs} jobs)" if self.jobs > 1 else ""
+        self.line.show(f"[check] {self.done}/{self.planned} runs{jobs}, {self.failed} failed, {clock(el)}{left} | "
                        f"{backend}: {feature}")
 
     def finished(self, outcome, seconds: float) -> None:
-        """A run ended after `seconds` (wall, judging included): counted, and the time added to its backend's."""
+        """A run ended after `seconds` (wall, judging included): counted, and the time added to its backend's (with
+        jobs, the sum of the runs' times: more than the wall time)."""
         self.done += 1
         self.failed += bool(outcome.failed)
         self.per_backend[outcome.backend] += seconds

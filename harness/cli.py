@@ -1,6 +1,7 @@
 """`moe-lora-harness`: check every registered backend (the matrix), replay one case, list, fuzz.
 
-  moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--budget 2m] [--json F] [--markdown F]
+  moe-lora-harness check [--backend REF] [--only NAME] [--device D] [--more] [--budget 2m] [--jobs N|auto]
+                         [--json F] [--markdown F]
   moe-lora-harness check --model NAME|--model-config PATH [--tp N] [--ep N] [--tokens LIST] [--only NAME]
   moe-lora-harness models [--sources]
   moe-lora-harness replay --case JSON|FILE|- [--only NAME] [--backend REF] [--device D] [--repeat N]
@@ -8,18 +9,21 @@
                         [--junit F] [--palette auto|free|classes] [--jobs N]
   moe-lora-harness list [--backend REF] [--only NAME]
   moe-lora-harness selftest [--corpus op|tp|semantics|ep|fp8|reach|schedule|layer|production] [--detectors check,fuzz]
-                            [--quick] [--budget 10m] [--junit F] [--json F] [--write-order PATH]
+                            [--quick] [--budget 10m] [--jobs N|auto] [--junit F] [--json F] [--write-order PATH]
   moe-lora-harness adapter verify DIR [DIR...] --model-config PATH [--layers N] [--against DIR...]
 
 Backends run in a supervised worker process: a backend that raises, exits, crashes or hangs (past
 --timeout seconds per case) fails that case and the run goes on. A failing case is run --reruns more
 times to tell a wrong backend from a nondeterministic one. REF is MODULE:ATTR or path/to/file.py:ATTR.
+check and selftest --jobs N run N at once, one job process each, into one report (auto: 1 on the CPU, with --model
+and with --in-process; else min(8, half the CPU cores)).
 Exit codes: 0 all claimed cases pass, 1 a failure (or nothing was tested), 2 a usage error, 3 an error of
 the harness itself (reports still written), 130 interrupted, 141 the output pipe closed (`| head`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -31,6 +35,7 @@ import time
 from moe_lora_harness.harness.cache import fuzz_corpus_dir
 from moe_lora_harness.harness.contract import device_kind
 from moe_lora_harness.harness.device import DEVICE_FORMS, parse_device, prepare_device
+from moe_lora_harness.harness.job_pool import jobs_arg as _jobs_arg
 from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
 
 
@@ -100,12 +105,10 @@ def _write_reports(args, matrix, names, meta, title):
         pathlib.Path(args.junit).write_text(to_junit("moe-lora-harness check", matrix_junit_cases(matrix)))
 
 
-def cmd_check(args) -> int:
-    deadline = time.monotonic() + args.budget if args.budget else None    # --budget counts from here
-    device = _device(args)
+def _check_plan(args, device):
+    """check's plan: (backends, cases per feature, row names, the --model plan or None, runs), each run (backend
+    name, spec, row, case or layer scenario), in --budget's order when there is one."""
     from moe_lora_harness.harness.features import FEATURES, feature_cases
-    from moe_lora_harness.harness.report import build_matrix, to_text
-    from moe_lora_harness.harness.runner import STATUSES, run_case
     specs = _backends(args)
     n = args.cases_per_feature or (6 if args.more else 2)
     levels = {lv for s in specs.values() for lv in s.capabilities.levels}   # rows only at levels a backend has
@@ -128,56 +131,168 @@ def cmd_check(args) -> int:
     if model is not None:
         plan, names = model.runs, model.rows
     if layer_rows:   # the named layer scenarios, at a configuration each layer claims (harness.layer_scenarios)
-        from moe_lora_harness.harness.layer_runner import run_scenario
         from moe_lora_harness.harness.layer_scenarios import claimed_scenario
         plan += [(name, spec, label, claimed_scenario(spec, sc, device)) for name, spec in specs.items()
                  if "layer" in spec.capabilities.levels for label, sc in layer_rows]
-    if deadline is not None:     # the rows that kill the most planted bugs first (harness.check_order)
+    if args.budget:     # the rows that kill the most planted bugs first (harness.check_order)
         from moe_lora_harness.harness.check_order import row_key, stored
         key = row_key(stored(device), names)
         plan = sorted(plan, key=lambda run: key(run[2]))
-    feature_of, outcomes, unreached, row_s = {}, [], [], {}
+    return specs, n, names, model, plan
+
+
+def _check_one(args, spec, case, device: str, executor):
+    """One run of check's plan: a case (harness.runner) or a layer scenario (harness.layer_runner)."""
+    if hasattr(case, "steps"):
+        from moe_lora_harness.harness.layer_runner import run_scenario
+        return run_scenario(spec, case, device, executor=executor, probe=args.probe_unsupported)
+    from moe_lora_harness.harness.runner import run_case
+    return run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
+
+
+@dataclasses.dataclass
+class _Ran:
+    """What check's loop ran: (plan index, Outcome) in plan order, the indices --budget cut and those in flight
+    when it stopped (a harness error's first), whether it was interrupted, a harness error, worker restarts."""
+
+    outcomes: list = dataclasses.field(default_factory=list)
+    unreached: list = dataclasses.field(default_factory=list)
+    in_flight: list = dataclasses.field(default_factory=list)
+    interrupted: bool = False
+    harness_error: str | None = None
+    restarts: int = 0
+
+
+def _check_in_turn(args, device: str, plan: list, deadline, progress) -> _Ran:
+    """`check --jobs 1`: the runs in plan order, in this process's executor."""
+    ran, row_s = _Ran(), {}
+    executor = _executor(args)
+    try:
+        for i, (name, spec, feat, case) in enumerate(plan):
+            if deadline is not None and time.monotonic() + row_s.get(feat, 0.0) >= deadline:   # as its row's last run
+                ran.unreached = list(range(i, len(plan)))
+                break
+            ran.in_flight, t1 = [i], time.time()
+            progress.start(name, feat)
+            o = _check_one(args, spec, case, device, executor)
+            ran.outcomes.append((i, o))
+            row_s[feat] = time.time() - t1
+            progress.finished(o, row_s[feat])
+            if o.failed and args.verbose:
+                print(o.detail, file=sys.stderr)
+        ran.in_flight = []
+    except KeyboardInterrupt:
+        ran.interrupted = True
+    except Exception:  # noqa: BLE001 - a bug of ours: say so, and still write what was judged
+        import traceback
+        ran.harness_error = traceback.format_exc()
+        ran.interrupted = True
+    finally:
+        executor.close()
+        ran.restarts = getattr(executor, "restarts", 0)
+    return ran
+
+
+def _check_in_jobs(args, device: str, plan: list, jobs: int, deadline, progress) -> _Ran:
+    """`check --jobs N`: the runs handed out to N job processes as they come free (harness.job_pool), the layer
+    scenarios (the longest runs) first unless --budget sets the order, its test made as each is handed out; the
+    outcomes put back in plan order."""
+    from moe_lora_harness.harness.job_pool import serve
+    ran, row_s, cut = _Ran(), {}, []
+
+    def task(i):
+        name, _, feat, case = plan[i]
+        if deadline is not None and time.monotonic() + row_s.get(feat, 0.0) >= deadline:
+            cut.append(i)
+            return None
+        return name, case
+
+    def finished(i, o, seconds):
+        row_s[plan[i][2]] = seconds
+        ran.outcomes.append((i, o))
+        progress.finished(o, seconds)
+        if o.failed and args.verbose:
+            print(o.detail, file=sys.stderr)
+    # the options without the command's function: run as `python -m ...cli`, it is __main__'s, which a job lacks
+    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "fn"})
+    try:
+        order = (None if deadline is not None else
+                 sorted(range(len(plan)), key=lambda i: not hasattr(plan[i][3], "steps")))
+        served = serve("moe_lora_harness.harness.cli:check_job", (options, device), len(plan), jobs, task=task,
+                       started=lambda i: progress.start(plan[i][0], plan[i][2]), finished=finished, order=order)
+    except Exception:  # noqa: BLE001 - a bug of ours (the jobs are stopped): say so, and still write what was judged
+        import traceback
+        ran.harness_error, ran.interrupted = traceback.format_exc(), True
+        served = None
+    ran.outcomes.sort(key=lambda run: run[0])
+    if served is not None:
+        ran.unreached = served.not_handed if cut else []
+        failed = [i for i, _ in served.errors if i is not None]
+        ran.in_flight = failed + [i for i in served.in_flight if i not in failed]
+        ran.interrupted = served.interrupted or bool(served.errors)
+        if served.errors:
+            ran.harness_error = "\n".join(text for _, text in served.errors)
+        ran.restarts = sum((s or {}).get("restarts", 0) for s in served.stats)
+    return ran
+
+
+class _CheckJob:
+    """One job of `check --jobs N` (harness.job_pool): the command's backends and its own executor; runs
+    (backend name, case or scenario) as the parent sends them."""
+
+    def __init__(self, args, device: str):
+        prepare_device(device)
+        self.args, self.device = args, device
+        self.specs = _backends(args)
+        self.executor = _executor(args)
+
+    def run(self, what):
+        name, case = what
+        return _check_one(self.args, self.specs[name], case, self.device, self.executor)
+
+    def close(self) -> dict:
+        self.executor.close()
+        return {"restarts": getattr(self.executor, "restarts", 0)}
+
+
+def check_job(options) -> _CheckJob:
+    """job_pool's entry for check: options = (parsed args, device)."""
+    return _CheckJob(*options)
+
+
+def cmd_check(args) -> int:
+    deadline = time.monotonic() + args.budget if args.budget else None    # --budget counts from here
+    device = _device(args)
+    from moe_lora_harness.harness.job_pool import resolve_jobs
+    from moe_lora_harness.harness.report import build_matrix, to_text
+    from moe_lora_harness.harness.runner import STATUSES
+    specs, n, names, model, plan = _check_plan(args, device)
+    jobs = resolve_jobs(args.jobs, device, heavy=model is not None, in_process=args.in_process)
+    jobs = min(jobs, max(1, len(plan)))
+    feature_of, outcomes = {}, []
     for feat, o in (model.prejudged if model is not None else []):   # cases too large for this machine
         feature_of[id(o)] = feat
         outcomes.append(o)
     specs, absent = _offered(specs, plan, outcomes)
     total = len(plan) + len(outcomes)
     t0 = time.time()
-    interrupted = in_flight = harness_error = None
-    executor = _executor(args)
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     from moe_lora_harness.harness.check_progress import CheckProgress
-    progress = CheckProgress(len(plan), _progress_wanted(args))
+    progress = CheckProgress(len(plan), _progress_wanted(args), jobs=jobs)
     try:
-        for i, (name, spec, feat, case) in enumerate(plan):
-            if deadline is not None and time.monotonic() + row_s.get(feat, 0.0) >= deadline:   # as its row's last run
-                unreached = [(run[0], run[2]) for run in plan[i:]]
-                break
-            in_flight, t1 = (name, feat, case), time.time()
-            progress.start(name, feat)
-            if hasattr(case, "steps"):
-                o = run_scenario(spec, case, device, executor=executor, probe=args.probe_unsupported)
-            else:
-                o = run_case(spec, case, device, probe=args.probe_unsupported, executor=executor, reruns=args.reruns)
-            feature_of[id(o)] = feat
-            outcomes.append(o)
-            row_s[feat] = time.time() - t1
-            progress.finished(o, row_s[feat])
-            if o.failed and args.verbose:
-                print(o.detail, file=sys.stderr)
-        in_flight = None
-    except KeyboardInterrupt:
-        interrupted = True
-    except Exception:  # noqa: BLE001 - a bug of ours: say so, and still write what was judged
-        import traceback
-        harness_error = traceback.format_exc()
-        interrupted = True
+        ran = (_check_in_turn(args, device, plan, deadline, progress) if jobs == 1 else
+               _check_in_jobs(args, device, plan, jobs, deadline, progress))
     finally:
         signal.signal(signal.SIGTERM, previous_term)
-        executor.close()
         times = progress.close()
         if times:
             print(times, file=sys.stderr)
+    for i, o in ran.outcomes:
+        feature_of[id(o)] = plan[i][2]
+        outcomes.append(o)
+    unreached = [(plan[i][0], plan[i][2]) for i in ran.unreached]
+    interrupted, harness_error, restarts = ran.interrupted, ran.harness_error, ran.restarts
+    in_flight = [(plan[i][0], plan[i][2], plan[i][3]) for i in ran.in_flight]
     matrix = build_matrix(outcomes, lambda o: feature_of[id(o)])
     left = []
     if unreached:        # --budget spent: the cells not reached are marked so (and skipped in the JUnit)
@@ -215,11 +330,10 @@ def cmd_check(args) -> int:
             print(f"\nNOTHING TESTED: {name} declined every case it was offered on {device} (see its declared "
                   f"reasons above); a backend that claims nothing cannot pass")
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
-    restarts = getattr(executor, "restarts", 0)
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},
             "not_in_run": absent, "counts": counts, "planned_runs": total, "worker_restarts": restarts,
-            "interrupted": bool(interrupted), "not_tested": untested if not interrupted else []}
+            "interrupted": bool(interrupted), "not_tested": untested if not interrupted else [], "jobs": jobs}
     if model is not None:
         meta["model"] = model.meta()
     if deadline is not None:
@@ -229,22 +343,26 @@ def cmd_check(args) -> int:
         meta["harness_error"] = harness_error
     if interrupted:
         meta["not_run"] = total - len(outcomes)
-        if in_flight:
-            meta["in_flight"] = {"backend": in_flight[0], "feature": in_flight[1], "case": in_flight[2].to_json()}
+        runs = [{"backend": b, "feature": f, "case": c.to_json()} for b, f, c in in_flight]
+        if runs:
+            meta["in_flight"] = runs[0]
+        if len(runs) > 1:
+            meta["in_flight_runs"] = runs     # --jobs N: every run in flight when it stopped
     title = (f"Conformance on {device} ({n} cases per feature)" if model is None else
              f"Conformance of {model.layer.name}'s layer on {device} ({meta['model']['layer']}; T in {model.tokens})")
     _write_reports(args, matrix, names, meta, title + "\n")
     summary = (f"\n{len(outcomes)} runs: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
-               + f" in {time.time() - t0:.0f}s on {device}" + (f"; {restarts} worker restart(s)" if restarts else "")
+               + f" in {time.time() - t0:.0f}s on {device}" + (f" ({jobs} jobs)" if jobs > 1 else "")
+               + (f"; {restarts} worker restart(s)" if restarts else "")
                + (f"; {len(unreached)} not reached within --budget" if unreached else ""))
     print(summary)
     if harness_error:
-        where = f"{in_flight[0]} / {in_flight[1]}: {in_flight[2].to_json()}" if in_flight else "the run"
+        where = f"{in_flight[0][0]} / {in_flight[0][1]}: {in_flight[0][2].to_json()}" if in_flight else "the run"
         print(f"HARNESS ERROR (a bug of moe-lora-harness, not of the backend) while judging {where}\n"
               f"{harness_error}", file=sys.stderr)
         return 3
     if interrupted:
-        where = (f"; in flight: {in_flight[0]} / {in_flight[1]}: {in_flight[2].to_json()}" if in_flight else "")
+        where = "".join(f"; in flight: {b} / {f}: {c.to_json()}" for b, f, c in in_flight)
         print(f"INTERRUPTED: {total - len(outcomes)} of {total} planned runs not run{where}; "
               f"the partial matrix above" + (" and the reports were written" if (args.json or args.markdown) else ""))
         return 130
@@ -622,7 +740,9 @@ def cmd_selftest(args) -> int:
     if args.power:
         return _power(args, device)
     from moe_lora_harness.harness.report import to_junit
-    from moe_lora_harness.harness.selftest import CORPORA, SelftestResult, junit_cases, kill_matrix_text, run_selftest
+    from moe_lora_harness.harness.job_pool import resolve_jobs
+    from moe_lora_harness.harness.selftest import (CORPORA, SelftestResult, junit_cases, kill_matrix_text, run_selftest,
+                                                   run_selftest_jobs)
     from moe_lora_harness.harness.selftest_progress import SelftestProgress
     known = [c.name for c in CORPORA]
     for name in args.corpus:
@@ -636,20 +756,26 @@ def cmd_selftest(args) -> int:
         raise UsageError("--write-order needs the check detector (--detectors check)")
     budget = args.fuzz_budget if args.fuzz_budget is not None else (5.0 if args.quick else 20.0)
     examples = 120 if args.quick else 200     # the tp corpus needs 20-50 draws (fully-sharded cases)
-    executor = _executor(args)
+    jobs = resolve_jobs(args.jobs, device, in_process=args.in_process)
+    executor = _executor(args) if jobs == 1 else None      # --jobs N: each job has its own
     t0 = time.time()
     res = SelftestResult()          # filled as it goes: a Ctrl-C keeps what finished
-    progress = SelftestProgress(live=_progress_wanted(args), verbose=args.verbose)
+    progress = SelftestProgress(live=_progress_wanted(args), verbose=args.verbose, jobs=jobs)
     previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    run = dict(corpora=args.corpus or None, detectors=detectors, fuzz_budget_s=budget, fuzz_max_examples=examples,
+               palette=args.palette, progress=progress, result=res, all_rows=bool(args.write_order),
+               deadline=time.monotonic() + args.budget if args.budget else None)
     try:
-        run_selftest(device, executor, corpora=args.corpus or None, detectors=detectors, fuzz_budget_s=budget,
-                     fuzz_max_examples=examples, palette=args.palette, progress=progress, result=res,
-                     deadline=time.monotonic() + args.budget if args.budget else None, all_rows=bool(args.write_order))
+        if executor is not None:
+            run_selftest(device, executor, **run)
+        else:
+            run_selftest_jobs(device, jobs, in_process=args.in_process, timeout=args.timeout, **run)
     except KeyboardInterrupt:
         res.stopped = "interrupted"
     finally:
         signal.signal(signal.SIGTERM, previous_term)
-        executor.close()
+        if executor is not None:
+            executor.close()
         progress.close()
     print(kill_matrix_text(res, detectors))
     if args.junit:
@@ -659,6 +785,7 @@ def cmd_selftest(args) -> int:
             "device": device, "detectors": detectors, "fuzz_budget_s": budget, "seconds": round(time.time() - t0, 1),
             "budget_s": args.budget, "partial": bool(res.stopped), "stopped": res.stopped or None,
             "not_reached": ["/".join(k) for k in res.not_reached], "in_flight": "/".join(res.in_flight or ()) or None,
+            "in_flight_all": ["/".join(k) for k in res.running], "jobs": jobs, "harness_error": res.error or None,
             "mutants": {f"{c}/{b}": {d: vars(k) for d, k in cells.items()} for (c, b), cells in res.cells.items()},
             "controls": {f"{c}/{b}": fails for (c, b), fails in res.controls.items()},
             "skipped": res.skipped, "survivors": [f"{c}/{b}" for c, b in res.survivors],
@@ -677,8 +804,13 @@ def cmd_selftest(args) -> int:
     for c, b in res.failing_controls:
         print(f"CONTROL FAILED: {c}/{b}: {'; '.join(res.controls[(c, b)])}")
     if res.stopped:      # partial: what finished is above; what did not is no pass
+        why = {"interrupted": "interrupted", "error": "a harness error"}.get(res.stopped)
         print(f"PARTIAL: {len(res.not_reached)} of {len(res.planned)} mutants and controls not finished "
-              f"({'interrupted' if res.stopped == 'interrupted' else f'--budget {args.budget:g}s spent'})")
+              f"({why or f'--budget {args.budget:g}s spent'})")
+        if res.error:
+            print(f"HARNESS ERROR (a bug of moe-lora-harness, not of a planted bug) in a job running "
+                  f"{'/'.join(res.in_flight or ('?',))}:\n{res.error}", file=sys.stderr)
+            return 3
         return 130 if res.stopped == "interrupted" else 1
     if not n and not res.controls:
         print("NOTHING TESTED: no corpus ran here")
@@ -777,6 +909,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a gate: run the rows that kill the most planted bugs first (selftest's kill data, "
                         "harness/check_order_data.py) and start no run that would end past DURATION (90s, 2m), by "
                         "its row's previous run; the rows not reached are listed, and skipped in the JUnit")
+    c.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N",
+                   help="N runs at once, one job process each, handed out in plan order as jobs come free, merged "
+                        "into one report (the same as --jobs 1's); auto (the default): 1 on the CPU, with --model / "
+                        "--model-config and with --in-process, else min(8, half the CPU cores)")
     c.add_argument("--json", metavar="PATH", help="write the matrix as JSON (also on a failure or Ctrl-C)")
     c.add_argument("--markdown", metavar="PATH", help="write the matrix as Markdown (also on a failure or Ctrl-C)")
     c.add_argument("--junit", metavar="PATH", help="write JUnit XML, one test case per feature x backend")
@@ -857,6 +993,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--write-order", metavar="PATH", default=None,
                    help="run every check row against every mutant (not only to the first failure) and write which "
                         "rows kill which planted bugs to PATH (harness/check_order_data.py: check --budget's order)")
+    t.add_argument("--jobs", type=_jobs_arg, default="auto", metavar="N",
+                   help="N mutants and controls at once, one job process each, merged into one kill matrix (the same "
+                        "as --jobs 1's); auto (the default): 1 on the CPU and with --in-process, else min(8, half "
+                        "the CPU cores)")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--junit", metavar="PATH", help="JUnit XML: one test case per mutant x detector")
     t.add_argument("-v", "--verbose", action="store_true", help="also a line as each mutant starts")

@@ -7,7 +7,8 @@ the kill matrix gives, per mutant and detector, whether and after how long it wa
 mechanism is a semantic alternative (reference.semantics; the corpus' `mechanisms`) must also be named as
 that mistake by each detector that catches it. The run fails if a mutant survives every detector, is
 caught but misnamed, or a control fails anything. A run stopped by its deadline (selftest --budget) or by Ctrl-C
-keeps what finished: its result is partial and says what was not reached.
+keeps what finished: its result is partial and says what was not reached. `run_selftest_jobs` (selftest --jobs N)
+runs the same plan in N job processes (harness.job_pool) into the same result.
 """
 from __future__ import annotations
 
@@ -113,8 +114,10 @@ class SelftestResult:
     skipped: dict = field(default_factory=dict)    # corpus -> why it did not run
     planned: list = field(default_factory=list)    # (corpus, backend) of every mutant and control, in run order
     check_rows: list = field(default_factory=list)  # every check row run, in the order first run
-    stopped: str = ""                              # why it stopped early: "budget", "interrupted" ('' finished)
+    stopped: str = ""                              # why it stopped early: budget, interrupted, error ('' finished)
     in_flight: tuple | None = None                 # the (corpus, backend) unfinished when it stopped
+    running: list = field(default_factory=list)    # --jobs N: every (corpus, backend) unfinished when it stopped
+    error: str = ""                                # --jobs N: a job's harness error (stopped "error")
 
     @property
     def not_reached(self) -> list:
@@ -268,20 +271,143 @@ def run_selftest(device: str, executor, *, corpora=None, detectors=("check", "fu
         if progress:
             progress.start(key)
         try:
-            if spec.name in corpus.controls:
-                k = _check_detector(spec, corpus, device, executor, stop_at_first=False, deadline=deadline, step=step)
-                res.controls[key] = ([k.first] if k.caught else []) + ([k.error] if k.error else [])
-            else:
-                res.cells[key] = _mutant_cells(spec, corpus, device, executor, detectors, mechanisms.get(spec.name, ""),
-                                               fuzz_budget_s, fuzz_max_examples, palette, deadline, all_rows, step,
-                                               res.check_rows)
+            kind, value = run_entry(corpus, spec, mechanisms, device, executor, detectors=detectors,
+                                    fuzz_budget_s=fuzz_budget_s, fuzz_max_examples=fuzz_max_examples, palette=palette,
+                                    deadline=deadline, all_rows=all_rows, step=step, seen=res.check_rows)
         except BudgetSpent:
             res.stopped = "budget"
             return res
+        (res.controls if kind == "control" else res.cells)[key] = value
         res.in_flight = None
         if progress:
             progress.finished(key, res, time.monotonic() - t0)
     return res
+
+
+def run_entry(corpus: Corpus, spec, mechanisms: dict, device: str, executor, *, detectors, fuzz_budget_s: float,
+              fuzz_max_examples: int, palette: str, deadline: float | None, all_rows: bool, step=None,
+              seen: list | None = None) -> tuple:
+    """One mutant or control of the plan: ("cells", {detector: Kill}) or ("control", its failures); BudgetSpent
+    past `deadline`; `seen` collects the check rows a mutant ran."""
+    if spec.name in corpus.controls:
+        k = _check_detector(spec, corpus, device, executor, stop_at_first=False, deadline=deadline, step=step)
+        return "control", ([k.first] if k.caught else []) + ([k.error] if k.error else [])
+    return "cells", _mutant_cells(spec, corpus, device, executor, detectors, mechanisms.get(spec.name, ""),
+                                  fuzz_budget_s, fuzz_max_examples, palette, deadline, all_rows, step, seen)
+
+
+def run_selftest_jobs(device: str, jobs: int, *, in_process: bool = False, timeout: float | None = None,
+                      corpora=None, detectors=("check", "fuzz"), fuzz_budget_s: float = 20.0,
+                      fuzz_max_examples: int = 200, progress=None, palette: str = "auto",
+                      deadline: float | None = None, all_rows: bool = False,
+                      result: SelftestResult | None = None) -> SelftestResult:
+    """run_selftest in `jobs` job processes (harness.job_pool): the mutants and controls handed out as jobs come free
+    (the controls first: they run every check row; none after the deadline), `result` filled as each finishes and
+    put in plan order at the end, so that its kill matrix is a one-job run's. A job's harness error stops it
+    ("error", `res.error`)."""
+    from moe_lora_harness.harness.job_pool import serve
+    res = result if result is not None else SelftestResult()
+    plan = _plan(res, device, corpora)
+    res.planned = [(corpus.name, spec.name) for corpus, spec, _ in plan]
+    seen, cut = {}, []
+    if progress:
+        progress.begin(len(plan))
+
+    def task(i):
+        left = None if deadline is None else deadline - time.monotonic()
+        if res.stopped or (left is not None and left <= 0):
+            res.stopped = res.stopped or "budget"
+            return None
+        return (*res.planned[i], left)
+
+    def started(i):
+        if progress:
+            progress.start(res.planned[i])
+
+    def finished(i, result, seconds):
+        kind, value, rows = result
+        key = res.planned[i]
+        seen[key] = rows
+        if kind == "budget":
+            res.stopped = "budget"
+            cut.append(key)
+            return
+        (res.controls if kind == "control" else res.cells)[key] = value
+        if progress:
+            progress.finished(key, res, seconds)
+    options = {"device": device, "in_process": in_process, "timeout": timeout, "detectors": tuple(detectors),
+               "fuzz_budget_s": fuzz_budget_s, "fuzz_max_examples": fuzz_max_examples, "palette": palette,
+               "all_rows": all_rows}
+    try:
+        order = sorted(range(len(plan)), key=lambda i: plan[i][1].name not in plan[i][0].controls)
+        served = serve("moe_lora_harness.harness.selftest:selftest_job", options, len(plan), jobs, task=task,
+                       started=started, finished=finished, order=order)
+    finally:
+        _in_plan_order(res, seen)
+    failed = [res.planned[i] for i, _ in served.errors if i is not None]
+    if served.errors:
+        res.stopped, res.error = "error", "\n".join(text for _, text in served.errors)
+    elif served.interrupted:
+        res.stopped = "interrupted"
+    res.running = [k for k in res.planned if k in set(failed) | set(cut) | {res.planned[i] for i in served.in_flight}]
+    res.in_flight = res.running[0] if res.running else None
+    return res
+
+
+def _in_plan_order(res: SelftestResult, seen: dict) -> None:
+    """The cells and controls in plan order, and the check rows in the order a one-job run first runs them."""
+    order = {k: n for n, k in enumerate(res.planned)}
+    res.cells = dict(sorted(res.cells.items(), key=lambda kv: order[kv[0]]))
+    res.controls = dict(sorted(res.controls.items(), key=lambda kv: order[kv[0]]))
+    rows = []
+    for key in res.planned:
+        rows += [r for r in seen.get(key, ()) if r not in rows]
+    res.check_rows[:] = rows
+
+
+class _SelftestJob:
+    """One job of `selftest --jobs N` (harness.job_pool): its own executor; runs (corpus, backend, seconds left)."""
+
+    def __init__(self, options: dict):
+        from moe_lora_harness.harness.device import prepare_device
+        from moe_lora_harness.harness.execute import InProcess
+        from moe_lora_harness.harness.worker import Supervisor
+        self.o = options
+        prepare_device(options["device"])
+        self.executor = InProcess() if options["in_process"] else Supervisor(timeout=options["timeout"])
+        self.corpora = {}
+
+    def _entry(self, corpus_name: str, backend: str):
+        if corpus_name not in self.corpora:
+            corpus = next(c for c in CORPORA if c.name == corpus_name)
+            mechanisms = load_attr(corpus.mechanisms) if corpus.mechanisms else {}
+            self.corpora[corpus_name] = (corpus, {s.name: s for s in load_ref(corpus.ref) if corpus.select(s)},
+                                         mechanisms)
+        corpus, specs, mechanisms = self.corpora[corpus_name]
+        return corpus, specs[backend], mechanisms
+
+    def run(self, what) -> tuple:
+        """(kind, value, the check rows run): kind "cells", "control" or "budget" (cut by the deadline, not kept)."""
+        corpus_name, backend, left = what
+        corpus, spec, mechanisms = self._entry(corpus_name, backend)
+        o, seen = self.o, []
+        try:
+            kind, value = run_entry(corpus, spec, mechanisms, o["device"], self.executor, detectors=o["detectors"],
+                                    fuzz_budget_s=o["fuzz_budget_s"], fuzz_max_examples=o["fuzz_max_examples"],
+                                    palette=o["palette"], deadline=None if left is None else time.monotonic() + left,
+                                    all_rows=o["all_rows"], seen=seen)
+        except BudgetSpent:
+            return "budget", None, seen
+        return kind, value, seen
+
+    def close(self) -> dict:
+        self.executor.close()
+        return {"restarts": getattr(self.executor, "restarts", 0)}
+
+
+def selftest_job(options: dict) -> _SelftestJob:
+    """job_pool's entry for selftest."""
+    return _SelftestJob(options)
 
 
 def _mutant_cells(spec, corpus, device, executor, detectors, expected, fuzz_budget_s, fuzz_max_examples, palette,
@@ -342,14 +468,15 @@ def kill_matrix_text(res: SelftestResult, detectors) -> str:
     for corpus, why in res.skipped.items():
         lines.append(f"corpus {corpus} not run: {why}")
     if res.stopped:
+        running = res.running or ([res.in_flight] if res.in_flight else [])
         lines.append(f"\nPARTIAL ({STOPPED[res.stopped]}): {len(res.planned) - len(res.not_reached)} of "
                      f"{len(res.planned)} mutants and controls finished"
-                     + (f"; in flight: {'/'.join(res.in_flight)}" if res.in_flight else ""))
+                     + (f"; in flight: {', '.join('/'.join(k) for k in running)}" if running else ""))
         lines.append("not reached: " + ", ".join("/".join(k) for k in res.not_reached))
     return "\n".join(lines)
 
 
-STOPPED = {"budget": "the --budget was spent", "interrupted": "interrupted"}
+STOPPED = {"budget": "the --budget was spent", "interrupted": "interrupted", "error": "a harness error"}
 
 
 def junit_cases(res: SelftestResult) -> list:

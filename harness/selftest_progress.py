@@ -9,10 +9,11 @@ from moe_lora_harness.harness.selftest import control_verdict, verdict
 
 
 class SelftestProgress:
-    """`live`: the carriage-return line too (a terminal, neither -q nor $CI); `verbose`: a line as each starts."""
+    """`live`: the carriage-return line too (a terminal, neither -q nor $CI); `verbose`: a line as each starts;
+    `jobs` > 1 (selftest --jobs): the live line says so and names the mutant handed out last."""
 
-    def __init__(self, live: bool, verbose: bool = False, stream=None, every_s: float = 0.5):
-        self.line, self.verbose = LiveLine(live, stream, every_s), verbose
+    def __init__(self, live: bool, verbose: bool = False, stream=None, every_s: float = 0.5, jobs: int = 1):
+        self.line, self.verbose, self.jobs = LiveLine(live, stream, every_s), verbose, jobs
         self.planned = self.done = self.killed = self.survived = self.misnamed = 0
         self._t0 = time.monotonic()
 
@@ -26,7 +27,9 @@ class SelftestProgress:
 
     def step(self, key, what: str) -> None:
         """The live line: counts so far, and what `key` is running now (a check row, the fuzz campaign)."""
-        self.line.show(f"[selftest] {self.done}/{self.planned} done, {self.killed} killed, {self.survived} survived"
+        jobs = f" ({self.jobs} jobs)" if self.jobs > 1 else ""
+        self.line.show(f"[selftest] {self.done}/{self.planned} done{jobs}, {self.killed} killed, "
+                       f"{self.survived} survived"
                        + (f", {self.misnamed} misnamed" if self.misnamed else "")
                        + f", {clock(time.monotonic() - self._t0)} | {'/'.join(key)}: {what}")
 
