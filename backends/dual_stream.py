@@ -73,6 +73,7 @@ if DualStreamTritonExperts is not None:
                                          rules=capabilities_of(DualStreamTritonExperts).rules + (GATE_CLOSED_ON_CPU,)),
         experts=run_experts,
         precision=dual_stream_precision,
+        cpu_rows_in_full_tier="triton_experts' kernels on one stream in the CPU interpreter (the schedule: suites/schedule)",
     )
 else:
     BACKEND = unavailable("triton_experts_dual_stream", _IMPORT_ERROR)

@@ -216,12 +216,17 @@ def layer_capabilities(experts_cls, graphs: bool = True):
 
 
 def layer_spec(name: str, experts_cls, description: str, *, layer_cls=None, precision=None, graphs: bool = True,
-               origin: str = "") -> BackendSpec:
+               origin: str = "", cpu_rows_in_full_tier: str = "") -> BackendSpec:
     """A layer-level BackendSpec: `experts_cls` in `layer_cls` (default StatefulMoELoRALayer)."""
     return BackendSpec(name=name, description=description, capabilities=layer_capabilities(experts_cls, graphs),
                        layer=make_factory(experts_cls, layer_cls),
                        precision=precision or (lambda case, p=precision_for(experts_cls): p(as_case(case))),
-                       origin=origin)
+                       origin=origin, cpu_rows_in_full_tier=cpu_rows_in_full_tier)
+
+
+# the built-in layers other than layer_triton: StatefulMoELoRALayer's state handling over other experts
+_SHARED_STATE = ("layer_triton's state handling (StatefulMoELoRALayer) over other experts, whose own rows run at the "
+                 "expert level; its random scenarios stay in the gate")
 
 
 def _unavailable_layer(name: str) -> BackendSpec:
@@ -241,13 +246,14 @@ if StatefulMoELoRALayer is not None:
     LAYER_DUAL_STREAM = layer_spec("layer_dual_stream", DualStreamTritonExperts,
                                    "stateful layer over DualStreamTritonExperts (LoRA deltas on the layer's aux "
                                    "stream, inside the captured graph)",
-                                   precision=lambda case: dual_stream_precision(as_case(case)))
+                                   precision=lambda case: dual_stream_precision(as_case(case)),
+                                   cpu_rows_in_full_tier=_SHARED_STATE)
     LAYER_MARLIN = layer_spec("layer_marlin", MarlinExperts,
                               "stateful layer over MarlinExperts (weights quantized onto the scheme's grid at "
-                              "construction)")
+                              "construction)", cpu_rows_in_full_tier=_SHARED_STATE)
     LAYER_OAI = layer_spec("layer_oai", OAIExperts,
                            "stateful layer over OAIExperts (swigluoai); no graphs: permute_pairs reads the pair "
-                           "count on the host", graphs=False)
+                           "count on the host", graphs=False, cpu_rows_in_full_tier=_SHARED_STATE)
 else:
     LAYER_TRITON, LAYER_DUAL_STREAM, LAYER_MARLIN, LAYER_OAI = (
         _unavailable_layer(n) for n in ("layer_triton", "layer_dual_stream", "layer_marlin", "layer_oai"))

@@ -88,7 +88,8 @@ def _one_shot_forced(name: str, description: str, device_reasons: dict | None = 
     return BackendSpec(
         name=f"triton_one_shot_{name}", description=description,
         capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,), **devices) if _ops else _caps(),
-        op=op, precision="one_shot")
+        op=op, precision="one_shot",
+        cpu_rows_in_full_tier="triton_one_shot's kernel with forced knobs (its own tests: suites/kernels)")
 
 
 # 16-wide K tiles in 3 chunks (fewer when K has fewer tiles).

@@ -161,6 +161,10 @@ class BackendSpec:
     # ones in ENVIRONMENT_ERRORS always apply) is an environment failure, not a kernel bug
     setup: Callable | str | None = None
     environment_errors: tuple = ()
+    # a variant of another backend (the same kernels in another schedule or with forced knobs): why its named rows
+    # (the features, the layer scenarios) run in the CPU suites' full tier only; its random cases stay in the gate
+    # tier (harness.pytest_plugin's tiers; empty: every row in both)
+    cpu_rows_in_full_tier: str = ""
 
     def precision_for(self, case: Case, device: str) -> str:
         """The rounding model of the path this backend takes for `case` on `device`."""

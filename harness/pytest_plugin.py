@@ -93,11 +93,11 @@ def pytest_collection_modifyitems(config, items):
     if not ours or tier(config) == "full":
         return
     slow = [i for i in ours if i.get_closest_marker("slow")]
+    config.stash[_FULL_TIER] = len(slow)
     if slow:
         keep = set(map(id, slow))
         items[:] = [i for i in items if id(i) not in keep]
         config.hook.pytest_deselected(items=slow)
-        config.stash[_FULL_TIER] = len(slow)
 
 
 def _only_our_suites(config) -> bool:
@@ -254,8 +254,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _LEDGER.ours and tier(config) == "gate":
-        n = config.stash.get(_FULL_TIER, None)     # known in this process (not on the xdist controller)
+    n = config.stash.get(_FULL_TIER, None)     # known in this process (not on the xdist controller)
+    if _LEDGER.ours and tier(config) == "gate" and n != 0:
         terminalreporter.line(f"moe-lora-harness: the gate tier ran; {'the' if n is None else n} tests marked slow "
                               f"(the full tier) were deselected: --moe-lora-tier full runs every test")
     never = config.stash.get(_NEVER_RAN, [])

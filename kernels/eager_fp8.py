@@ -20,13 +20,19 @@ def to_e4m3(v: torch.Tensor) -> torch.Tensor:
     return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def _over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 rounded once in fp32, on every device: PyTorch divides a CUDA tensor by a Python scalar as a
+    multiply by its fp32 reciprocal, and fl(1/448) rounds up, so there no x / scale ever passed 448."""
+    return amax / torch.full_like(amax, E4M3_MAX)
+
+
 def quantize_activation(x: torch.Tensor, group: int | None, convert: Callable = to_e4m3):
     """x (M, K) dt -> (codes e4m3 (M, K), scales fp32 (M, G)): per row (group None) or per 128 along K; amax / 448
     of the group in fp32 (floored), codes = e4m3(x / scale)."""
     M, K = x.shape
     g = K if group is None else group
     xf = x.float().view(M, K // g, g)
-    scales = xf.abs().amax(dim=2).clamp_min(AMAX_FLOOR) / E4M3_MAX
+    scales = _over_e4m3_max(xf.abs().amax(dim=2).clamp_min(AMAX_FLOOR))
     codes = convert(xf / scales.unsqueeze(2)).view(M, K)
     return codes, scales
 
@@ -36,7 +42,7 @@ def quantize_activation_per_tensor(x: torch.Tensor, group: int | None, convert: 
     per-row/per-group shape the GEMM reads."""
     M, K = x.shape
     g = K if group is None else group
-    scale = x.float().abs().amax().clamp_min(AMAX_FLOOR) / E4M3_MAX
+    scale = _over_e4m3_max(x.float().abs().amax().clamp_min(AMAX_FLOOR))
     return convert(x.float() / scale), scale.expand(M, K // g).contiguous()
 
 

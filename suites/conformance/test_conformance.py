@@ -42,13 +42,19 @@ def pytest_generate_tests(metafunc):
         params, ids = [], []
         for name in names:
             levels = specs[name].capabilities.levels   # a backend is asked only at the levels it has
+            slow = _rows_in_full_tier(specs[name], device)
             for feat, i, case in feature_cases([f for f in FEATURES if f.level in levels], device, n):
-                params.append((name, case))
+                params.append(pytest.param(name, case, marks=slow))
                 ids.append(f"{name}/{feat.name}/{i}")
         metafunc.parametrize(("backend_name", "feature_case"), params, ids=ids)
     else:
         level = "expert" if "expert" in metafunc.function.__name__ else "op"
         metafunc.parametrize("backend_name", [n for n in names if level in specs[n].capabilities.levels])
+
+
+def _rows_in_full_tier(spec, device: str) -> tuple:
+    """The slow mark (the full tier only) for a variant's named rows on the CPU (BackendSpec.cpu_rows_in_full_tier)."""
+    return (pytest.mark.slow,) if spec.cpu_rows_in_full_tier and device == "cpu" else ()
 
 
 def judge(outcome):

@@ -47,8 +47,9 @@ _PLANTED = {
                              _ops(quantize=eager_fp8.quantize_activation_per_tensor), FP8),
     "fp8-block-scale-next": ("Each output block reads the next block's weight scale (index off by one).",
                              _ops(gemm=_gemm_next_block), frozenset({"fp8_block"})),
-    # caught where the amax element's x / s rounds past 448 in fp32 (s = amax / 448 rounded down): about one row
-    # in two; a conversion that rounds to nearest before overflowing would map it to 448 and be equivalent
+    # caught where the amax element's x / s rounds past 448 in fp32 (s = amax / 448 rounded down): 8 % of fp16 and
+    # bf16 amax values, so a few rows of a case; a conversion that rounds to nearest before overflowing would map it
+    # to 448 and be equivalent, and so was a scale of amax x fl(1/448) (eager_fp8._over_e4m3_max says why)
     "fp8-no-saturation": ("No clamp before an e4m3 conversion that loses values past 448 (NaN).",
                           _ops(quantize=_quantize_unsaturated), FP8),
 }

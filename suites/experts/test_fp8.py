@@ -39,6 +39,21 @@ def test_every_finite_e4m3_value_is_on_the_grid():
     assert v.numel() == 254 and torch.equal(fp8.round_e4m3(v), v)
 
 
+def test_the_eager_scale_is_amax_over_448_rounded_once_on_the_runs_device(device):
+    """Every fp16 and bf16 value as an amax: the eager quantizer's scale is fl32(amax / 448) on the run's device
+    (on CUDA a Python-scalar divisor was a multiply by fl(1/448), which rounds up: no x / scale could pass 448
+    there, and the no-saturation mutant was an equivalent one), the same scale the reference's quantizer takes."""
+    from moe_lora_harness.kernels import eager_fp8
+    from moe_lora_harness.reference import fp8 as ref_fp8
+    amax = torch.cat([torch.arange(0x3C00, 0x7C00, dtype=torch.int16).view(torch.float16).float(),
+                      (torch.arange(0x3F80, 0x7F00, dtype=torch.int32) << 16).view(torch.float32)])
+    x = amax.unsqueeze(1).to(device)             # one element per row: its amax
+    _, scales = eager_fp8.quantize_activation(x, None)
+    _, ref = ref_fp8.quantize_activation(amax.unsqueeze(1).double(), "fp8_w8a8")
+    assert torch.equal(scales.cpu().view(-1), ref.view(-1).float())
+    assert ((amax / scales.cpu().view(-1)) > eager_fp8.E4M3_MAX).any()    # so the clamp matters on this device
+
+
 def test_rounding_matches_torch_cast_including_ties_and_saturation():
     grid = torch.unique(_finite_e4m3())
     mids = (grid[1:] + grid[:-1]) / 2                  # exact ties: nearest-even decides

@@ -29,7 +29,8 @@ def pytest_generate_tests(metafunc):
     names = sorted(n for n, s in specs.items() if "layer" in s.capabilities.levels)
     if "layer_scenario" in metafunc.fixturenames:
         rows = layer_scenarios(device)
-        params = [(n, sc) for n in names for _, sc in rows]
+        params = [pytest.param(n, sc, marks=(pytest.mark.slow,) if specs[n].cpu_rows_in_full_tier and device == "cpu"
+                               else ()) for n in names for _, sc in rows]
         ids = [f"{n}/{label.removeprefix('layer: ')}" for n in names for label, _ in rows]
         metafunc.parametrize(("layer_name", "layer_scenario"), params, ids=ids)
     else:
