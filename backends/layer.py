@@ -226,7 +226,7 @@ def layer_spec(name: str, experts_cls, description: str, *, layer_cls=None, prec
 
 # the built-in layers other than layer_triton: StatefulMoELoRALayer's state handling over other experts
 _SHARED_STATE = ("layer_triton's state handling (StatefulMoELoRALayer) over other experts, whose own rows run at the "
-                 "expert level; its random scenarios stay in the gate")
+                 "expert level")
 
 
 def _unavailable_layer(name: str) -> BackendSpec:

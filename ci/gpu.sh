@@ -43,7 +43,7 @@ for t in "${targets[@]}"; do
   case $t in
     tests)
       # (the jedi check of every import is the same on any machine: CPU CI runs it; the device has no jedi)
-      MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-3} timeout ${TEST_TIMEOUT:-330} \
+      MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-3} timeout ${TEST_TIMEOUT:-480} \
         python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-12} --moe-lora-device cuda \
         --deselect src/moe_lora_harness/suites/test_one_name.py::test_static_tools_resolve_every_import_of_the_repository \
         --moe-lora-cases-per-feature ${CASES_PER_FEATURE:-1} --durations=12 --junitxml="$OUT/gpu_suites.junit.xml" \

@@ -161,9 +161,9 @@ class BackendSpec:
     # ones in ENVIRONMENT_ERRORS always apply) is an environment failure, not a kernel bug
     setup: Callable | str | None = None
     environment_errors: tuple = ()
-    # a variant of another backend (the same kernels in another schedule or with forced knobs): why its named rows
-    # (the features, the layer scenarios) run in the CPU suites' full tier only; its random cases stay in the gate
-    # tier (harness.pytest_plugin's tiers; empty: every row in both)
+    # a variant of another backend (the same kernels in another schedule or with forced knobs, each with tests of
+    # its own): why its conformance tests (named rows, random cases, layer scenarios) run in the CPU suites' full
+    # tier only (harness.pytest_plugin's tiers; on CUDA every tier runs them; empty: in both tiers)
     cpu_rows_in_full_tier: str = ""
 
     def precision_for(self, case: Case, device: str) -> str:

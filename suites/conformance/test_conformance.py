@@ -49,11 +49,13 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(("backend_name", "feature_case"), params, ids=ids)
     else:
         level = "expert" if "expert" in metafunc.function.__name__ else "op"
-        metafunc.parametrize("backend_name", [n for n in names if level in specs[n].capabilities.levels])
+        metafunc.parametrize("backend_name", [pytest.param(n, marks=_rows_in_full_tier(specs[n], device))
+                                              for n in names if level in specs[n].capabilities.levels])
 
 
 def _rows_in_full_tier(spec, device: str) -> tuple:
-    """The slow mark (the full tier only) for a variant's named rows on the CPU (BackendSpec.cpu_rows_in_full_tier)."""
+    """The slow mark (the full tier only) for a variant's rows and random cases on the CPU
+    (BackendSpec.cpu_rows_in_full_tier)."""
     return (pytest.mark.slow,) if spec.cpu_rows_in_full_tier and device == "cpu" else ()
 
 

@@ -34,7 +34,8 @@ def pytest_generate_tests(metafunc):
         ids = [f"{n}/{label.removeprefix('layer: ')}" for n in names for label, _ in rows]
         metafunc.parametrize(("layer_name", "layer_scenario"), params, ids=ids)
     else:
-        metafunc.parametrize("layer_name", names)
+        metafunc.parametrize("layer_name", [pytest.param(n, marks=(pytest.mark.slow,) if specs[n].cpu_rows_in_full_tier
+                                                         and device == "cpu" else ()) for n in names])
 
 
 def test_layer_scenario(layer_name, layer_scenario, backends, device, executor):
