@@ -50,7 +50,9 @@ def _run(spec, case, device, **kw):
     return outcome
 
 
-@pytest.mark.parametrize("driver", DRIVERS)
+# the process driver's rows in the full tier (the gate: every planted bug under the simulated ranks, and the
+# process driver by its own tests below)
+@pytest.mark.parametrize("driver", [pytest.param(d, marks=(pytest.mark.slow,) if d == "processes" else ()) for d in DRIVERS])
 @pytest.mark.parametrize("name", [m.name for m in MUTANTS])
 def test_planted_ep_bug_fails_under_each_driver(name, driver, ep_backends, device):
     case = CASES[name].replace(ep_comm=driver, dtype=_dtype_for(device))

@@ -126,6 +126,7 @@ def test_cli_replay_reads_a_case_file_and_names_a_bad_case(tmp_path, capsys):
         assert why in capsys.readouterr().err
 
 
+@pytest.mark.slow     # CPU CI runs `moe-lora-harness check` from the installed wheel (ci/wheel_smoke.sh)
 def test_console_script_check_runs(tmp_path):
     """The main job, end to end, on a restricted backend set (the full run is CI's other half)."""
     out = subprocess.run([sys.executable, "-m", "moe_lora_harness", "check", "--only", "eager", "--cases-per-feature", "1",

@@ -33,7 +33,8 @@ def _realised(c: CC.CompileClass, level: str, **runtime) -> Case:
     return Case(**dict(f, **runtime))
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+# the GPU's palettes (their draws only, no kernel) in the full tier on a CPU run
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name,level", BACKENDS)
 def test_a_palette_meets_every_pair_it_can_claim_and_only_claimed_classes(backends, name, level, device):
     spec = backends[name]
