@@ -212,6 +212,23 @@ def start(target: str, args: tuple = (), *, env: dict, pass_fds: tuple = (), out
                             stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_talking(target: str, *, env: dict, output: int):
+    """`start` a target that takes two descriptors, its end of a pipe to it and one from it: (handle, the fd to write
+    to it, the fd to read from it); the child's ends and `output` are closed here once it has them."""
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    try:
+        proc = start(target, env=env, pass_fds=(to_r, from_w), output=output)
+    except BaseException:
+        os.close(to_w)
+        os.close(from_r)
+        raise
+    finally:
+        for fd in (to_r, from_w, output):
+            os.close(fd)
+    return proc, to_w, from_r
+
+
 # -- the server process ------------------------------------------------------------------------------------------
 
 def _send(sock: socket.socket, msg) -> None:

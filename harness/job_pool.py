@@ -76,17 +76,10 @@ class _Job:
     """The parent's side of one job process: its pipes, its log file, the run it has (None: idle)."""
 
     def __init__(self, number: int, target: str, options, env: dict, log_dir: pathlib.Path):
-        to_r, to_w = os.pipe()
-        from_r, from_w = os.pipe()
         self.log = log_dir / f"job-{number}.log"
         log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            self.proc = fork_server.start("moe_lora_harness.harness.job_pool:_job_main", env=env,
-                                          pass_fds=(to_r, from_w), output=log_fd)
-        finally:
-            for fd in (to_r, from_w, log_fd):
-                os.close(fd)
-        self.send_fd, self.recv_fd = to_w, from_r
+        self.proc, self.send_fd, self.recv_fd = fork_server.start_talking(
+            "moe_lora_harness.harness.job_pool:_job_main", env=env, output=log_fd)
         self.running: int | None = None
         self.closing = self.closed = False
         try:

@@ -256,7 +256,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     n = config.stash.get(_FULL_TIER, None)     # known in this process (not on the xdist controller)
     if _LEDGER.ours and tier(config) == "gate" and n != 0:
-        terminalreporter.line(f"moe-lora-harness: the gate tier ran; {'the' if n is None else n} tests marked slow "
+        terminalreporter.line(f"moe-lora-harness: the gate tier ran; {'any' if n is None else n} tests marked slow "
                               f"(the full tier) were deselected: --moe-lora-tier full runs every test")
     never = config.stash.get(_NEVER_RAN, [])
     if not never:

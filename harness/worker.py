@@ -99,19 +99,12 @@ class _Process:
     ready when it says so."""
 
     def __init__(self, env: dict):
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
         log_r, log_w = os.pipe()
         self.log: collections.deque = collections.deque(maxlen=_LOG_LINES)
         self.log_lock = threading.Lock()
         self.ready = self.killed = False
-        try:
-            self.proc = fork_server.start("moe_lora_harness.harness.worker:_worker_main", env=env,
-                                          pass_fds=(to_child_r, from_child_w), output=log_w)
-        finally:
-            for fd in (to_child_r, from_child_w, log_w):
-                os.close(fd)
-        self.send_fd, self.recv_fd = to_child_w, from_child_r
+        self.proc, self.send_fd, self.recv_fd = fork_server.start_talking(
+            "moe_lora_harness.harness.worker:_worker_main", env=env, output=log_w)
         threading.Thread(target=self._pump, args=(os.fdopen(log_r, "rb"),), daemon=True).start()
 
     def _pump(self, stream) -> None:
