@@ -12,7 +12,9 @@ them on every int32 add, sub and mul, which cost a quarter of the interpreted ti
 (measured: 40 triton_experts feature cases, 11.0 s with, 8.2 s without) for offsets far below 2**31. And a
 @triton.jit helper called from a kernel does not patch triton.language again: the interpreter re-scans every
 member of the language modules at each such call (never undoing it) although the launch has already patched
-them, which was 11% of the CPU test suite's whole CPU time (py-spy, 2026-12-02).
+them, which was 11% of the CPU test suite's whole CPU time (py-spy, 2026-12-02). And Triton 3.6's interpreter
+turns a scalar into an int in a way NumPy 2.4 refuses (every interpreted kernel with a runtime loop bound raised,
+so a correct backend failed): a watched launch gets the conversion Triton 3.9 has.
 """
 from __future__ import annotations
 
@@ -120,6 +122,7 @@ def _patch_once_per_launch():
         if state is not None and state["patched"] and langs <= state["langs"]:
             return _Unpatched()
         scope = original(fn)
+        _index_of_one_element()
         if state is not None:   # the launch's own patch (before its first program), or a helper's that
             state["patched"] = True             # names another language module (never undone by Triton)
             state["langs"] = state["langs"] | langs
@@ -127,6 +130,20 @@ def _patch_once_per_launch():
 
     interpreter._patch_lang = patch_lang
     return lambda: setattr(interpreter, "_patch_lang", original)
+
+
+def _one_element_index(self) -> int:
+    """A scalar's int value: the interpreter holds scalars as 1-element arrays."""
+    import numpy as np
+    return int(np.asarray(self.handle.data).reshape(()))
+
+
+def _index_of_one_element() -> None:
+    """Triton 3.6's interpreter converts a scalar to int with int() of its 1-element array, which NumPy 2.4 refuses
+    (3.9's squeezes it first): every kernel with a loop over a runtime bound raised, and a correct backend failed
+    check. Patched with the language (each launch re-patches); where Triton squeezes it this changes nothing."""
+    import triton.language as tl
+    tl.core.tensor.__index__ = _one_element_index
 
 
 def cannot_run_here(launches) -> str:

@@ -268,3 +268,18 @@ def test_a_watched_launch_patches_the_language_once_and_computes_the_same():
         else:
             assert len(calls) > 2 * launches, "the unwatched interpreter patches at every helper call"
     assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
+
+
+def test_a_scalar_of_the_interpreter_is_an_index_under_any_numpy():
+    """Triton 3.6's interpreter held a scalar as a 1-element array and int() of it, which NumPy 2.4 refuses: every
+    interpreted loop over a runtime bound raised and a correct backend failed check (seen with the H200 host's
+    Triton 3.6). A watched launch converts it as Triton 3.9 does; a block is still no index."""
+    import types
+
+    import numpy as np
+
+    from moe_lora_harness.harness.interpreter import _one_element_index
+    assert _one_element_index(types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([43], np.int32)))) == 43
+    assert _one_element_index(types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array(7)))) == 7
+    with pytest.raises(ValueError):
+        _one_element_index(types.SimpleNamespace(handle=types.SimpleNamespace(data=np.arange(2))))
