@@ -90,9 +90,8 @@ def _backends(args):
 
 
 def _executor(args):
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.worker import Supervisor
-    return InProcess() if args.in_process else Supervisor(timeout=args.timeout)
+    from moe_lora_harness.harness.worker import executor_for
+    return executor_for(args.in_process, args.timeout)
 
 
 def _write_reports(args, matrix, names, meta, title):
@@ -163,23 +162,33 @@ class _Ran:
     restarts: int = 0
 
 
+def _too_late(deadline, row_s: dict, feat: str) -> bool:
+    """--budget: a run of row `feat` would end past the deadline (as long as that row's last run took)."""
+    return deadline is not None and time.monotonic() + row_s.get(feat, 0.0) >= deadline
+
+
+def _finished(args, ran: _Ran, row_s: dict, progress, i: int, feat: str, o, seconds: float) -> None:
+    """One run of check's plan done: kept, its row timed, reported."""
+    ran.outcomes.append((i, o))
+    row_s[feat] = seconds
+    progress.finished(o, seconds)
+    if o.failed and args.verbose:
+        print(o.detail, file=sys.stderr)
+
+
 def _check_in_turn(args, device: str, plan: list, deadline, progress) -> _Ran:
     """`check --jobs 1`: the runs in plan order, in this process's executor."""
     ran, row_s = _Ran(), {}
     executor = _executor(args)
     try:
         for i, (name, spec, feat, case) in enumerate(plan):
-            if deadline is not None and time.monotonic() + row_s.get(feat, 0.0) >= deadline:   # as its row's last run
+            if _too_late(deadline, row_s, feat):
                 ran.unreached = list(range(i, len(plan)))
                 break
             ran.in_flight, t1 = [i], time.time()
             progress.start(name, feat)
             o = _check_one(args, spec, case, device, executor)
-            ran.outcomes.append((i, o))
-            row_s[feat] = time.time() - t1
-            progress.finished(o, row_s[feat])
-            if o.failed and args.verbose:
-                print(o.detail, file=sys.stderr)
+            _finished(args, ran, row_s, progress, i, feat, o, time.time() - t1)
         ran.in_flight = []
     except KeyboardInterrupt:
         ran.interrupted = True
@@ -202,17 +211,13 @@ def _check_in_jobs(args, device: str, plan: list, jobs: int, deadline, progress)
 
     def task(i):
         name, _, feat, case = plan[i]
-        if deadline is not None and time.monotonic() + row_s.get(feat, 0.0) >= deadline:
+        if _too_late(deadline, row_s, feat):
             cut.append(i)
             return None
         return name, case
 
     def finished(i, o, seconds):
-        row_s[plan[i][2]] = seconds
-        ran.outcomes.append((i, o))
-        progress.finished(o, seconds)
-        if o.failed and args.verbose:
-            print(o.detail, file=sys.stderr)
+        _finished(args, ran, row_s, progress, i, plan[i][2], o, seconds)
     # the options without the command's function: run as `python -m ...cli`, it is __main__'s, which a job lacks
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "fn"})
     try:

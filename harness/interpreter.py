@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from moe_lora_harness.harness.device import interpreting
@@ -134,7 +135,6 @@ def _patch_once_per_launch():
 
 def _one_element_index(self) -> int:
     """A scalar's int value: the interpreter holds scalars as 1-element arrays."""
-    import numpy as np
     return int(np.asarray(self.handle.data).reshape(()))
 
 

@@ -30,6 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from moe_lora_harness.harness import fork_server
+from moe_lora_harness.harness.profiles import on_gpu
 from moe_lora_harness.harness.worker import _describe_exit, _read_msg, _write_msg, child_env, share_cores
 
 AUTO_MAX_JOBS = 8       # --jobs auto on a GPU host: half the cores, at most this many
@@ -55,7 +56,7 @@ def resolve_jobs(asked, device: str, *, heavy: bool = False, in_process: bool = 
     --in-process (a debugger's run), else min(8, half the cores)."""
     if asked != "auto":
         return int(asked)
-    if heavy or in_process or not str(device).startswith("cuda"):
+    if heavy or in_process or not on_gpu(device):
         return 1
     return min(AUTO_MAX_JOBS, max(1, (os.cpu_count() or 1) // 2))
 

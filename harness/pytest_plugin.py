@@ -87,6 +87,12 @@ def tier(config) -> str:
     return "gate" if selected_device(config) == "cpu" else "full"
 
 
+def full_tier_marks(spec, device: str) -> tuple:
+    """The `slow` mark (the full tier only) for a variant backend's conformance on the CPU
+    (BackendSpec.cpu_rows_in_full_tier); no mark otherwise."""
+    return (pytest.mark.slow,) if spec.cpu_rows_in_full_tier and device == "cpu" else ()
+
+
 def pytest_collection_modifyitems(config, items):
     """The gate tier deselects our tests marked `slow` (counted in the summary, never silent)."""
     ours = [i for i in items if is_ours(i)]

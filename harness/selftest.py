@@ -370,21 +370,18 @@ class _SelftestJob:
 
     def __init__(self, options: dict):
         from moe_lora_harness.harness.device import prepare_device
-        from moe_lora_harness.harness.execute import InProcess
-        from moe_lora_harness.harness.worker import Supervisor
+        from moe_lora_harness.harness.worker import executor_for
         self.o = options
         prepare_device(options["device"])
-        self.executor = InProcess() if options["in_process"] else Supervisor(timeout=options["timeout"])
+        self.executor = executor_for(options["in_process"], options["timeout"])
         self.corpora = {}
 
     def _entry(self, corpus_name: str, backend: str):
+        """(corpus, spec, mechanisms) of one entry of the parent's plan (its corpus loaded once per job)."""
         if corpus_name not in self.corpora:
-            corpus = next(c for c in CORPORA if c.name == corpus_name)
-            mechanisms = load_attr(corpus.mechanisms) if corpus.mechanisms else {}
-            self.corpora[corpus_name] = (corpus, {s.name: s for s in load_ref(corpus.ref) if corpus.select(s)},
-                                         mechanisms)
-        corpus, specs, mechanisms = self.corpora[corpus_name]
-        return corpus, specs[backend], mechanisms
+            self.corpora[corpus_name] = {spec.name: (corpus, spec, mechanisms) for corpus, spec, mechanisms
+                                         in _plan(SelftestResult(), self.o["device"], (corpus_name,))}
+        return self.corpora[corpus_name][backend]
 
     def run(self, what) -> tuple:
         """(kind, value, the check rows run): kind "cells", "control" or "budget" (cut by the deadline, not kept)."""

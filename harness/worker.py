@@ -150,6 +150,14 @@ class _Process:
                 pass
 
 
+def executor_for(in_process: bool, timeout: float | None):
+    """Where backend calls run: in this process (a debugger's run, --in-process) or a Supervisor's worker."""
+    if in_process:
+        from moe_lora_harness.harness.execute import InProcess
+        return InProcess()
+    return Supervisor(timeout=timeout)
+
+
 class Supervisor:
     """One worker process at a time, started on first use and replaced after a death or a timeout.
 

@@ -20,7 +20,7 @@ from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import support_for
 from moe_lora_harness.harness.features import FEATURES, feature_cases
 from moe_lora_harness.harness.profiles import draw_sizes
-from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device, tier
+from moe_lora_harness.harness.pytest_plugin import full_tier_marks, selected_backends, selected_device, tier
 from moe_lora_harness.harness.runner import run_case
 from moe_lora_harness.harness.strategies import claimed_cases, suite_settings
 
@@ -42,21 +42,15 @@ def pytest_generate_tests(metafunc):
         params, ids = [], []
         for name in names:
             levels = specs[name].capabilities.levels   # a backend is asked only at the levels it has
-            slow = _rows_in_full_tier(specs[name], device)
+            slow = full_tier_marks(specs[name], device)
             for feat, i, case in feature_cases([f for f in FEATURES if f.level in levels], device, n):
                 params.append(pytest.param(name, case, marks=slow))
                 ids.append(f"{name}/{feat.name}/{i}")
         metafunc.parametrize(("backend_name", "feature_case"), params, ids=ids)
     else:
         level = "expert" if "expert" in metafunc.function.__name__ else "op"
-        metafunc.parametrize("backend_name", [pytest.param(n, marks=_rows_in_full_tier(specs[n], device))
+        metafunc.parametrize("backend_name", [pytest.param(n, marks=full_tier_marks(specs[n], device))
                                               for n in names if level in specs[n].capabilities.levels])
-
-
-def _rows_in_full_tier(spec, device: str) -> tuple:
-    """The slow mark (the full tier only) for a variant's rows and random cases on the CPU
-    (BackendSpec.cpu_rows_in_full_tier)."""
-    return (pytest.mark.slow,) if spec.cpu_rows_in_full_tier and device == "cpu" else ()
 
 
 def judge(outcome):

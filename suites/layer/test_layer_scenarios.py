@@ -13,7 +13,7 @@ import pytest
 from moe_lora_harness.harness.layer_machine import fuzz_config, search_layer
 from moe_lora_harness.harness.layer_runner import run_scenario
 from moe_lora_harness.harness.layer_scenarios import claimed_scenario, layer_scenarios
-from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
+from moe_lora_harness.harness.pytest_plugin import full_tier_marks, selected_backends, selected_device
 from moe_lora_harness.harness.strategies import profile
 from moe_lora_harness.suites.conformance.test_conformance import judge
 
@@ -29,13 +29,11 @@ def pytest_generate_tests(metafunc):
     names = sorted(n for n, s in specs.items() if "layer" in s.capabilities.levels)
     if "layer_scenario" in metafunc.fixturenames:
         rows = layer_scenarios(device)
-        params = [pytest.param(n, sc, marks=(pytest.mark.slow,) if specs[n].cpu_rows_in_full_tier and device == "cpu"
-                               else ()) for n in names for _, sc in rows]
+        params = [pytest.param(n, sc, marks=full_tier_marks(specs[n], device)) for n in names for _, sc in rows]
         ids = [f"{n}/{label.removeprefix('layer: ')}" for n in names for label, _ in rows]
         metafunc.parametrize(("layer_name", "layer_scenario"), params, ids=ids)
     else:
-        metafunc.parametrize("layer_name", [pytest.param(n, marks=(pytest.mark.slow,) if specs[n].cpu_rows_in_full_tier
-                                                         and device == "cpu" else ()) for n in names])
+        metafunc.parametrize("layer_name", [pytest.param(n, marks=full_tier_marks(specs[n], device)) for n in names])
 
 
 def test_layer_scenario(layer_name, layer_scenario, backends, device, executor):
@@ -66,14 +64,20 @@ LAYER_MUTANTS = [m.name for m in __import__("moe_lora_harness.suites.layer.layer
                                             fromlist=["MUTANTS"]).MUTANTS]
 
 
+def _planted(mutant: str, device: str):
+    """The planted layer bug's spec (skipped on a GPU where it is a race only the CPU Recorder reports)."""
+    from moe_lora_harness.suites.layer.layer_mutants import BACKENDS, SHOWS
+    if device != "cpu" and SHOWS[mutant].startswith("raises"):
+        pytest.skip("a race the CPU Recorder reports; on a GPU it shows only when the streams happen to interleave")
+    return next(s for s in BACKENDS if s.name == mutant)
+
+
 @pytest.mark.parametrize("mutant", LAYER_MUTANTS)
 def test_planted_layer_bug_fails_its_check_row(mutant, device, executor):
     """Each planted layer bug fails one of check's named scenarios (its row in FAILS_NAMED: check runs every
     row, selftest too)."""
-    from moe_lora_harness.suites.layer.layer_mutants import BACKENDS, FAILS_NAMED, SHOWS
-    if device != "cpu" and SHOWS[mutant].startswith("raises"):
-        pytest.skip("a race the CPU Recorder reports; on a GPU it shows only when the streams happen to interleave")
-    spec = next(s for s in BACKENDS if s.name == mutant)
+    from moe_lora_harness.suites.layer.layer_mutants import FAILS_NAMED
+    spec = _planted(mutant, device)
     sc = dict(layer_scenarios(device))[FAILS_NAMED[mutant]]
     check = run_scenario(spec, claimed_scenario(spec, sc, device), device, executor=executor)
     assert check.status == "fail" and check.kind != "environment", (
@@ -86,10 +90,7 @@ def test_planted_layer_bug_fails_under_fuzz(mutant, device, executor):
     """The state machine (fuzz, derandomized, within 30 examples: selftest's detector, bounded by examples rather
     than seconds so a slow machine agrees) finds each planted layer bug."""
     from moe_lora_harness.harness.selftest import _fuzz_detector
-    from moe_lora_harness.suites.layer.layer_mutants import BACKENDS, SHOWS
-    if device != "cpu" and SHOWS[mutant].startswith("raises"):
-        pytest.skip("a race the CPU Recorder reports; on a GPU it shows only when the streams happen to interleave")
-    spec = next(s for s in BACKENDS if s.name == mutant)
+    spec = _planted(mutant, device)
     fuzz = _fuzz_detector(spec, _layer_corpus(), device, executor, budget_s=600.0, max_examples=30)
     assert fuzz.caught, f"{mutant} survived 30 state-machine examples: {fuzz.error}"
 
