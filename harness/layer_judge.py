@@ -3,10 +3,12 @@ bit for bit as out of the twin (neutrality), and every row is within the error m
 of the adapters loaded now and the mapping given."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from moe_lora_harness.harness.builders import build_device
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import compare_written, format_worst, same_bits
 from moe_lora_harness.harness.contract import BackendSpec
@@ -43,19 +45,31 @@ def layer_case(config, tokens: int) -> Case:
 
 def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, mapping=None, adapters=None):
     """(truth, emulation) of a batch: base only, or with the adapters loaded now (`adapters`: others) and `mapping`
-    (judged slots)."""
+    (judged slots). Computed where `w` and `b` are (a CUDA run's GPU: the float64 GEMMs of a LARGE_LAYER step took
+    seconds on a loaded CPU), handed back on the CPU, where the rows are judged."""
     c = scenario.config
+    at = w.w13.device
     lora_in = None
     if mapping is not None:
         stacked = pack_moe_lora(state.adapters() if adapters is None else adapters, max_loras=c.max_loras,
                                 max_rank=c.max_rank, num_experts=c.E, hidden_size=c.H, intermediate_size=c.I,
                                 dtype=c.lora_torch_dtype, gated=is_gated(c.activation))
-        lora_in = LoRAInputs(stacked, mapping)
+        lora_in = LoRAInputs(_on(stacked, at), mapping.to(at))
     args = (b.hidden_states, w.w13, w.w2, b.topk_weights, b.topk_ids)
     kw = dict(activation=c.activation, w13_bias=w.w13_bias, w2_bias=w.w2_bias, lora=lora_in)
     truth = moe_experts_forward(*args, precision=make_precision("exact", None), **kw)
     emu = moe_experts_forward(*args, precision=make_precision(precision_name, c.torch_dtype), magnitudes=False, **kw)
-    return truth, emu
+    return _on(truth, torch.device("cpu")), _on(emu, torch.device("cpu"))
+
+
+def _on(record, device: torch.device):
+    """A dataclass record (an expectation, stacked LoRA buffers) with its tensors, and lists of them, on `device`."""
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        return [move(t) for t in v] if isinstance(v, list) else v
+    return dataclasses.replace(record, **{f.name: move(getattr(record, f.name)) for f in dataclasses.fields(record)
+                                          if f.init})
 
 
 def _compare(rows, truth, emu, config, precision_name, real: int, slots=None):
@@ -105,7 +119,8 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     if real == 0:
         return StepVerdict(True)
     precision_name = spec.precision_for(layer_case(c, size), device)
-    w, b = base_weights(scenario, "cpu"), batch(c, step, "cpu")     # what both expectations are computed from
+    at = build_device(device)               # the expectations' device: a CUDA run's GPU, else the CPU
+    w, b = base_weights(scenario, at), batch(c, step, at)     # what both expectations are computed from
     effective = state.effective_mapping(step)
 
     def expected(mapping, adapters=None, precision=None):
