@@ -146,7 +146,10 @@ def test_check_over_hostile_backends_writes_the_whole_matrix(tmp_path):
              "hostile-nondeterministic"]
     only = [a for n in names for a in ("--only", n)]
     features = [a for f in ("fp16", "w2: mul_routed_weight", "naive layout") for a in ("--feature", f)]
+    # on the CPU wherever the suite runs: on a GPU machine check would take cuda and 8 jobs, each with its own
+    # worker, and the flaky backend's call counter (one per process) would give each job's first call: a pass
     out = _cli("check", "--backend", REF, *only, *features, "--cases-per-feature", "1", "--timeout", "2",
+               "--device", "cpu",
                "--json", str(tmp_path / "m.json"), "--markdown", str(tmp_path / "m.md"))
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     data = json.loads((tmp_path / "m.json").read_text())
@@ -171,6 +174,7 @@ def test_ctrl_c_keeps_the_results_and_names_the_case_in_flight(tmp_path):
     marker = tmp_path / "hanging"
     proc = subprocess.Popen([sys.executable, "-m", "moe_lora_harness", "check", "--backend", REF,
                              "--only", "hostile-hang", "--cases-per-feature", "1", "--timeout", "120",
+                             "--device", "cpu",      # the CPU's row order (a GPU machine's check has its own)
                              "--json", str(tmp_path / "m.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, HOSTILE_HANG_MARKER=str(marker)),
