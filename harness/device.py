@@ -4,6 +4,7 @@ One place for the rule, asked by the CLI, the pytest plugin and the supervised w
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -51,3 +52,18 @@ def prepare_device(text: str | None, option: str = "--device") -> str:
     if d == "cpu":
         os.environ.setdefault(INTERPRET_ENV, "1")
     return d
+
+
+@contextlib.contextmanager
+def interpreter_switch_kept():
+    """TRITON_INTERPRET as it was before the block, whatever the block did: `--device cpu` run in a process on a GPU
+    host turns the interpreter on (prepare_device), and a kernel jitted after it in that process is interpreted,
+    also on CUDA tensors (our suites wrap each test in it: harness suites run check in-process)."""
+    before = os.environ.get(INTERPRET_ENV)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(INTERPRET_ENV, None)
+        else:
+            os.environ[INTERPRET_ENV] = before

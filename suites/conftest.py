@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_lora_harness.harness.cache import CACHE_ENV
-from moe_lora_harness.harness.device import interpret_without_cuda
+from moe_lora_harness.harness.device import interpret_without_cuda, interpreter_switch_kept
 from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
 from moe_lora_harness.harness.worker import share_cores
 
@@ -25,6 +25,14 @@ def _share_cores_among_xdist_workers() -> None:
 
 
 _share_cores_among_xdist_workers()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_switch_kept():
+    """No test leaves the interpreter switched for the next one in its process (harness.device.interpreter_switch_kept:
+    on the H200 a test's in-process `--device cpu` left it on, and planted mutants jitted later raised there)."""
+    with interpreter_switch_kept():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -211,9 +211,26 @@ def test_device_cpu_on_a_cuda_host_runs_triton_in_the_interpreter(monkeypatch):
     correct Triton backend would fail there); --device cuda leaves them compiled."""
     from moe_lora_harness.harness import device as dev
     monkeypatch.setattr(dev, "cuda_present", lambda: True)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")     # recorded, so the switch below is undone after the test
+    monkeypatch.delenv("TRITON_INTERPRET")
     assert dev.prepare_device("cuda") == "cuda" and "TRITON_INTERPRET" not in os.environ
     assert dev.prepare_device("cpu") == "cpu" and os.environ["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.parametrize("before", [None, "1"], ids=["unset", "set"])
+def test_the_interpreter_switch_is_kept_across_a_block_that_turns_it_on(monkeypatch, before):
+    """A GPU host (unset) keeps compiled kernels after an in-process --device cpu; a CPU host (set) keeps its
+    interpreter after a block that clears it."""
+    from moe_lora_harness.harness import device as dev
+    monkeypatch.setattr(dev, "cuda_present", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    if before is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", before)
+    with dev.interpreter_switch_kept():
+        dev.prepare_device("cpu") if before is None else os.environ.pop("TRITON_INTERPRET")
+        assert os.environ.get("TRITON_INTERPRET") != before
+    assert os.environ.get("TRITON_INTERPRET") == before
 
 
 def test_a_watched_call_interprets_integers_as_compiled_kernels_do():
