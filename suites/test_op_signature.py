@@ -4,20 +4,16 @@ own; a positional call and a keyword call of the same arguments do the same."""
 from __future__ import annotations
 
 import inspect
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from moe_lora_harness.harness.builders import build_op_inputs  # noqa: E402
-from moe_lora_harness.harness.case import Case  # noqa: E402
-from moe_lora_harness.kernels import eager  # noqa: E402
-from moe_lora_harness.kernels.triton import lora_op  # noqa: E402
-from moe_lora_harness.op_contract.validate import SIGNATURE  # noqa: E402
-from moe_lora_harness.reference import lora_op as reference  # noqa: E402
+from moe_lora_harness.harness.builders import build_op_inputs
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.kernels import eager
+from moe_lora_harness.kernels.triton import lora_op
+from moe_lora_harness.op_contract.validate import SIGNATURE
+from moe_lora_harness.reference import lora_op as reference
 
 ENTRY_POINTS = {"reference": reference.fused_moe_lora, "eager": eager.fused_moe_lora, "triton": lora_op.fused_moe_lora,
                 **{f"triton_{p}": fn for p, fn in lora_op.ENTRY_POINTS.items()}}

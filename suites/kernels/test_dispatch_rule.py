@@ -3,18 +3,13 @@ model) reference.precision.vllm_dispatch_path names, over every rank up to 300 a
 small-batch size limit T*k*rank <= 1024; the `triton` backend's rounding model is that path."""
 from __future__ import annotations
 
-import os
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from moe_lora_harness.backends.triton_op import dispatch_precision  # noqa: E402
-from moe_lora_harness.harness.case import Case  # noqa: E402
-from moe_lora_harness.kernels.triton.lora_op import select_path  # noqa: E402
-from moe_lora_harness.reference.precision import vllm_dispatch_path  # noqa: E402
+from moe_lora_harness.backends.triton_op import dispatch_precision
+from moe_lora_harness.harness.case import Case
+from moe_lora_harness.kernels.triton.lora_op import select_path
+from moe_lora_harness.reference.precision import vllm_dispatch_path
 
 RANKS = range(1, 301)   # includes the limits 64/65 (small-batch) and 128/129 (one-shot)
 LIMIT = 1024            # small-batch: T*k*rank <= 1024

@@ -7,21 +7,17 @@ not write are compared bit for bit against a random (poisoned) buffer.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from moe_lora_harness.kernels.triton import align as talign  # noqa: E402
-from moe_lora_harness.kernels.triton import lora_op  # noqa: E402
-from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, run_one_shot  # noqa: E402
-from moe_lora_harness.op_contract.validate import validate_call  # noqa: E402
-from moe_lora_harness.reference import align as ralign  # noqa: E402
-from moe_lora_harness.reference.lora_op import fused_moe_lora_expected  # noqa: E402
-from moe_lora_harness.reference.precision import precision  # noqa: E402
+from moe_lora_harness.kernels.triton import align as talign
+from moe_lora_harness.kernels.triton import lora_op
+from moe_lora_harness.kernels.triton.one_shot import OneShotConfig, run_one_shot
+from moe_lora_harness.op_contract.validate import validate_call
+from moe_lora_harness.reference import align as ralign
+from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
+from moe_lora_harness.reference.precision import precision
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU tensors need the interpreter
 ULPS = 4.0  # per-element bound in output-dtype ulps of the element's forward-error scale (error-model notes)
