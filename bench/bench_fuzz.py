@@ -10,8 +10,12 @@ process with an empty Triton cache (TRITON_CACHE_DIR), so neither inherits the o
   detection   (--mutants) each planted shape-class bug of harness.reach_mutants (our Triton op, wrong on one
               class of shapes) under a campaign that stops at its first failure: seconds and examples to
               detection, over --seeds seeds. This is the bug-finding power the palette must keep.
+  layer       (--level layer) the layer search `fuzz --level layer` runs (supervised worker, every dtype the
+              layer claims) against a correct layer for --budget seconds: scenarios per second, beside the last
+              figure measured on the H200 and issue 32's target.
 
   python bench/bench_fuzz.py --only triton --device cuda --budget 240 --mutants --seeds 3 --out DIR
+  python bench/bench_fuzz.py --level layer --only layer_triton --device cuda --budget 60 --out DIR
 """
 from __future__ import annotations
 
@@ -200,7 +204,45 @@ def _spawn(a, job: str, palette: str, seed: int, mutant: str = "", cache: str | 
             "error": f"exit {p.returncode}: {p.stderr[-600:]}"}
 
 
+# the layer search's figure before this benchmark measured it (issue 32, one H200: `fuzz --level layer` over our
+# layer_triton, 2026-12-02), and the rate the issue asks for
+LAYER_BEFORE = {"scenarios": 39, "seconds": 47.0}
+LAYER_TARGET_PER_S = 2.0
+
+
+def layer_throughput(spec, device, budget_s, seed):
+    """A layer search against a correct layer for `budget_s`, as `fuzz --level layer` runs it (a supervised worker,
+    every dtype the layer claims, no shrink needed: nothing fails): scenarios per second."""
+    from moe_lora_harness.harness.layer_machine import fuzz_configs, search_layers
+    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT, executor_for
+    configs = fuzz_configs(spec, device)
+    executor = executor_for(False, DEFAULT_TIMEOUT)
+    try:
+        t0 = time.perf_counter()
+        r = search_layers(spec, configs, device, executor=executor, budget_s=budget_s, max_examples=10**9, seed=seed)
+        wall = time.perf_counter() - t0
+    finally:
+        executor.close()
+    return {"job": "layer", "scenarios": r.examples, "wall_s": round(wall, 2), "stopped": r.exhausted,
+            "scenarios_per_s": round(r.examples / wall, 2) if wall else 0.0, "dtypes": [c.dtype for c in configs],
+            "distinct_failures": len(r.found), "failures": [o.message for o in r.found][:5]}
+
+
+def _layer_summary(rows: list, doc: dict) -> list[str]:
+    before = LAYER_BEFORE["scenarios"] / LAYER_BEFORE["seconds"]
+    lines = [f"Layer fuzz throughput: {doc['backend']} on {doc['device']} (the search `fuzz --level layer` runs, a "
+             f"supervised worker)", "", "| dtypes | s | scenarios | scenarios/s | last figure (H200) | target | "
+             "failures |", "|---|---|---|---|---|---|---|"]
+    for r in (x for x in rows if x.get("job") == "layer" and "error" not in x):
+        lines.append(f"| {', '.join(r['dtypes'])} | {r['wall_s']:.0f} | {r['scenarios']} | {r['scenarios_per_s']} | "
+                     f"{before:.2f} ({LAYER_BEFORE['scenarios']} in {LAYER_BEFORE['seconds']:g} s) | "
+                     f"{LAYER_TARGET_PER_S:g} | {r['distinct_failures']} |")
+    return lines
+
+
 def _summary(rows: list, doc: dict) -> list[str]:
+    if doc["level"] == "layer":
+        return _layer_summary(rows, doc) + [f"- {e}" for e in rows if "error" in e]
     lines = [f"Fuzz throughput: {doc['backend']} ({doc['level']} level) on {doc['device']}; each campaign in a fresh "
              f"process; cold: an empty Triton cache, warm: the cache the cold campaign left", "",
              "| palette | Triton cache | s | examples | examples/min | Triton compiles | s in compiler "
@@ -263,7 +305,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", action="append", default=[])
     p.add_argument("--only", default="triton", help="the correct backend of the throughput run")
-    p.add_argument("--level", choices=("op", "expert"), default="op")
+    p.add_argument("--level", choices=("op", "expert", "layer"), default="op")
     p.add_argument("--device", default=None)
     p.add_argument("--budget", type=float, default=60.0, help="seconds of throughput campaign per palette")
     p.add_argument("--palette", choices=PALETTES + ("both",), default="both")
@@ -302,6 +344,12 @@ def main(argv=None):
         (out / "bench_fuzz.md").write_text("\n".join(lines) + "\n")
         return lines
 
+    if a.level == "layer":
+        from moe_lora_harness.harness.registry import available_backends, select
+        spec = select(available_backends(extra_refs=a.backend), [a.only])[a.only]
+        rows.append(layer_throughput(spec, device, a.budget, a.seed))
+        print("\n".join(write()))
+        return
     if a.level == "op" and not a.no_reach:
         rows += [_spawn(a, "reach", pal, a.seed) for pal in palettes]
     for pal in (() if a.no_throughput else palettes):

@@ -11,7 +11,8 @@
 #             the machine has a GPU per rank), bf16 at real shapes, and the dispatch benchmark (~120 s)
 #   check     the conformance matrix on CUDA (not in `all`: over 220 s; run it alone)
 #   fuzz      fuzz throughput, free shapes against compile classes, and time to detection of the planted
-#             shape-class bugs (bench/bench_fuzz.py; not in `all`: about 390 s)
+#             shape-class bugs (bench/bench_fuzz.py; not in `all`: about 390 s); then the layer search's
+#             scenarios per second against layer_triton (60 s)
 #   layer     the layer's life across calls on CUDA: the layer suites (real CUDA graphs, every dtype), the named
 #             scenario rows of every layer, selftest's layer corpus, a 60 s layer fuzz of layer_triton, and
 #             bench/bench_layer.py (state handling and graph replay against a plain forward)
@@ -91,7 +92,11 @@ for t in "${targets[@]}"; do
       timeout ${FUZZ_TIMEOUT:-560} python3 bench/bench_fuzz.py --only triton --level op --device cuda \
         --budget ${FUZZ_BUDGET:-150} --mutants --seeds ${FUZZ_SEEDS:-1} --detect-budget 45 --jobs 12 \
         --out "$OUT/fuzz" > "$OUT/fuzz.txt" 2>&1 || rc=1
-      grep -E "^gain" "$OUT/fuzz.txt" ;;
+      grep -E "^gain" "$OUT/fuzz.txt"
+      # the layer search's throughput against our correct layer (issue 32: at least 2 scenarios per second)
+      timeout 120 python3 bench/bench_fuzz.py --level layer --only layer_triton --device cuda --budget 60 \
+        --out "$OUT/fuzz_layer" > "$OUT/fuzz_layer.txt" 2>&1 || rc=1
+      tail -1 "$OUT/fuzz_layer.txt" ;;
     layer)
       MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-20} timeout ${LAYER_TIMEOUT:-300} \
         python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-8} --moe-lora-device cuda \
