@@ -4,6 +4,7 @@ of the adapters loaded now and the mapping given."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,36 +54,26 @@ def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, 
     if mapping is not None:
         stacked = pack_moe_lora(state.adapters() if adapters is None else adapters, max_loras=c.max_loras,
                                 max_rank=c.max_rank, num_experts=c.E, hidden_size=c.H, intermediate_size=c.I,
-                                dtype=c.lora_torch_dtype, gated=is_gated(c.activation))
-        lora_in = LoRAInputs(_on(stacked, at), mapping.to(at))
+                                dtype=c.lora_torch_dtype, gated=is_gated(c.activation), device=at)
+        lora_in = LoRAInputs(stacked, mapping.to(at))
     args = (b.hidden_states, w.w13, w.w2, b.topk_weights, b.topk_ids)
     kw = dict(activation=c.activation, w13_bias=w.w13_bias, w2_bias=w.w2_bias, lora=lora_in)
     truth = moe_experts_forward(*args, precision=make_precision("exact", None), **kw)
     emu = moe_experts_forward(*args, precision=make_precision(precision_name, c.torch_dtype), magnitudes=False, **kw)
-    return _on(truth, torch.device("cpu")), _on(emu, torch.device("cpu"))
+    return _on_cpu(truth), _on_cpu(emu)
 
 
-_WEIGHTS: dict = {}
-
-
-def _base_weights(scenario: Scenario, at: torch.device):
-    """The scenario's base weights on `at`, drawn once per scenario (not per judged step: drawing and moving them took
+@functools.lru_cache(maxsize=1)
+def _base_weights(config, seed: int, at: torch.device):
+    """A scenario's base weights on `at`, drawn once per scenario (not per judged step: drawing and moving them took
     0.8 s of each step's 1.5 s at LARGE_LAYER on the H200); the last scenario's are kept."""
-    key = (scenario.config, scenario.seed, str(at))
-    if key not in _WEIGHTS:
-        _WEIGHTS.clear()
-        _WEIGHTS[key] = base_weights(scenario, at)
-    return _WEIGHTS[key]
+    return base_weights(Scenario(config, (), seed), at)
 
 
-def _on(record, device: torch.device):
-    """A dataclass record (an expectation, stacked LoRA buffers) with its tensors, and lists of them, on `device`."""
-    def move(v):
-        if isinstance(v, torch.Tensor):
-            return v.to(device)
-        return [move(t) for t in v] if isinstance(v, list) else v
-    return dataclasses.replace(record, **{f.name: move(getattr(record, f.name)) for f in dataclasses.fields(record)
-                                          if f.init})
+def _on_cpu(expected):
+    """An expectation (reference.experts.ExpertExpected) with its tensors on the CPU."""
+    fields = {f.name: getattr(expected, f.name) for f in dataclasses.fields(expected)}
+    return dataclasses.replace(expected, **{k: v.cpu() for k, v in fields.items() if isinstance(v, torch.Tensor)})
 
 
 def _compare(rows, truth, emu, config, precision_name, real: int, slots=None):
@@ -133,7 +124,7 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
         return StepVerdict(True)
     precision_name = spec.precision_for(layer_case(c, size), device)
     at = build_device(device)               # the expectations' device: a CUDA run's GPU, else the CPU
-    w, b = _base_weights(scenario, at), batch(c, step, at)     # what both expectations are computed from
+    w, b = _base_weights(c, scenario.seed, at), batch(c, step, at)     # what both expectations are computed from
     effective = state.effective_mapping(step)
 
     def expected(mapping, adapters=None, precision=None):
