@@ -93,12 +93,12 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     return [n for n in names if n != backend_precision]
 
 
-def _emulation(case: Case, name: str, device) -> torch.Tensor:
-    """The value of the rounding model `name` on the case's inputs (rebuilt from its seed on `device`, where the
-    truth is: a CUDA case's inputs are drawn there)."""
+def _emulation(case: Case, name: str, device, inputs=None) -> torch.Tensor:
+    """The value of the rounding model `name` on the case's inputs (`inputs`, or rebuilt from its seed on
+    `device`, where the truth is: a CUDA case's inputs are drawn there)."""
     if case.level == "op":
-        return op_reference(case, build_op_inputs(case, device), name).value
-    return expert_expectations(case, name, emulation_only=True, device=device)[2].value
+        return op_reference(case, inputs if inputs is not None else build_op_inputs(case, device), name).value
+    return expert_expectations(case, name, emulation_only=True, device=device, inputs=inputs)[2].value
 
 
 def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelFit:
@@ -132,11 +132,13 @@ def model_fits(case: Case, backend_precision: str, output: torch.Tensor, truth) 
             for n in [backend_precision] + alternatives(backend_precision, dtype)]
 
 
-def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) -> Diagnosis | None:
+def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth, *, inputs=None,
+             emulation: torch.Tensor | None = None) -> Diagnosis | None:
     """Name the rounding model a failing output follows, or say that none does.
 
     `output`: the kernel's output as the runner judged it (op level (T, k, W), expert level (T, H));
-    `truth`: the runner's float64 truth for the case (`Expectation.truth`: OpExpected / ExpertExpected).
+    `truth`: the runner's float64 truth for the case (`Expectation.truth`: OpExpected / ExpertExpected);
+    `inputs` and `emulation` (the declared model's value), where the runner has them, are not computed again.
     None when there is nothing to diagnose: the output passes against `backend_precision`, fails in a way
     that is no precision matter (non-finite, shape), or is grossly wrong (worst element > GROSS_REL scale).
     """
@@ -144,22 +146,27 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth) ->
         return None
     written, k_plus_r, _ = judging(case, truth)
     out = output.detach().to(truth.value.device)
-    return name_model(out, truth, written, torch_dtype(case), k_plus_r, backend_precision,
-                      lambda name: _emulation(case, name, out.device))
+
+    def emulation_of(name):
+        if name == backend_precision and emulation is not None:
+            return emulation.to(out.device)
+        return _emulation(case, name, out.device, inputs)
+    return name_model(out, truth, written, torch_dtype(case), k_plus_r, backend_precision, emulation_of)
 
 
 def name_model(out: torch.Tensor, truth, written: torch.Tensor, dtype: torch.dtype, k_plus_r: int,
                backend_precision: str, emulation_of) -> Diagnosis | None:
     """diagnose() for any level: `emulation_of(name)` gives a rounding model's value on the inputs `out` came
-    from (the layer level computes it from its scenario, the case levels from the case's seed)."""
+    from (the layer level computes it from its scenario, the case levels from the case's seed). A gross error
+    is told before any model is computed."""
+    worst = worst_relative_error(out, truth, written)
+    if worst > GROSS_REL:
+        return None
     declared_emu = emulation_of(backend_precision)
     verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,
                               dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
                               underflow=truth.underflow, work_dtype=dtype, **allowances(truth))
     if verdict.ok or verdict.kind not in _DIAGNOSED_KINDS:
-        return None
-    worst = worst_relative_error(out, truth, written)
-    if worst > GROSS_REL:
         return None
     declared = _fit(backend_precision, describe(backend_precision), out, truth, declared_emu, written, dtype,
                     k_plus_r)

@@ -71,10 +71,10 @@ def expert_forward(case: Case, inp):
     return forward, (inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids), kw
 
 
-def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False, device="cpu"):
-    """(inputs, truth, emulation) for an expert-level case, built and computed on `build_device(device)` (a CUDA
-    device, else the CPU); `emulation_only`: truth None."""
-    inp = build_expert_inputs(case, device)
+def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False, device="cpu", inputs=None):
+    """(inputs, truth, emulation) for an expert-level case, built (unless `inputs` are given) and computed on
+    `build_device(device)` (a CUDA device, else the CPU); `emulation_only`: truth None."""
+    inp = inputs if inputs is not None else build_expert_inputs(case, device)
     forward, args, kw = expert_forward(case, inp)
     truth = None if emulation_only else forward(*args, precision=make_precision("exact", None), **kw)
     # the emulation's value only: it is judged with the truth's magnitudes

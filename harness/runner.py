@@ -353,7 +353,8 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
     try:
         d = None
         if kind in ("element", "aggregate"):
-            d = diagnose_precision(case, exp.precision, ex.output, exp.truth)
+            d = diagnose_precision(case, exp.precision, ex.output, exp.truth, inputs=exp.inputs,
+                                   emulation=exp.emulation.value)
             lines.append("  precision: " + (d.text if d is not None
                                             else "the error is too large for any rounding model"))
         if kind != "nonfinite" and (d is None or not d.matched):

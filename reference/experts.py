@@ -135,10 +135,19 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
     Only the weights of the expert in hand are converted to float64, once for every job (a layer of many large
     experts never exists in float64 at once, and each expert's weights are read once per GEMM, not once per
     magnitude). Each expert's rows, in ascending order, are found by one stable sort (one host sync for the counts,
-    not one per expert)."""
+    not one per expert). A coarse-accumulation model's GEMMs run for every expert at once
+    (`_batched_accumulation`)."""
     out = {name: torch.zeros(x.shape[0], w.shape[1], dtype=_F64, device=x.device) for name, (x, _) in jobs.items()}
     order = torch.argsort(experts, stable=True)
     counts = torch.bincount(experts + 1, minlength=w.shape[0] + 1).tolist()   # [rows of -1 (not local), of 0, ...]
+    if prec is not None and prec.accumulate is not None:
+        looped = {n: job for n, job in jobs.items() if job[1] is not None}
+        for name, (x, _) in jobs.items():
+            if name not in looped and not _batched_accumulation(out[name], x, w, order, counts, prec):
+                looped[name] = (x, None)
+        jobs = looped
+        if not jobs:
+            return out
     start = counts[0]
     hows = {how for _, how in jobs.values()}
     for e, c in enumerate(counts[1:]):
@@ -158,6 +167,32 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
             out[name][rows] = xe @ forms[how].T if plain else prec.mm(xe, we)
         del we, forms
     return out
+
+
+BATCHED_ACCUMULATION_BYTES = 1 << 30   # the padded float64 operands and sums one K loop over every expert may hold
+
+
+def _batched_accumulation(out: Tensor, x: Tensor, w: Tensor, order: Tensor, counts: list, prec: Precision) -> bool:
+    """`_per_expert_gemms` of a coarse-accumulation model (one rounded partial sum per K step: K host-side steps
+    per GEMM) for every expert in one K loop, the experts' rows padded to the busiest one's count; False (nothing
+    written) where the padded float64 tensors would pass BATCHED_ACCUMULATION_BYTES. The same bits as a loop
+    over the experts: every step is elementwise."""
+    active = [e for e, c in enumerate(counts[1:]) if c]
+    if not active:
+        return True
+    most, (n, k) = max(counts[1:]), w.shape[1:]
+    if len(active) * (most * (k + 2 * n) + n * k) * 8 > BATCHED_ACCUMULATION_BYTES:
+        return False
+    xs = torch.zeros(len(active), most, k, dtype=_F64, device=x.device)
+    starts, start = [], counts[0]
+    for i, e in enumerate(active):
+        starts.append(start)
+        xs[i, :counts[e + 1]] = x[order[start:start + counts[e + 1]]]
+        start += counts[e + 1]
+    got = prec.mm(xs, torch.stack([w[e].to(_F64) for e in active]))
+    for i, e in enumerate(active):
+        out[order[starts[i]:starts[i] + counts[e + 1]]] = got[i, :counts[e + 1]]
+    return True
 
 
 def _per_expert_gemm(x: Tensor, w: Tensor, experts: Tensor, prec: Precision | None = None, *,

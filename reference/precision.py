@@ -209,15 +209,17 @@ class Precision:
         return acc
 
     def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x @ w.T (x (P, K), w (N, K), float64), per the GEMM model."""
+        """x @ w^T over the last two dims (x (..., P, K), w (..., N, K), float64), per the GEMM model. Summed in
+        a coarse format, every element's partial sums are elementwise steps: a batch of GEMMs in one K loop gives
+        each GEMM's bits."""
         if self.plain_gemm:
-            return x @ w.T
+            return x @ w.transpose(-1, -2)
         x, w = rnd_format(x, self.operand), rnd_format(w, self.operand)
         if self.accumulate is None:
-            return x @ w.T
-        acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64, device=x.device)
-        for i in range(x.shape[1]):
-            acc = rnd_format(acc + x[:, i, None] * w[None, :, i], self.accumulate)
+            return x @ w.transpose(-1, -2)
+        acc = torch.zeros(*x.shape[:-1], w.shape[-2], dtype=torch.float64, device=x.device)
+        for i in range(x.shape[-1]):
+            acc = rnd_format(acc + x[..., :, i, None] * w[..., None, :, i], self.accumulate)
         return acc
 
 

@@ -218,3 +218,26 @@ def test_a_passing_output_gets_no_diagnosis():
     exp = expectations(spec, BASE, "cpu")
     ex = InProcess().execute(spec, BASE, "cpu", exp.poison)
     assert diagnose(BASE, "one_shot", ex.output, exp.truth) is None
+
+
+@pytest.mark.parametrize("level", ["op", "expert"])
+def test_the_runners_inputs_and_emulation_give_the_same_diagnosis(level):
+    """diagnose() reuses the runner's inputs and declared emulation (not rebuilt, not computed again): the same fits,
+    bit for bit, as from the case's seed."""
+    spec, case = ((BY_NAME["mutant-bf16-operands"], BASE.replace(dtype="float16", T=12, H=96)) if level == "op"
+                  else (_expert_backend("one_shot_tf32", "one_shot"), EXPERT32))
+    _, d, (ex, exp) = _run_and_diagnose(spec, case)
+    reused = diagnose(case, exp.precision, ex.output, exp.truth, inputs=exp.inputs, emulation=exp.emulation.value)
+    assert d is not None and d.matched
+    assert (reused.model, reused.text, [(f.name, f.ratio, f.distance) for f in reused.fits]) == \
+        (d.model, d.text, [(f.name, f.ratio, f.distance) for f in d.fits])
+
+
+def test_a_gross_error_computes_no_rounding_model():
+    """The gross test reads the truth only: no model's emulation is computed for an output it rules out."""
+    from moe_lora_harness.harness.diagnose import name_model
+    _, _, (ex, exp) = _run_and_diagnose(BY_NAME["mutant-drops-slice"], BASE)
+    asked = []
+    d = name_model(ex.output.to(torch.float64), exp.truth, exp.truth.written, torch.float16, BASE.K + BASE.max_rank,
+                   exp.precision, lambda name: asked.append(name) or exp.emulation.value)
+    assert d is None and asked == []

@@ -285,3 +285,27 @@ def test_bad_arguments_raise_clear_errors():
         fwd(layer, LoRAInputs(lora.stacked, lora.token_lora_mapping[:-1]), EXACT)
     with pytest.raises(TypeError, match="precision must be"):
         fwd(layer, lora, "exact")
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_coarse_accumulation_over_every_expert_at_once_keeps_each_experts_bits(monkeypatch, skewed):
+    """A coarse-accumulation model (one_shot_fp16acc) runs its K loop for every expert at once, rows padded: the same
+    bits as expert by expert (the memory cap forces the loop); an expert with no rows and rows of no expert stay 0."""
+    from moe_lora_harness.reference import experts as ref
+    g = torch.Generator().manual_seed(3)
+    P, K, N, E = 40, 24, 12, 5
+    x = torch.randn(P, K, generator=g, dtype=F64)
+    w = torch.randn(E, N, K, generator=g).to(torch.float16)
+    ids = torch.randint(-1, E - 1, (P,), generator=g)           # expert E-1 gets no row; -1: not local
+    if skewed:
+        ids[: P // 2] = 0
+    prec = precision("one_shot_fp16acc", torch.float16)
+    jobs = {"y": (x, None), "m": (x.abs(), "abs")}
+    batched = ref._per_expert_gemms(jobs, w, ids, prec)
+    monkeypatch.setattr(ref, "BATCHED_ACCUMULATION_BYTES", 0)
+    looped = ref._per_expert_gemms(jobs, w, ids, prec)
+    for name in jobs:
+        assert torch.equal(batched[name], looped[name]), name
+    assert batched["y"][ids < 0].eq(0).all() and batched["y"][ids >= 0].ne(0).any()
+    plain = ref._per_expert_gemms(jobs, w, ids, precision("one_shot", torch.float16))
+    assert not torch.equal(batched["y"], plain["y"])      # the model does change the sums: the test can fail
