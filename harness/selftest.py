@@ -139,7 +139,16 @@ class SelftestResult:
 
 
 def _check_rows(corpus: Corpus, spec, device: str):
-    """(row name, run) for each check row of the corpus: feature cases, or the named layer scenarios."""
+    """(row name, run) for each check row of the corpus (feature cases, or the named layer scenarios) in the order
+    `check --budget` runs them (harness.check_order): the seconds to a kill are the gate's."""
+    from moe_lora_harness.harness.check_order import row_key, stored
+    rows = list(_corpus_rows(corpus, spec, device))
+    key = row_key(stored(device), [row for row, _ in rows])
+    return sorted(rows, key=lambda row_run: key(row_run[0]))
+
+
+def _corpus_rows(corpus: Corpus, spec, device: str):
+    """_check_rows in check's own order."""
     if corpus.level == "layer":
         from moe_lora_harness.harness.layer_runner import run_scenario
         from moe_lora_harness.harness.layer_scenarios import claimed_scenario, layer_scenarios

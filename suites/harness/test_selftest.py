@@ -50,3 +50,19 @@ def test_selftest_cli_junit(tmp_path):
     assert rc == 0
     suite = ET.parse(tmp_path / "s.xml").getroot().find("testsuite")
     assert int(suite.get("tests")) >= 5 and int(suite.get("failures")) == 0
+
+
+@pytest.mark.parametrize("corpus", ["layer", "op"])
+def test_the_check_detector_runs_rows_in_the_gates_order(corpus):
+    """selftest's check detector runs a corpus' rows as `check --budget` does (harness.check_order): its seconds to a
+    kill are the gate's; every row of check's own order is still run."""
+    from moe_lora_harness.harness import selftest
+    from moe_lora_harness.harness.check_order import stored
+    from moe_lora_harness.harness.registry import load_ref
+    c = next(x for x in CORPORA if x.name == corpus)
+    spec = next(s for s in load_ref(c.ref) if c.select(s))
+    ran = [row for row, _ in selftest._check_rows(c, spec, "cpu")]
+    own = [row for row, _ in selftest._corpus_rows(c, spec, "cpu")]
+    assert sorted(ran) == sorted(own) and ran != own
+    ranked = [r for r in stored("cpu")["order"] if r in own]
+    assert ranked and ran[:len(ranked)] == ranked
