@@ -138,23 +138,14 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
     not one per expert). A coarse-accumulation model's GEMMs run for every expert at once
     (`_batched_accumulation`)."""
     out = {name: torch.zeros(x.shape[0], w.shape[1], dtype=_F64, device=x.device) for name, (x, _) in jobs.items()}
-    order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts + 1, minlength=w.shape[0] + 1).tolist()   # [rows of -1 (not local), of 0, ...]
-    if prec is not None and prec.accumulate is not None:
-        looped = {n: job for n, job in jobs.items() if job[1] is not None}
-        for name, (x, _) in jobs.items():
-            if name not in looped and not _batched_accumulation(out[name], x, w, order, counts, prec):
-                looped[name] = (x, None)
-        jobs = looped
+    groups = _rows_by_expert(experts, w.shape[0])
+    if prec is not None and prec.accumulate is not None:   # the jobs _batched_accumulation cannot take stay looped
+        jobs = {name: (x, how) for name, (x, how) in jobs.items()
+                if how is not None or not _batched_accumulation(out[name], x, w, groups, prec)}
         if not jobs:
             return out
-    start = counts[0]
     hows = {how for _, how in jobs.values()}
-    for e, c in enumerate(counts[1:]):
-        if c == 0:
-            continue
-        rows = order[start:start + c]
-        start += c
+    for e, rows in groups:
         we = w[e].to(_F64)
         forms = {None: we}
         if "abs" in hows:
@@ -169,29 +160,38 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
     return out
 
 
+def _rows_by_expert(experts: Tensor, num_experts: int) -> list:
+    """[(e, the rows routed to expert e, ascending)] for every expert with rows (rows of -1, not local, left out):
+    one stable sort and one host sync for the counts."""
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts + 1, minlength=num_experts + 1).tolist()   # [rows of -1, of 0, ...]
+    groups, start = [], counts[0]
+    for e, c in enumerate(counts[1:]):
+        if c:
+            groups.append((e, order[start:start + c]))
+        start += c
+    return groups
+
+
 BATCHED_ACCUMULATION_BYTES = 1 << 30   # the padded float64 operands and sums one K loop over every expert may hold
 
 
-def _batched_accumulation(out: Tensor, x: Tensor, w: Tensor, order: Tensor, counts: list, prec: Precision) -> bool:
+def _batched_accumulation(out: Tensor, x: Tensor, w: Tensor, groups: list, prec: Precision) -> bool:
     """`_per_expert_gemms` of a coarse-accumulation model (one rounded partial sum per K step: K host-side steps
-    per GEMM) for every expert in one K loop, the experts' rows padded to the busiest one's count; False (nothing
-    written) where the padded float64 tensors would pass BATCHED_ACCUMULATION_BYTES. The same bits as a loop
-    over the experts: every step is elementwise."""
-    active = [e for e, c in enumerate(counts[1:]) if c]
-    if not active:
+    per GEMM) for every expert of `groups` (_rows_by_expert) in one K loop, the experts' rows padded to the busiest
+    one's count; False (nothing written) where the padded float64 tensors would pass BATCHED_ACCUMULATION_BYTES.
+    The same bits as a loop over the experts: every step is elementwise."""
+    if not groups:
         return True
-    most, (n, k) = max(counts[1:]), w.shape[1:]
-    if len(active) * (most * (k + 2 * n) + n * k) * 8 > BATCHED_ACCUMULATION_BYTES:
+    most, (n, k) = max(len(rows) for _, rows in groups), w.shape[1:]
+    if len(groups) * (most * (k + 2 * n) + n * k) * 8 > BATCHED_ACCUMULATION_BYTES:
         return False
-    xs = torch.zeros(len(active), most, k, dtype=_F64, device=x.device)
-    starts, start = [], counts[0]
-    for i, e in enumerate(active):
-        starts.append(start)
-        xs[i, :counts[e + 1]] = x[order[start:start + counts[e + 1]]]
-        start += counts[e + 1]
-    got = prec.mm(xs, torch.stack([w[e].to(_F64) for e in active]))
-    for i, e in enumerate(active):
-        out[order[starts[i]:starts[i] + counts[e + 1]]] = got[i, :counts[e + 1]]
+    xs = torch.zeros(len(groups), most, k, dtype=_F64, device=x.device)
+    for i, (_, rows) in enumerate(groups):
+        xs[i, :len(rows)] = x[rows]
+    got = prec.mm(xs, torch.stack([w[e].to(_F64) for e, _ in groups]))
+    for i, (_, rows) in enumerate(groups):
+        out[rows] = got[i, :len(rows)]
     return True
 
 
