@@ -284,6 +284,18 @@ class Supervisor:
 
 # -- the worker process ---------------------------------------------------------------------------------
 
+PROFILE_VAR = "MOE_LORA_HARNESS_WORKER_PROFILE"   # a folder: each worker cProfiles its requests into it (bench/)
+
+
+def _request_profile():
+    """A cProfile.Profile for the worker's requests where PROFILE_VAR names a folder (a benchmark's look at the
+    worker's side of a supervised run), else None."""
+    if not os.environ.get(PROFILE_VAR):
+        return None
+    import cProfile
+    return cProfile.Profile()
+
+
 WORKER_NAME = "moe-lora-worker"    # the worker's process name (ps -o comm; a forked worker shares its server's command)
 
 
@@ -300,6 +312,7 @@ def _worker_main(fd_in: int, fd_out: int) -> None:
     from moe_lora_harness.harness.execute import Execution, Failure, execute
     from moe_lora_harness.harness.registry import load_ref
     loaded: dict = {}
+    profile = _request_profile()
     _write_msg(fd_out, "ready")
     while True:
         try:
@@ -323,12 +336,17 @@ def _worker_main(fd_in: int, fd_out: int) -> None:
         except BaseException as e:  # noqa: BLE001 - a reference that fails to load here is reported, not fatal
             _write_msg(fd_out, Result(failure=Failure("load", f"{type(e).__name__}: {e}", type(e).__name__)))
             continue
+        if profile is not None:
+            profile.enable()
         if kind == "scenario":
             from moe_lora_harness.harness.layer_execute import execute_scenario
             from moe_lora_harness.harness.layer_scenario import Scenario
             result = execute_scenario(spec, Scenario.from_json(payload), device, extra)
         else:
             result = execute(spec, Case.from_json(payload), device, extra)
+        if profile is not None:
+            profile.disable()
+            profile.dump_stats(os.path.join(os.environ[PROFILE_VAR], f"worker-{os.getpid()}.prof"))
         try:
             _write_msg(fd_out, result)
         except Exception as e:  # noqa: BLE001 - e.g. an output that does not pickle
