@@ -15,7 +15,7 @@ from moe_lora_harness.harness.contract import BackendSpec
 from moe_lora_harness.harness.execute import Failure, HarnessInterrupt, _FATAL_DEVICE_ERROR, run_setup
 from moe_lora_harness.harness.interpreter import LaunchWatch
 from moe_lora_harness.harness.layer_contract import missing_methods
-from moe_lora_harness.harness.layer_scenario import Scenario, adapter, base_weights, batch, mapping
+from moe_lora_harness.harness.layer_scenario import Scenario, adapter, base_weights, batch, mapping, on_cpu
 
 
 @dataclass
@@ -55,7 +55,7 @@ class _Session:
         kind, c = step["do"], self.layer
         out = None
         if kind == "load":
-            c.load_adapter(step["slot"], adapter(self._config, step))
+            c.load_adapter(step["slot"], on_cpu(adapter(self._config, step, device)))
         elif kind == "unload":
             c.unload_adapter(step["slot"])
         elif kind == "capture":

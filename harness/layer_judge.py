@@ -52,7 +52,7 @@ def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, 
     at = w.w13.device
     lora_in = None
     if mapping is not None:
-        stacked = pack_moe_lora(state.adapters() if adapters is None else adapters, max_loras=c.max_loras,
+        stacked = pack_moe_lora(state.adapters(at) if adapters is None else adapters, max_loras=c.max_loras,
                                 max_rank=c.max_rank, num_experts=c.E, hidden_size=c.H, intermediate_size=c.I,
                                 dtype=c.lora_torch_dtype, gated=is_gated(c.activation), device=at)
         lora_in = LoRAInputs(stacked, mapping.to(at))
@@ -157,5 +157,5 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     truth, emu = expected(effective)
     v = judge(rows, truth, emu, precision_name, effective)
     if not v.ok:
-        return _failed("", VALUES, "", v, context(rows, effective, state.adapters()), truth, emu, c.torch_dtype)
+        return _failed("", VALUES, "", v, context(rows, effective, state.adapters(at)), truth, emu, c.torch_dtype)
     return StepVerdict(True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_lora_harness.harness.builders import ADAPTER_SCALING
+from moe_lora_harness.harness.builders import ADAPTER_SCALING, build_device
 from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.adapters import ExpertAdapter
@@ -86,36 +86,47 @@ class Scenario:
         return out
 
 
-def _gen(seed: int, salt: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + salt)
+def _gen(seed: int, salt: int, device="cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + salt)
 
 
 def base_weights(scenario: Scenario, device) -> LayerWeights:
-    """The layer's base weights (randn / sqrt(fan-in), biases 0.5 randn), from the scenario's seed."""
+    """The layer's base weights (randn / sqrt(fan-in), biases 0.5 randn), from the scenario's seed, drawn where a
+    run on `device` draws (builders.build_device: its GPU, else the CPU; a GPU draws other values than the CPU,
+    the same on every run there: at LARGE_LAYER the CPU's float64 draws were half of a GPU search's time)."""
     c = scenario.config
-    dt, g = c.torch_dtype, _gen(scenario.seed, 1)
+    at = build_device(device)
+    dt, g = c.torch_dtype, _gen(scenario.seed, 1, at)
     n1 = 2 * c.I if is_gated(c.activation) else c.I
-    w13 = (torch.randn(c.E, n1, c.H, generator=g, dtype=torch.float64) / math.sqrt(c.H)).to(dt)
-    w2 = (torch.randn(c.E, c.H, c.I, generator=g, dtype=torch.float64) / math.sqrt(c.I)).to(dt)
+    w13 = (torch.randn(c.E, n1, c.H, generator=g, dtype=torch.float64, device=at) / math.sqrt(c.H)).to(dt)
+    w2 = (torch.randn(c.E, c.H, c.I, generator=g, dtype=torch.float64, device=at) / math.sqrt(c.I)).to(dt)
     if c.quant != "none":   # snapped to the scheme's grid: a layer that quantizes what it is given loses nothing
         from moe_lora_harness.reference.quant import dequantize, quantize
         w13, w2 = (dequantize(*quantize(w, c.quant, dt), c.quant, dt) for w in (w13, w2))
-    b13 = (0.5 * torch.randn(c.E, n1, generator=g)).to(dt) if c.bias else None
-    b2 = (0.5 * torch.randn(c.E, c.H, generator=g)).to(dt) if c.bias else None
+    b13 = (0.5 * torch.randn(c.E, n1, generator=g, device=at)).to(dt) if c.bias else None
+    b2 = (0.5 * torch.randn(c.E, c.H, generator=g, device=at)).to(dt) if c.bias else None
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
     return LayerWeights(mv(w13), mv(w2), mv(b13), mv(b2))
 
 
-def adapter(config: LayerConfig, step: dict) -> ExpertAdapter:
+def adapter(config: LayerConfig, step: dict, device="cpu") -> ExpertAdapter:
     """The adapter a load step loads (float32 checkpoint factors): w13 rank `rank` and scaling `scaling` (default
-    ADAPTER_SCALING), w2 its own `w2_rank` / `w2_scaling` when given (PEFT's gate_up 2r, down r); zero_b: B = 0."""
+    ADAPTER_SCALING), w2 its own `w2_rank` / `w2_scaling` when given (PEFT's gate_up 2r, down r); zero_b: B = 0.
+    Drawn and left where a run on `device` draws (base_weights); a layer is handed it on the CPU (on_cpu)."""
+    at = build_device(device)
     a = ExpertAdapter.random(config.E, config.H, config.I, step["rank"], is_gated(config.activation),
-                             scaling=step.get("scaling", ADAPTER_SCALING), generator=_gen(step["seed"], 2),
-                             down_rank=step.get("w2_rank"), down_scaling=step.get("w2_scaling"))
+                             scaling=step.get("scaling", ADAPTER_SCALING), generator=_gen(step["seed"], 2, at),
+                             down_rank=step.get("w2_rank"), down_scaling=step.get("w2_scaling"), device=at)
     if step.get("zero_b"):
         a = dataclasses.replace(a, gate_b=torch.zeros_like(a.gate_b), down_b=torch.zeros_like(a.down_b),
                                 up_b=None if a.up_b is None else torch.zeros_like(a.up_b))
     return a
+
+
+def on_cpu(a: ExpertAdapter) -> ExpertAdapter:
+    """The adapter with its factors on the CPU, as a checkpoint is loaded (what a layer's load_adapter is given)."""
+    return dataclasses.replace(a, **{f.name: v.cpu() for f in dataclasses.fields(a)
+                                     for v in [getattr(a, f.name)] if isinstance(v, torch.Tensor)})
 
 
 def batch(config: LayerConfig, step: dict, device) -> LayerBatch:
@@ -160,6 +171,7 @@ class LayerState:
         self.config = config
         self.slots: list = [None] * config.max_loras
         self.captured: set = set()
+        self._drawn: dict = {}      # (slot, device) -> the slot's adapter, drawn once per load
 
     def apply(self, step: dict) -> None:
         kind = step["do"]
@@ -169,10 +181,18 @@ class LayerState:
             self.slots[step["slot"]] = None
         elif kind == "capture":
             self.captured.add(step["size"])
+        if kind in ("load", "unload"):
+            self._drawn = {k: v for k, v in self._drawn.items() if k[0] != step["slot"]}
 
-    def adapters(self) -> list:
-        """ExpertAdapter per slot (None: empty), as the reference packs them."""
-        return [None if s is None else adapter(self.config, s) for s in self.slots]
+    def adapters(self, device="cpu") -> list:
+        """ExpertAdapter per slot (None: empty), as the reference packs them, drawn where a run on `device` draws
+        (each loaded adapter once: the judge reads them at every judged step)."""
+        out = []
+        for i, s in enumerate(self.slots):
+            if s is not None and (i, str(device)) not in self._drawn:
+                self._drawn[i, str(device)] = adapter(self.config, s, device)
+            out.append(None if s is None else self._drawn[i, str(device)])
+        return out
 
     def effective_mapping(self, step: dict) -> torch.Tensor:
         """The slot each row of the step's output is judged with: -1 where the token has no adapter (mapped
