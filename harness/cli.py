@@ -202,10 +202,23 @@ def _check_in_turn(args, device: str, plan: list, deadline, progress) -> _Ran:
     return ran
 
 
+def _jobs_order(plan: list) -> list:
+    """The plan's indices as `check --jobs` hands them out without --budget: the layer scenarios (the longest runs)
+    first, and within each kind the backends taken in turn (each backend's first run, then each one's second, ...),
+    so that jobs starting together on a cold cache compile different backends' kernels, not the same ones side by
+    side (Triton has no lock across processes)."""
+    seen: dict = {}
+    turn = []
+    for name, *_ in plan:
+        turn.append(seen.get(name, 0))
+        seen[name] = turn[-1] + 1
+    return sorted(range(len(plan)), key=lambda i: (not hasattr(plan[i][3], "steps"), turn[i], i))
+
+
 def _check_in_jobs(args, device: str, plan: list, jobs: int, deadline, progress) -> _Ran:
-    """`check --jobs N`: the runs handed out to N job processes as they come free (harness.job_pool), the layer
-    scenarios (the longest runs) first unless --budget sets the order, its test made as each is handed out; the
-    outcomes put back in plan order."""
+    """`check --jobs N`: the runs handed out to N job processes as they come free (harness.job_pool), in
+    `_jobs_order` unless --budget sets the order, its test made as each is handed out; the outcomes put back in
+    plan order."""
     from moe_lora_harness.harness.job_pool import serve
     ran, row_s, cut = _Ran(), {}, []
 
@@ -221,8 +234,7 @@ def _check_in_jobs(args, device: str, plan: list, jobs: int, deadline, progress)
     # the options without the command's function: run as `python -m ...cli`, it is __main__'s, which a job lacks
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "fn"})
     try:
-        order = (None if deadline is not None else
-                 sorted(range(len(plan)), key=lambda i: not hasattr(plan[i][3], "steps")))
+        order = None if deadline is not None else _jobs_order(plan)
         served = serve("moe_lora_harness.harness.cli:check_job", (options, device), len(plan), jobs, task=task,
                        started=lambda i: progress.start(plan[i][0], plan[i][2]), finished=finished, order=order)
     except Exception:  # noqa: BLE001 - a bug of ours (the jobs are stopped): say so, and still write what was judged

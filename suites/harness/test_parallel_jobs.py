@@ -162,3 +162,13 @@ def test_auto_is_one_job_on_the_cpu_for_model_runs_and_in_process(monkeypatch):
     assert resolve_jobs("auto", "cuda") == AUTO_MAX_JOBS
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert resolve_jobs("auto", "cuda") == 1
+
+
+def test_jobs_take_the_layer_scenarios_first_and_the_backends_in_turn():
+    """check --jobs' order without --budget: every layer scenario before any case, and within each kind the backends
+    alternate (each one's first run, then each one's second), each backend's runs in plan order."""
+    class Scenario:
+        steps = ()
+    plan = [("a", None, "f1", "case"), ("a", None, "f2", "case"), ("L1", None, "s1", Scenario()),
+            ("L1", None, "s2", Scenario()), ("b", None, "f1", "case"), ("L2", None, "s1", Scenario())]
+    assert cli._jobs_order(plan) == [2, 5, 3, 0, 4, 1]
