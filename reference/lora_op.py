@@ -9,6 +9,7 @@ vLLM's signature.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -20,6 +21,7 @@ from moe_lora_harness.reference.accumulation import U32, dot_variance, own_varia
 from moe_lora_harness.reference.precision import Precision, precision as make_precision, rnd
 
 _CHUNK_ELEMS = 1 << 22  # gathered weight elements per chunk (float64: 32 MiB)
+GROUPED_BYTES = 1 << 28  # the padded float64 rows, weights and products one batched GEMM of _gathered_matvecs holds
 
 
 @dataclass
@@ -69,14 +71,19 @@ def _chunks(n: int, per_item: int):
         yield slice(start, min(n, start + step))
 
 
-def _gathered_matvecs(w: torch.Tensor, lora, expert, jobs: dict, prec: Precision | None = None) -> dict:
+def _gathered_matvecs(w: torch.Tensor, lora, expert, jobs: dict, prec: Precision | None = None, *,
+                      batched: bool | None = None) -> dict:
     """{name: (vec (P, inner) float64, how)} -> {name: out[p] = f(w[lora[p], expert[p]]) @ vec[p]} in float64, how
     None: w (the value; `prec` with an alternative GEMM model computes it by that model: operand rounding per element,
     a low-precision accumulation sequential over K in the gathered per-pair form; None or a path preset: exact),
     "abs": |w| (an error-scale magnitude), "square": w*w (a variance carried through).
 
-    One GEMM per distinct (lora, expert) weight and job, each weight converted once for every job, not once per pair
-    or per magnitude.
+    Each distinct (lora, expert) weight converted once for every job, not once per pair or per magnitude. On a GPU
+    (`batched` None: where the vectors lie) one batched GEMM per job and chunk of weights: the groups' rows padded to
+    the chunk's largest count (groups taken largest first, chunks of at most GROUPED_BYTES whose counts are above
+    half their largest). A loop over the groups launched about ten kernels per group and job there: 51 of
+    DeepSeek-V3's 61 judge seconds at 16384 tokens on the H200 (4 slots x 256 experts). On the CPU the loop moves
+    less memory than the padded copies and is as fast or faster; the two agree to float64 rounding (tested).
     """
     lead = w.shape[2]
     some = next(iter(jobs.values()))[0]
@@ -105,15 +112,39 @@ def _gathered_matvecs(w: torch.Tensor, lora, expert, jobs: dict, prec: Precision
     key = lora * w.shape[1] + e_idx
     order = torch.argsort(key, stable=True)
     groups, counts = torch.unique_consecutive(key[order], return_counts=True)
-    start = 0
-    for g, c in zip(groups.tolist(), counts.tolist()):
-        idx = order[start:start + c]
-        start += c
-        mat = w[g // w.shape[1], g % w.shape[1]].to(torch.float64)
+    if not (some.is_cuda if batched is None else batched):
+        start = 0
+        for g, c in zip(groups.tolist(), counts.tolist()):
+            idx = order[start:start + c]
+            start += c
+            mat = w[g // w.shape[1], g % w.shape[1]].to(torch.float64)
+            f = forms(mat)
+            for name, (vec, how) in jobs.items():
+                plain = how is not None or prec is None or prec.plain_gemm
+                out[name][idx] = vec[idx] @ f[how].T if plain else prec.mm(vec[idx], mat)
+        return out
+    starts = torch.cumsum(counts, 0) - counts
+    by_size = torch.argsort(counts, descending=True, stable=True)
+    sizes = counts[by_size].tolist()                       # the one host sync
+    per_row = w.shape[3] + w.shape[2] * len(jobs)          # padded float64 elements per row and per group
+    per_group = w.shape[2] * w.shape[3] * (1 + len(hows - {None}))
+    ar = torch.arange(sizes[0], device=key.device)
+    a = 0
+    while a < len(sizes):
+        most = sizes[a]
+        b = min(len(sizes), a + max(1, GROUPED_BYTES // (8 * (most * per_row + per_group))))
+        b = a + bisect.bisect_left([-n for n in sizes[a:b]], -(most // 2))   # no count in a chunk is half its
+        gi = by_size[a:b]                                                      # largest or less: padding < 2x
+        valid = ar[None, :most] < counts[gi][:, None]                      # (G, most)
+        rows = order[(starts[gi][:, None] + ar[None, :most]).clamp_max(order.numel() - 1)]
+        mat = w[groups[gi] // w.shape[1], groups[gi] % w.shape[1]].to(torch.float64)   # (G, lead, inner)
         f = forms(mat)
+        sel = rows[valid]
         for name, (vec, how) in jobs.items():
+            v = torch.where(valid[..., None], vec[rows], 0.0)
             plain = how is not None or prec is None or prec.plain_gemm
-            out[name][idx] = vec[idx] @ f[how].T if plain else prec.mm(vec[idx], mat)
+            out[name][sel] = (v @ f[how].transpose(1, 2) if plain else prec.mm(v, mat))[valid]
+        a = b
     return out
 
 

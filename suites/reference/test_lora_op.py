@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_lora_harness.op_contract.validate import default_tuning, validate_call
+from moe_lora_harness.reference import lora_op
 from moe_lora_harness.reference.align import active_lora_ids, align_alloc, moe_lora_align_block_size
 from moe_lora_harness.reference.lora_op import (
     PairLayout,
@@ -380,3 +381,29 @@ def test_fused_moe_lora_rejects_bad_tuning_and_preset():
     with pytest.raises(ValueError, match="precision name"):
         fused_moe_lora(*args, 16, 32, 32, 1, 4, 3, 1, 16, 32, 16, 1, 4, 3, 1, precision="fast")
     assert isinstance(precision("one_shot", torch.float16), Precision)
+
+
+@pytest.mark.parametrize("model", [None, "one_shot_tf32"])
+def test_the_batched_gathers_give_the_loops_values(model, monkeypatch):
+    """_gathered_matvecs' batched form (a GPU's: rows padded per chunk of (slot, expert) weights) against its loop
+    over the weights (the CPU's): the same values to float64 rounding for every job, on skewed group sizes, with
+    chunks forced small (several memory chunks and the halving rule at work), a shared A, and a GEMM model that
+    rounds its operands. A row written from another group's weight differs by O(1)."""
+    monkeypatch.setattr(lora_op, "GROUPED_BYTES", 1 << 15)
+    g = torch.Generator().manual_seed(5)
+    prec = None if model is None else precision(model, torch.float32)
+    for E in (6, 1):
+        w = torch.randn(3, E, 5, 40, generator=g)
+        P = 90
+        lora = torch.multinomial(torch.tensor([0.7, 0.2, 0.1]), P, replacement=True, generator=g)
+        expert = torch.multinomial(torch.linspace(1.0, 0.1, 6), P, replacement=True, generator=g)
+        vec = torch.randn(P, 40, generator=g, dtype=torch.float64)
+        jobs = {"v": (vec, None), "a": (vec.abs(), "abs"), "s": (vec * vec, "square")}
+        loop = lora_op._gathered_matvecs(w, lora, expert, jobs, prec, batched=False)
+        batch = lora_op._gathered_matvecs(w, lora, expert, jobs, prec, batched=True)
+        for name in jobs:
+            torch.testing.assert_close(batch[name], loop[name], rtol=1e-13, atol=1e-13)
+        e = lora_op._expert_index(w, expert)
+        direct = torch.stack([w[lora[p], e[p]].double() @ vec[p] for p in range(P)])
+        if prec is None:
+            torch.testing.assert_close(batch["v"], direct, rtol=1e-13, atol=1e-13)
