@@ -13,9 +13,14 @@ process with an empty Triton cache (TRITON_CACHE_DIR), so neither inherits the o
   layer       (--level layer) the layer search `fuzz --level layer` runs (supervised worker, every dtype the
               layer claims) against a correct layer for --budget seconds: scenarios per second, beside the last
               figure measured on the H200 and issue 32's target.
+  cli         (--cli-jobs N) `moe-lora-harness fuzz --jobs N` itself for --budget seconds, as a user runs it
+              (supervised workers, N campaigns, the shared Triton cache as it is): examples per second, beside the
+              figures issue 32 measured for vLLM 0.33.0's op under the same command (another backend: the same
+              harness around it).
 
   python bench/bench_fuzz.py --only triton --device cuda --budget 240 --mutants --seeds 3 --out DIR
   python bench/bench_fuzz.py --level layer --only layer_triton --device cuda --budget 60 --out DIR
+  python bench/bench_fuzz.py --cli-jobs 8 --only triton --device cuda --budget 60 --no-reach --no-throughput --out DIR
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -208,6 +214,34 @@ def _spawn(a, job: str, palette: str, seed: int, mutant: str = "", cache: str | 
 # layer_triton, 2026-12-02), and the rate the issue asks for
 LAYER_BEFORE = {"scenarios": 39, "seconds": 47.0}
 LAYER_TARGET_PER_S = 2.0
+# issue 32: `fuzz --jobs 8` over vLLM 0.33.0's op on one H200, before and after the round of work that cost 40 %
+CLI_BEFORE = ({"examples": 4257, "seconds": 60.0, "when": "before"}, {"examples": 2538, "seconds": 75.0, "when": "after"})
+
+
+def cli_throughput(a, device) -> dict:
+    """`moe-lora-harness fuzz --only B --level L --jobs N --budget S` in a subprocess: examples per second."""
+    cmd = [sys.executable, "-m", "moe_lora_harness", "fuzz", "--only", a.only, "--level", a.level, "--device",
+           device, "--jobs", str(a.cli_jobs), "--budget", f"{a.budget:g}s", "--seed", str(a.seed)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.budget + 600)
+    wall = time.perf_counter() - t0
+    m = re.search(r"(\d+) \S+-level examples in (\d+)s", p.stdout)
+    if m is None:
+        return {"job": "cli", "error": f"exit {p.returncode}: {(p.stdout + p.stderr)[-600:]}"}
+    n, s = int(m.group(1)), float(m.group(2))
+    return {"job": "cli", "jobs": a.cli_jobs, "examples": n, "seconds": s, "wall_s": round(wall, 1),
+            "examples_per_s": round(n / s, 1) if s else 0.0, "command": " ".join(cmd[1:])}
+
+
+def _cli_summary(rows: list, doc: dict) -> list[str]:
+    lines = []
+    for r in (x for x in rows if x.get("job") == "cli" and "error" not in x):
+        before = ", ".join(f"{b['when']} {b['examples'] / b['seconds']:.0f}/s ({b['examples']} in {b['seconds']:g} s)"
+                           for b in CLI_BEFORE)
+        lines += ["", f"`fuzz --jobs {r['jobs']}` over {doc['backend']} on {doc['device']}: {r['examples']} examples "
+                      f"in {r['seconds']:g} s, {r['examples_per_s']}/s (issue 32's figures for vLLM 0.33.0's op under "
+                      f"the same command: {before})"]
+    return lines
 
 
 def layer_throughput(spec, device, budget_s, seed):
@@ -252,6 +286,7 @@ def _summary(rows: list, doc: dict) -> list[str]:
                      f"{r['examples_per_min']} | {r['compiles']} | "
                      f"{r['compile_s']} | {r['median_call_that_compiled_s']} | {r['median_cached_call_s']} | "
                      f"{r['median_T']} |")
+    lines += _cli_summary(rows, doc)
     if "gain_examples_per_min" in doc:
         lines.append(f"\ngain (classes / free, cold cache): {doc['gain_examples_per_min']}x examples per minute")
     warm = {r["palette"]: r for r in rows if r.get("job") == "throughput" and r.get("cache") == "warm" and "error" not in r}
@@ -322,6 +357,8 @@ def main(argv=None):
     p.add_argument("--warm", type=float, default=0.0, metavar="S", help="instead of one campaign per palette: two "
                    "of S seconds in one Triton cache directory (cold, then warm: what a second campaign against "
                    "unchanged kernels costs)")
+    p.add_argument("--cli-jobs", type=int, default=0, metavar="N", help="also run `fuzz --jobs N` itself for "
+                   "--budget seconds and report its examples per second")
     p.add_argument("--out", required=True)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--job", default="throughput", help=argparse.SUPPRESS)
@@ -361,6 +398,9 @@ def main(argv=None):
         else:
             rows.append(_spawn(a, "throughput", pal, a.seed))
             write()
+    if a.cli_jobs:
+        rows.append(cli_throughput(a, device))
+        write()
     if a.mutants:
         from moe_lora_harness.harness.reach_mutants import DEFECTS
         jobs = [(pal, seed, f"reach-{m}") for m in DEFECTS for seed in range(a.seeds) for pal in palettes]

@@ -12,7 +12,7 @@
 #   check     the conformance matrix on CUDA (not in `all`: over 220 s; run it alone)
 #   fuzz      fuzz throughput, free shapes against compile classes, and time to detection of the planted
 #             shape-class bugs (bench/bench_fuzz.py; not in `all`: about 390 s); then the layer search's
-#             scenarios per second against layer_triton (60 s)
+#             scenarios per second against layer_triton (60 s) and `fuzz --jobs 8` itself over our op (60 s)
 #   layer     the layer's life across calls on CUDA: the layer suites (real CUDA graphs, every dtype), the named
 #             scenario rows of every layer, selftest's layer corpus, a 60 s layer fuzz of layer_triton, and
 #             bench/bench_layer.py (state handling and graph replay against a plain forward)
@@ -96,7 +96,11 @@ for t in "${targets[@]}"; do
       # the layer search's throughput against our correct layer (issue 32: at least 2 scenarios per second)
       timeout 120 python3 bench/bench_fuzz.py --level layer --only layer_triton --device cuda --budget 60 \
         --out "$OUT/fuzz_layer" > "$OUT/fuzz_layer.txt" 2>&1 || rc=1
-      tail -1 "$OUT/fuzz_layer.txt" ;;
+      tail -1 "$OUT/fuzz_layer.txt"
+      # `fuzz --jobs 8` itself over our op, beside issue 32's figures for vLLM's op under the same command
+      timeout 200 python3 bench/bench_fuzz.py --cli-jobs 8 --only triton --level op --device cuda --budget 60 \
+        --no-reach --no-throughput --out "$OUT/fuzz_cli" > "$OUT/fuzz_cli.txt" 2>&1 || rc=1
+      tail -1 "$OUT/fuzz_cli.txt" ;;
     layer)
       MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-20} timeout ${LAYER_TIMEOUT:-300} \
         python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-8} --moe-lora-device cuda \
