@@ -299,3 +299,20 @@ def test_the_gate_tier_deselects_the_full_tier_and_says_so():
     full = SimpleNamespace(getoption=lambda name: "full" if name == "moe_lora_tier" else None)
     pytest_plugin.pytest_collection_modifyitems(full, items)
     assert len(items) == 1
+
+
+def test_a_worker_profiles_its_requests_where_asked(tmp_path, monkeypatch):
+    """MOE_LORA_HARNESS_WORKER_PROFILE=DIR (bench/profile_paths.py): the worker writes a cProfile of its requests
+    into DIR, and the case's outcome is the same; unset, it writes none."""
+    from moe_lora_harness.harness.worker import PROFILE_VAR
+    control = SPECS["hostile-control"]
+    for asked in (True, False):
+        folder = tmp_path / str(asked)
+        folder.mkdir()
+        if asked:
+            monkeypatch.setenv(PROFILE_VAR, str(folder))
+        else:
+            monkeypatch.delenv(PROFILE_VAR, raising=False)
+        with Supervisor() as sup:
+            assert run_case(control, W13, "cpu", executor=sup, reruns=0).status == "pass"
+        assert bool(list(folder.glob("worker-*.prof"))) == asked
