@@ -3,7 +3,6 @@ bit for bit as out of the twin (neutrality), and every row is within the error m
 of the adapters loaded now and the mapping given."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ from moe_lora_harness.harness.compare import compare_written, format_worst, same
 from moe_lora_harness.harness.contract import BackendSpec
 from moe_lora_harness.harness.expectation import allowances
 from moe_lora_harness.harness.layer_diagnosis import StepContext, explain
-from moe_lora_harness.harness.layer_scenario import LayerState, Scenario, base_weights, batch
+from moe_lora_harness.harness.layer_scenario import LayerState, Scenario, base_weights, batch, on_cpu
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.adapters import pack_moe_lora
 from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
@@ -60,7 +59,7 @@ def _expected(scenario: Scenario, state: LayerState, w, b, precision_name: str, 
     kw = dict(activation=c.activation, w13_bias=w.w13_bias, w2_bias=w.w2_bias, lora=lora_in)
     truth = moe_experts_forward(*args, precision=make_precision("exact", None), **kw)
     emu = moe_experts_forward(*args, precision=make_precision(precision_name, c.torch_dtype), magnitudes=False, **kw)
-    return _on_cpu(truth), _on_cpu(emu)
+    return on_cpu(truth), on_cpu(emu)
 
 
 @functools.lru_cache(maxsize=1)
@@ -68,12 +67,6 @@ def _base_weights(config, seed: int, at: torch.device):
     """A scenario's base weights on `at`, drawn once per scenario (not per judged step: drawing and moving them took
     0.8 s of each step's 1.5 s at LARGE_LAYER on the H200); the last scenario's are kept."""
     return base_weights(Scenario(config, (), seed), at)
-
-
-def _on_cpu(expected):
-    """An expectation (reference.experts.ExpertExpected) with its tensors on the CPU."""
-    fields = {f.name: getattr(expected, f.name) for f in dataclasses.fields(expected)}
-    return dataclasses.replace(expected, **{k: v.cpu() for k, v in fields.items() if isinstance(v, torch.Tensor)})
 
 
 def _compare(rows, truth, emu, config, precision_name, real: int, slots=None):
@@ -123,8 +116,9 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     if real == 0:
         return StepVerdict(True)
     precision_name = spec.precision_for(layer_case(c, size), device)
-    at = build_device(device)               # the expectations' device: a CUDA run's GPU, else the CPU
-    w, b = _base_weights(c, scenario.seed, at), batch(c, step, at)     # what both expectations are computed from
+    w = _base_weights(c, scenario.seed, build_device(device))  # the expectations' device: a CUDA run's GPU, else
+    at = w.w13.device                                           # the CPU; spelt as _expected spells it (the
+    b = batch(c, step, at)                                      # state's adapters are drawn once per spelling)
     effective = state.effective_mapping(step)
 
     def expected(mapping, adapters=None, precision=None):

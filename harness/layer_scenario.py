@@ -123,10 +123,11 @@ def adapter(config: LayerConfig, step: dict, device="cpu") -> ExpertAdapter:
     return a
 
 
-def on_cpu(a: ExpertAdapter) -> ExpertAdapter:
-    """The adapter with its factors on the CPU, as a checkpoint is loaded (what a layer's load_adapter is given)."""
-    return dataclasses.replace(a, **{f.name: v.cpu() for f in dataclasses.fields(a)
-                                     for v in [getattr(a, f.name)] if isinstance(v, torch.Tensor)})
+def on_cpu(record):
+    """A dataclass record (an adapter, as a checkpoint is loaded and a layer's load_adapter is given it; an
+    expectation) with its tensor fields on the CPU."""
+    return dataclasses.replace(record, **{f.name: v.cpu() for f in dataclasses.fields(record)
+                                          for v in [getattr(record, f.name)] if isinstance(v, torch.Tensor)})
 
 
 def batch(config: LayerConfig, step: dict, device) -> LayerBatch:

@@ -102,6 +102,10 @@ def _gathered_matvecs(w: torch.Tensor, lora, expert, jobs: dict, prec: Precision
             f["square"] = mat * mat
         return f
 
+    def product(vec, how, f):   # vec @ f(mat)^T over the last two dims: a magnitude exact, the value per `prec`
+        plain = how is not None or prec is None or prec.plain_gemm
+        return vec @ f[how].transpose(-1, -2) if plain else prec.mm(vec, f[None])
+
     if prec is not None and prec.accumulate is not None:
         for sl in _chunks(some.shape[0], w.shape[2] * w.shape[3]):
             f = forms(w[lora[sl], e_idx[sl]].to(torch.float64))  # (c, lead, inner)
@@ -117,11 +121,9 @@ def _gathered_matvecs(w: torch.Tensor, lora, expert, jobs: dict, prec: Precision
         for g, c in zip(groups.tolist(), counts.tolist()):
             idx = order[start:start + c]
             start += c
-            mat = w[g // w.shape[1], g % w.shape[1]].to(torch.float64)
-            f = forms(mat)
+            f = forms(w[g // w.shape[1], g % w.shape[1]].to(torch.float64))
             for name, (vec, how) in jobs.items():
-                plain = how is not None or prec is None or prec.plain_gemm
-                out[name][idx] = vec[idx] @ f[how].T if plain else prec.mm(vec[idx], mat)
+                out[name][idx] = product(vec[idx], how, f)
         return out
     starts = torch.cumsum(counts, 0) - counts
     by_size = torch.argsort(counts, descending=True, stable=True)
@@ -137,13 +139,10 @@ def _gathered_matvecs(w: torch.Tensor, lora, expert, jobs: dict, prec: Precision
         gi = by_size[a:b]                                                      # largest or less: padding < 2x
         valid = ar[None, :most] < counts[gi][:, None]                      # (G, most)
         rows = order[(starts[gi][:, None] + ar[None, :most]).clamp_max(order.numel() - 1)]
-        mat = w[groups[gi] // w.shape[1], groups[gi] % w.shape[1]].to(torch.float64)   # (G, lead, inner)
-        f = forms(mat)
+        f = forms(w[groups[gi] // w.shape[1], groups[gi] % w.shape[1]].to(torch.float64))   # (G, lead, inner)
         sel = rows[valid]
         for name, (vec, how) in jobs.items():
-            v = torch.where(valid[..., None], vec[rows], 0.0)
-            plain = how is not None or prec is None or prec.plain_gemm
-            out[name][sel] = (v @ f[how].transpose(1, 2) if plain else prec.mm(v, mat))[valid]
+            out[name][sel] = product(torch.where(valid[..., None], vec[rows], 0.0), how, f)[valid]
         a = b
     return out
 
