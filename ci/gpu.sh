@@ -20,7 +20,10 @@
 #             property rows at prefill, and the production-size planted bugs (suites/kernels/test_production_mutants.py)
 #   fp8       FP8 experts (issue 22): the e4m3 MMA probe (bench/probe_fp8_mma.py), the FP8 suites on CUDA, the FP8
 #             check rows for every Triton experts backend, and bench/bench_fp8.py (FP8 vs bf16, with LoRA)
-#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz ...] [-- extra bench_lora_op args]
+#   thirdparty vLLM 0.33.0's own op (examples/vllm_wheel_op; VLLM_SOURCE names an unpacked vLLM wheel, kept out of
+#             the repository): every check row, `check --model` at served shapes, and `fuzz --jobs 8` over it and
+#             over our op, 60 s each (issue 32's throughput figures were taken on vLLM's op); not in `all`
+#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz|thirdparty ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 targets=()
@@ -29,8 +32,8 @@ while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
 [[ ${#targets[@]} -eq 0 ]] && targets=(all)
 [[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize layer)
 for t in "${targets[@]}"; do
-  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer|models|fp8) ;;
-    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer, models, fp8)"; exit 2 ;; esac
+  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer|models|fp8|thirdparty) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer, models, fp8, thirdparty)"; exit 2 ;; esac
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -101,6 +104,24 @@ for t in "${targets[@]}"; do
       timeout 200 python3 bench/bench_fuzz.py --cli-jobs 8 --only triton --level op --device cuda --budget 60 \
         --no-reach --no-throughput --out "$OUT/fuzz_cli" > "$OUT/fuzz_cli.txt" 2>&1 || rc=1
       tail -1 "$OUT/fuzz_cli.txt" ;;
+    thirdparty)
+      [[ -f ${VLLM_SOURCE:-}/vllm/lora/ops/triton_ops/fused_moe_lora_op.py ]] || {
+        echo "thirdparty: VLLM_SOURCE must name an unpacked vLLM wheel (unzip vllm-0.33.0-*.whl 'vllm/lora/*' -d DIR)"; rc=1; continue; }
+      V=examples/vllm_wheel_op/vllm_wheel_op.py:VLLM_OP
+      timeout 240 python3 -m moe_lora_harness check --device cuda --backend $V --only vllm_op \
+        --json "$OUT/check_vllm_op.json" --markdown "$OUT/check_vllm_op.md" > "$OUT/check_vllm_op.txt" 2>&1 || rc=1
+      tail -1 "$OUT/check_vllm_op.txt"
+      for m in ${THIRDPARTY_MODELS:-qwen3-235b-a22b deepseek-v3}; do
+        timeout 150 python3 -m moe_lora_harness check --device cuda --backend $V --only vllm_op --model "$m" \
+          --budget ${THIRDPARTY_MODEL_BUDGET:-100s} --json "$OUT/check_vllm_op_$m.json" > "$OUT/check_vllm_op_$m.txt" 2>&1 || rc=1
+        echo "$m: $(tail -1 "$OUT/check_vllm_op_$m.txt" | cut -c1-160)"
+      done
+      for b in "$V vllm_op" "- triton"; do
+        read -r ref name <<< "$b"; extra=(); [[ $ref != - ]] && extra=(--backend "$ref")
+        timeout 150 python3 -m moe_lora_harness fuzz --device cuda "${extra[@]}" --only "$name" --jobs 8 --budget 60s -q \
+          --no-db --out "$OUT/fuzz_$name" > "$OUT/fuzz_$name.txt" 2>&1 || rc=1
+        echo "fuzz --jobs 8 $name: $(grep -E "examples" "$OUT/fuzz_$name.txt" | tail -1 | cut -c1-200)"
+      done ;;
     layer)
       MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-20} timeout ${LAYER_TIMEOUT:-300} \
         python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-8} --moe-lora-device cuda \

@@ -1,0 +1,200 @@
+"""vLLM's own `fused_moe_lora` op, loaded from an unpacked vLLM wheel, as a `--backend` (no vLLM install needed).
+
+A user's wrapper, not part of the harness: vLLM's op module imports a dozen vLLM helpers (platform queries, env
+flags, a logger, tensor-parallel collectives, a custom-op registrar) and, through its package, every other LoRA
+op. This file loads only `vllm/lora/ops/triton_ops/fused_moe_lora_op.py` and its `utils.py`, unchanged, from the
+directory `VLLM_SOURCE` names (the folder holding `vllm/`, e.g. `unzip vllm-0.33.0-*.whl 'vllm/*' -d DIR`), and
+stands small stand-ins of ours in for the helpers: single-rank collectives (identity), the platform's SM count and
+shared memory from torch, vLLM's default env flags. Its kernels, launch heuristics and dispatch are vLLM's own.
+
+    VLLM_SOURCE=DIR moe-lora-harness check --backend examples/vllm_wheel_op/vllm_wheel_op.py:fused_moe_lora \
+        --only fused_moe_lora
+
+On a CPU set TRITON_INTERPRET=1 (fp16 and fp32 only: the interpreter cannot compute bf16). On a GPU, fp32 runs
+its dots in TF32 (Triton's default for fp32 `tl.dot`): the judge fails them unless the backend declares TF32
+(`BACKENDS` does).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import types
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_VAR = "VLLM_SOURCE"
+OP_PACKAGE = "vllm.lora.ops.triton_ops"
+
+
+def _source_dir() -> str:
+    root = os.environ.get(ENV_VAR, "")
+    pkg = os.path.join(root, *OP_PACKAGE.split("."))
+    if not root or not os.path.isfile(os.path.join(pkg, "fused_moe_lora_op.py")):
+        raise ImportError(f"{ENV_VAR}={root!r}: expected the folder holding an unpacked vLLM wheel's vllm/ "
+                          f"(with {OP_PACKAGE.replace('.', '/')}/fused_moe_lora_op.py)")
+    return pkg
+
+
+class _Logger(logging.LoggerAdapter):
+    def _once(self, level, msg, *a, **k):
+        self.log(level, msg)
+
+    def warning_once(self, msg, *a, **k):
+        self._once(logging.WARNING, msg)
+
+    def info_once(self, msg, *a, **k):
+        self._once(logging.INFO, msg)
+
+    def debug_once(self, msg, *a, **k):
+        self._once(logging.DEBUG, msg)
+
+
+class _Platform:
+    """vLLM's `current_platform`, answered from torch (a CPU default where the interpreter runs)."""
+
+    def is_cuda(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is None
+
+    def is_cuda_alike(self) -> bool:
+        return torch.cuda.is_available()
+
+    def is_rocm(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is not None
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def has_device_capability(self, capability: int, device_id: int = 0) -> bool:
+        if not torch.cuda.is_available():
+            return False
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return major * 10 + minor >= capability
+
+    def num_compute_units(self, device_id: int | None = 0) -> int:
+        if not torch.cuda.is_available():
+            return 132                                   # an H100/H200's SM count: the heuristics' CPU answer
+        return torch.cuda.get_device_properties(device_id or 0).multi_processor_count
+
+
+def _max_shared_memory_bytes(device_id: int | None = 0) -> int:
+    if not torch.cuda.is_available():
+        return 228 * 1024
+    props = torch.cuda.get_device_properties(device_id or 0)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+
+
+def _async_tensor_h2d(data, dtype, target_device=None, pin_memory=False, *, device=None):
+    return torch.tensor(data, dtype=dtype, device=device if device is not None else target_device)
+
+
+def _register_custom_op(*args, **kwargs):
+    """No registration: the op module then exports its Python functions (its own fallback)."""
+
+
+def _set_triton_allocator(device):
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
+
+
+def _single_rank(x, *args, **kwargs):
+    """vLLM's tensor-parallel collectives on one rank (the harness's fully-sharded op cases run one rank)."""
+    return x
+
+
+def _module(name: str, path: list[str] | None = None, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    if path is not None:
+        mod.__path__ = path
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+def _install_stand_ins(pkg_dir: str) -> None:
+    """vLLM's helper modules as stand-ins; the op package's folder is the real one (its __init__ not run)."""
+    if OP_PACKAGE in sys.modules:
+        return
+    envs = dict(VLLM_BATCH_INVARIANT=False, VLLM_TUNED_CONFIG_FOLDER=None, VLLM_LORA_DISABLE_PDL=False)
+    _module("vllm", [])
+    _module("vllm.envs", **envs)
+    sys.modules["vllm"].envs = sys.modules["vllm.envs"]
+    _module("vllm.logger", init_logger=lambda name: _Logger(logging.getLogger(name), {}))
+    _module("vllm.platforms", current_platform=_Platform(), vllm_version_matches_substr=lambda s: False)
+    _module("vllm.distributed", tensor_model_parallel_all_gather=_single_rank,
+            tensor_model_parallel_all_reduce=_single_rank)
+    _module("vllm.triton_utils", [], tl=tl, triton=triton, HAS_TRITON=True)
+    _module("vllm.triton_utils.allocation", set_triton_allocator=_set_triton_allocator)
+    _module("vllm.utils", [])
+    _module("vllm.utils.mem_utils", get_max_shared_memory_bytes=_max_shared_memory_bytes)
+    _module("vllm.utils.torch_utils", async_tensor_h2d=_async_tensor_h2d,
+            direct_register_custom_op=_register_custom_op)
+    _module("vllm.utils.math_utils", next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
+            cdiv=lambda a, b: -(a // -b))
+    _module("vllm.lora", [])
+    _module("vllm.lora.ops", [])
+    _module(OP_PACKAGE, [pkg_dir])
+
+
+@functools.cache
+def _op_module():
+    _install_stand_ins(_source_dir())
+    import importlib
+    return importlib.import_module(f"{OP_PACKAGE}.fused_moe_lora_op")
+
+
+def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
+                   expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
+                   num_active_loras, adapter_enabled, shrink_block_size_m, shrink_block_size_n,
+                   shrink_block_size_k, shrink_group_size_m, shrink_num_warps, shrink_num_stages, shrink_split_k,
+                   expand_block_size_m, expand_block_size_n, expand_block_size_k, expand_group_size_m,
+                   expand_num_warps, expand_num_stages, expand_split_k, mul_routed_weight=False,
+                   fully_sharded=False, offset=0, add_inputs=True):
+    """vLLM 0.33.0's `_fused_moe_lora` (the function its custom op registers), called as the harness calls an op."""
+    return _op_module()._fused_moe_lora(
+        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+        num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
+        adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
+        shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
+        expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
+        mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
+
+
+# --- the same op declared as a user who has read vLLM's source would (imports of the harness's public contract) --
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug  # noqa: E402
+from moe_lora_harness.harness.registry import vllm_dispatch_precision  # noqa: E402
+
+
+def _path(case) -> str:
+    return vllm_dispatch_precision(case)
+
+
+def _writes_anything(case) -> bool:
+    """Whether the contract writes any element of this case (a pair with an enabled adapter on a local expert)."""
+    from moe_lora_harness.harness.builders import build_op_inputs
+    from moe_lora_harness.harness.expectation import op_reference
+    return bool(op_reference(case, build_op_inputs(case), "exact").written.any())
+
+
+def _cuda_precision(case) -> str:
+    """On a GPU, fp32 `tl.dot` is TF32 with its operands' low bits dropped (Triton's default, no input_precision)."""
+    return f"{_path(case)}_tf32rz" if case.dtype == "float32" else _path(case)
+
+
+OFFSET_IGNORED = KnownBug(
+    issue="vLLM 0.33.0 fused_moe_lora_op.py: _run_fused_moe_lora_one_shot and _run_fused_moe_lora_small_batch "
+          "take no offset",
+    description="the one-shot and small-batch paths write slice s at columns [s*N, (s+1)*N) whatever `offset` "
+                "says (only the two-kernel path, the fully-sharded one, honours it)",
+    applies=lambda case: (case.offset != 0 and _path(case) in ("one_shot", "small_batch")
+                          and _writes_anything(case)))
+
+VLLM_OP = BackendSpec(
+    name="vllm_op",
+    description="vLLM 0.33.0's fused_moe_lora from its wheel (examples/vllm_wheel_op); fp32 on a GPU is TF32",
+    capabilities=Capabilities(levels=frozenset({"op"})),
+    op=fused_moe_lora,
+    precision={"cpu": vllm_dispatch_precision, "cuda": _cuda_precision},
+    known_bugs=(OFFSET_IGNORED,))
