@@ -117,6 +117,10 @@ def _install_stand_ins(pkg_dir: str) -> None:
     """vLLM's helper modules as stand-ins; the op package's folder is the real one (its __init__ not run)."""
     if OP_PACKAGE in sys.modules:
         return
+    try:     # vLLM's triton_utils imports it (the op's TMA path reads triton.tools.tensor_descriptor)
+        import triton.tools.tensor_descriptor  # noqa: F401
+    except ImportError:
+        pass
     envs = dict(VLLM_BATCH_INVARIANT=False, VLLM_TUNED_CONFIG_FOLDER=None, VLLM_LORA_DISABLE_PDL=False)
     _module("vllm", [])
     _module("vllm.envs", **envs)
@@ -175,7 +179,9 @@ def _writes_anything(case) -> bool:
     """Whether the contract writes any element of this case (a pair with an enabled adapter on a local expert)."""
     from moe_lora_harness.harness.builders import build_op_inputs
     from moe_lora_harness.harness.expectation import op_reference
-    return bool(op_reference(case, build_op_inputs(case), "exact").written.any())
+    # drawn where a run draws them (a CUDA run draws on its GPU, with other values than the CPU's generator)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return bool(op_reference(case, build_op_inputs(case, device), "exact").written.any())
 
 
 def _cuda_precision(case) -> str:
