@@ -130,7 +130,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                     underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
                     flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None,
                     slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
-                    round_var: torch.Tensor | None = None, row_groups: torch.Tensor | None = None) -> Verdict:
+                    round_var: torch.Tensor | None = None, row_groups=None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
@@ -140,7 +140,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     widen the per-element bound and the aggregate floor. `acc_var` (the truth's, None: the worst-case accumulation
     term) gives the floor's statistical accumulation term; with `round_var` too, the per-element bound is the smaller
     of the worst case and the statistical one. Rule 3 holds for each row (dim 0) too (`row_ratios`). `row_groups`
-    (one label per row: each token's LoRA slot) makes rule 4 hold for each group's rows too.
+    (labellings of the rows, name -> labels: each token's LoRA slot, its routed experts; a bare tensor: the slots)
+    makes rule 4 hold for each label's rows too.
     Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
@@ -240,7 +241,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
 def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
            acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
            underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-           row_groups: torch.Tensor | None = None):
+           row_groups=None):
     """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
     the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
     The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
@@ -257,11 +258,11 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
     a = (allowed * w).sum(dim=dims)
     live = w.sum(dim=dims) > 0
-    sets = [("every row", live)]
-    if row_groups is not None and row_groups.numel() == live.numel():
-        g = row_groups.to(live.device)
-        sets += [(f"the rows labelled {int(v)} (row_groups: each token's LoRA slot)", live & (g == v)) for v in torch.unique(g[live]).tolist()]
-        sets = [sets[0]] + [(n, m) for n, m in sets[1:] if int(m.sum()) > 1 and int(m.sum()) < int(live.sum())]
+    sets = [("every row", live)] + _row_sets(row_groups, live)
+    # a set of n rows cannot fail (the statistic is at most sqrt(n)): dropped before the union bound counts it (the
+    # sets follow the routing and the mapping, never the output judged)
+    z = excess_sigmas(len(sets))
+    sets = [sets[0]] + [(n, m) for n, m in sets[1:] if math.sqrt(int(m.sum())) > z]
     z = excess_sigmas(len(sets))
     found = []
     for name, m in sets:
@@ -270,6 +271,27 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
         stat = total / (z * spread) if total > 0 and spread > 0 else 0.0
         found.append((stat, int((dm > 0).sum()), int(m.sum()), total / max(float(a[m].sum()), 1e-300), name))
     return max(found, key=lambda f: f[0])     # the first (every row) among equals
+
+
+def _row_sets(row_groups, live: torch.Tensor) -> list:
+    """Rule 4's row sets beyond every row: for each labelling (name -> labels, (rows,) or (rows, m): a row is in the
+    set of each of its labels), the live rows of each label that are neither one row nor all of them. A bare tensor
+    is the tokens' LoRA slots."""
+    if row_groups is None or int(live.sum()) < 3:
+        return []
+    if isinstance(row_groups, torch.Tensor):
+        row_groups = {"LoRA slot": row_groups}
+    sets, n_live = [], int(live.sum())
+    for name, labels in row_groups.items():
+        if labels is None or labels.shape[0] != live.numel():
+            continue
+        g = labels.to(live.device)
+        g = g[:, None] if g.dim() == 1 else g.reshape(g.shape[0], -1)
+        for v in torch.unique(g[live]).tolist():
+            m = live & (g == v).any(dim=1)
+            if 1 < int(m.sum()) < n_live:
+                sets.append((f"the rows of {name} {int(v)}", m))
+    return sets
 
 
 def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,

@@ -36,13 +36,18 @@ def allowances(truth) -> dict:
     return {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
 
 
-def row_groups(inputs, truth) -> torch.Tensor | None:
-    """Each output row's LoRA slot (-1: none), the groups rule 4 also holds for (harness.compare.excess): a mistake
-    confined to one slot's tokens is measured against those rows' own allowance. None where rows are not tokens."""
+def row_groups(inputs, truth) -> dict | None:
+    """The labellings of the output rows rule 4 also holds for (harness.compare.excess): each token's LoRA slot (-1:
+    none) and its routed experts, so that a mistake confined to one slot's or one expert's tokens is measured against
+    those rows' own allowance. None where rows are not tokens."""
     m = getattr(inputs, "token_lora_mapping", None)
     if m is None or truth.value.dim() < 2 or m.numel() != truth.value.shape[0]:
         return None
-    return m.reshape(-1)
+    groups = {"LoRA slot": m.reshape(-1)}
+    ids = getattr(inputs, "topk_ids", None)
+    if ids is not None and ids.dim() == 2 and ids.shape[0] == m.numel():
+        groups["routed expert"] = ids
+    return groups
 
 
 def judging(case: Case, truth) -> tuple:

@@ -245,7 +245,32 @@ def test_the_excess_rule_holds_per_slot_group():
     noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=F64) * one[:, None]
     bad = (out.to(F64) + noise * (1.2 * own / float(torch.linalg.vector_norm(noise)))).to(out.dtype)
     v = _judge(case, bad, truth, emu, row_groups=slots)
-    assert not v.ok and "rows labelled" in v.message, v.summary()
+    assert not v.ok and "rows of LoRA slot" in v.message, v.summary()
     assert _judge(case, bad, truth, emu).ok
     assert _judge(case, out, truth, emu, row_groups=slots).ok
     assert compare.excess_sigmas(5) > compare.EXCESS_SIGMAS
+
+
+def test_the_excess_rule_holds_per_routed_expert():
+    """Noise on the rows of the tokens routed to one expert (a quarter of 600: 8 experts, top-2), of 0.8 times the
+    kernel's own error over the whole tensor (one expert's LoRA or weights slightly off): with the routing among the
+    row groups (expectation.row_groups) rule 4 fails it over that expert's rows; over every row alone, and over the
+    slots alone, it passes. The correct output passes with every group."""
+    from moe_lora_harness.harness.expectation import row_groups
+    case = Case.from_json(ROWS).replace(E=8, T=600)      # 150 rows per expert: enough for rule 4 to speak
+    inp, truth, emu = expert_expectations(case, "one_shot")
+    call = inp.call("cpu")
+    EAGER.experts(call)
+    out = call.output
+    groups = row_groups(inp, truth)
+    assert set(groups) == {"LoRA slot", "routed expert"}
+    e = int(inp.topk_ids[0, 0])
+    rows = (inp.topk_ids == e).any(dim=1)
+    own = float(torch.linalg.vector_norm(out.to(F64) - truth.value))
+    noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=F64) * rows[:, None]
+    bad = (out.to(F64) + noise * (0.8 * own / float(torch.linalg.vector_norm(noise)))).to(out.dtype)
+    v = _judge(case, bad, truth, emu, row_groups=groups)
+    assert not v.ok and f"rows of routed expert {e}" in v.message, v.summary()
+    assert _judge(case, bad, truth, emu).ok
+    assert _judge(case, bad, truth, emu, row_groups=groups["LoRA slot"]).ok
+    assert _judge(case, out, truth, emu, row_groups=groups).ok
