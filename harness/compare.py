@@ -258,40 +258,44 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
     a = (allowed * w).sum(dim=dims)
     live = w.sum(dim=dims) > 0
-    sets = [("every row", live)] + _row_sets(row_groups, live)
+    names, member = _row_sets(row_groups, live)      # member: (rows, sets) bool, "every row" first
+    sizes = member.sum(dim=0).tolist()
     # a set of n rows cannot fail (the statistic is at most sqrt(n)): dropped before the union bound counts it (the
     # sets follow the routing and the mapping, never the output judged)
-    z = excess_sigmas(len(sets))
-    sets = [sets[0]] + [(n, m) for n, m in sets[1:] if math.sqrt(int(m.sum())) > z]
-    z = excess_sigmas(len(sets))
+    z = excess_sigmas(len(sizes))
+    keep = [0] + [i for i in range(1, len(sizes)) if math.sqrt(sizes[i]) > z]
+    z = excess_sigmas(len(keep))
+    m = member[:, keep].to(torch.float64)
+    dm = d[:, None] * m
+    total, spread = dm.sum(dim=0), torch.linalg.vector_norm(dm, dim=0)
+    over, allow = ((dm > 0).to(torch.float64)).sum(dim=0), (a[:, None] * m).sum(dim=0)
     found = []
-    for name, m in sets:
-        dm = d[m]
-        total, spread = float(dm.sum()), float(torch.linalg.vector_norm(dm))
-        stat = total / (z * spread) if total > 0 and spread > 0 else 0.0
-        found.append((stat, int((dm > 0).sum()), int(m.sum()), total / max(float(a[m].sum()), 1e-300), name))
+    for j, (t, sp, o, al, i) in enumerate(zip(*(x.tolist() for x in (total, spread, over, allow)), keep)):
+        stat = t / (z * sp) if t > 0 and sp > 0 else 0.0
+        found.append((stat, int(o), int(sizes[i]), t / max(al, 1e-300), names[i]))
     return max(found, key=lambda f: f[0])     # the first (every row) among equals
 
 
-def _row_sets(row_groups, live: torch.Tensor) -> list:
-    """Rule 4's row sets beyond every row: for each labelling (name -> labels, (rows,) or (rows, m): a row is in the
-    set of each of its labels), the live rows of each label that are neither one row nor all of them. A bare tensor
-    is the tokens' LoRA slots."""
-    if row_groups is None or int(live.sum()) < 3:
-        return []
+def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, torch.Tensor]:
+    """Rule 4's row sets: (names, (rows, sets) membership), every live row first, then for each labelling (name ->
+    labels, (rows,) or (rows, m): a row is in the set of each of its labels) the live rows of each label that are
+    neither one row nor all of them. A bare tensor is the tokens' LoRA slots."""
+    names, cols = ["every row"], [live[:, None]]
     if isinstance(row_groups, torch.Tensor):
         row_groups = {"LoRA slot": row_groups}
-    sets, n_live = [], int(live.sum())
-    for name, labels in row_groups.items():
-        if labels is None or labels.shape[0] != live.numel():
+    n_live = int(live.sum())
+    for name, labels in (row_groups or {}).items():
+        if n_live < 3 or labels is None or labels.shape[0] != live.numel():
             continue
         g = labels.to(live.device)
         g = g[:, None] if g.dim() == 1 else g.reshape(g.shape[0], -1)
-        for v in torch.unique(g[live]).tolist():
-            m = live & (g == v).any(dim=1)
-            if 1 < int(m.sum()) < n_live:
-                sets.append((f"the rows of {name} {int(v)}", m))
-    return sets
+        values = torch.unique(g[live])
+        m = (g[:, :, None] == values[None, None, :]).any(dim=1) & live[:, None]      # (rows, labels)
+        n = m.sum(dim=0)
+        ok = ((n > 1) & (n < n_live)).tolist()
+        names += [f"the rows of {name} {int(v)}" for v, k in zip(values.tolist(), ok) if k]
+        cols.append(m[:, torch.tensor(ok, dtype=torch.bool, device=m.device)])
+    return names, torch.cat(cols, dim=1)
 
 
 def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
