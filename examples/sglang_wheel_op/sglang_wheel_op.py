@@ -1,0 +1,149 @@
+"""SGLang's own MoE-LoRA op (`sglang.kernels.ops.lora.moe.fused_moe_lora_kernel`), loaded from an unpacked SGLang
+wheel, as a `--backend` (no SGLang install needed).
+
+A user's wrapper, not part of the harness. SGLang's op (0.5.23: adapted from vLLM's two-kernel path) takes vLLM's
+arguments less three: no token_lora_mapping and no num_active_loras (the sorted layout already says which tokens
+each slot has, and its lora_ids lists slots for max_loras programs: `_sglang_lora_ids` converts vLLM's), no add_inputs (it always adds its delta into the output, `output += delta`, in PyTorch after the
+kernels). So it is declared for the sorted layout with add_inputs=True only, and judged at the two-kernel path's
+rounding points (the rank intermediate and the delta rounded to the dtype, then the add). Its module is loaded
+unchanged from `SGLANG_SOURCE` (the folder holding `sglang/`, e.g. `unzip sglang-*.whl
+'sglang/kernels/ops/lora/moe/fused_moe_lora_kernel.py' -d DIR`); small stand-ins of ours replace the two SGLang
+helpers it imports (single-rank collectives; the SM90 / Blackwell queries, from torch).
+
+    SGLANG_SOURCE=DIR moe-lora-harness check --backend examples/sglang_wheel_op/sglang_wheel_op.py:SGLANG_OP \
+        --only sglang_op
+
+On a CPU set TRITON_INTERPRET=1 (fp16 and fp32 only: the interpreter cannot compute bf16).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import types
+
+import torch
+
+from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug, Rule
+
+ENV_VAR = "SGLANG_SOURCE"
+OP_PACKAGE = "sglang.kernels.ops.lora.moe"
+
+
+def _source_dir() -> str:
+    root = os.environ.get(ENV_VAR, "")
+    pkg = os.path.join(root, *OP_PACKAGE.split("."))
+    if not root or not os.path.isfile(os.path.join(pkg, "fused_moe_lora_kernel.py")):
+        raise ImportError(f"{ENV_VAR}={root!r}: expected the folder holding an unpacked SGLang wheel's sglang/ (with "
+                          f"{OP_PACKAGE.replace('.', '/')}/fused_moe_lora_kernel.py)")
+    return pkg
+
+
+def _capability_at_least(major: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= major
+
+
+def _single_rank(x, *args, **kwargs):
+    """SGLang's tensor-parallel collectives on one rank (the harness's fully-sharded op cases run one rank)."""
+    return x
+
+
+def _register_custom_op(*args, **kwargs):
+    """No registration: the op module then exports its Python functions (its own fallback)."""
+
+
+def _module(name: str, path: list[str] | None = None, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    if path is not None:
+        mod.__path__ = path
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+@functools.cache
+def _op_module():
+    if OP_PACKAGE not in sys.modules:
+        for name in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.kernels", "sglang.kernels.ops",
+                     "sglang.kernels.ops.lora"):
+            _module(name, [])
+        _module("sglang.srt.distributed", tensor_model_parallel_all_gather=_single_rank,
+                tensor_model_parallel_all_reduce=_single_rank)
+        _module("sglang.srt.utils.common", is_sm90_supported=lambda: _capability_at_least(9),
+                is_blackwell_supported=lambda: _capability_at_least(10),
+                direct_register_custom_op=_register_custom_op)
+        _module(OP_PACKAGE, [_source_dir()])
+    return importlib.import_module(f"{OP_PACKAGE}.fused_moe_lora_kernel")
+
+
+def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
+                   expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
+                   num_active_loras, adapter_enabled, shrink_block_size_m, shrink_block_size_n,
+                   shrink_block_size_k, shrink_group_size_m, shrink_num_warps, shrink_num_stages, shrink_split_k,
+                   expand_block_size_m, expand_block_size_n, expand_block_size_k, expand_group_size_m,
+                   expand_num_warps, expand_num_stages, expand_split_k, mul_routed_weight=False,
+                   fully_sharded=False, offset=0, add_inputs=True):
+    """vLLM's fused_moe_lora call as SGLang's `_fused_moe_lora` takes it (token_lora_mapping, num_active_loras and
+    add_inputs have no SGLang argument: the declaration keeps the cases that need them away)."""
+    if sorted_token_ids is None or not add_inputs:
+        raise ValueError("sglang_op: SGLang's fused_moe_lora takes the sorted layout (sorted_token_ids) and always "
+                         "adds its delta (add_inputs=True)")
+    return _op_module()._fused_moe_lora(
+        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
+        num_tokens_post_padded, max_lora_rank, top_k_num, _sglang_lora_ids(lora_ids, num_active_loras,
+                                                                            lora_a_stacked[0].shape[0]),
+        adapter_enabled, shrink_block_size_m,
+        shrink_block_size_n, shrink_block_size_k, shrink_group_size_m, shrink_num_warps, shrink_num_stages,
+        shrink_split_k, expand_block_size_m, expand_block_size_n, expand_block_size_k, expand_group_size_m,
+        expand_num_warps, expand_num_stages, expand_split_k, mul_routed_weight=mul_routed_weight,
+        fully_sharded=fully_sharded, offset=offset)
+
+
+def _sglang_lora_ids(lora_ids, num_active_loras, max_loras: int):
+    """vLLM's slot list as SGLang's kernels read it. vLLM processes lora_ids[i] for i < num_active_loras (its L + 1
+    entries may begin with -1, for tokens without an adapter); SGLang launches max_loras programs, program i taking
+    lora_ids[i] and skipping -1 (its own caller passes arange(max_loras)). So the listed slots go first, -1 after:
+    the same slots processed, none cut off by the shorter grid."""
+    active = lora_ids[: int(num_active_loras)].long()
+    active = active[(active >= 0) & (active < max_loras)]
+    if active.numel() > max_loras:
+        raise ValueError(f"sglang_op: lora_ids lists {active.numel()} slots for {max_loras} programs (a slot twice)")
+    ids = torch.full((max_loras,), -1, dtype=lora_ids.dtype, device=lora_ids.device)
+    ids[: active.numel()] = active.to(lora_ids.dtype)
+    return ids
+
+
+def _untouched_negative_zero(case) -> bool:
+    """Whether the buffer holds -0.0 where the contract leaves it untouched but SGLang's closing add covers (the
+    slices' columns of every pair), drawn where a run draws the case."""
+    from moe_lora_harness.harness.builders import build_op_inputs
+    from moe_lora_harness.harness.expectation import op_reference
+    inputs = build_op_inputs(case, "cuda" if torch.cuda.is_available() else "cpu")
+    untouched = ~op_reference(case, inputs, "exact").written
+    buf = inputs.output
+    cols = torch.arange(buf.shape[-1], device=buf.device)
+    added = (cols >= case.offset) & (cols < case.offset + len(inputs.lora_b) * inputs.lora_b[0].shape[2])
+    return bool((untouched & added & (buf == 0) & torch.signbit(buf)).any())
+
+
+ZERO_SIGN = KnownBug(
+    issue="SGLang 0.5.23 fused_moe_lora_kernel.py: _fused_moe_lora_expand ends with output[...] += b_intermediate",
+    description="the delta is added to every pair in PyTorch, zero where no adapter applies: an untouched -0.0 "
+                "becomes +0.0 (values equal, bits not; the contract leaves those elements as they were)",
+    applies=_untouched_negative_zero)
+
+SGLANG_OP = BackendSpec(
+    name="sglang_op",
+    description="SGLang 0.5.23's fused_moe_lora from its wheel (examples/sglang_wheel_op): two kernels, then "
+                "output += delta; fp32 on a GPU is TF32",
+    capabilities=Capabilities(
+        levels=frozenset({"op"}), layouts=frozenset({"sorted"}),
+        reasons={("layout", "naive"): "SGLang's op takes sorted_token_ids always (no naive block assignment)"},
+        rules=(Rule("add_inputs", lambda case: case.add_inputs,
+                    "SGLang's op always adds its delta into the output (output += delta): add_inputs=False has "
+                    "no SGLang argument"),)),
+    op=fused_moe_lora,
+    precision={"cpu": "two_kernel", "cuda": lambda case: "two_kernel_tf32rz" if case.dtype == "float32"
+               else "two_kernel"},
+    known_bugs=(ZERO_SIGN,))
