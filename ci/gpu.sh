@@ -22,7 +22,8 @@
 #             check rows for every Triton experts backend, and bench/bench_fp8.py (FP8 vs bf16, with LoRA)
 #   thirdparty vLLM 0.33.0's own op (examples/vllm_wheel_op; VLLM_SOURCE names an unpacked vLLM wheel, kept out of
 #             the repository): every check row, `check --model` at served shapes, and `fuzz --jobs 8` over it and
-#             over our op, 60 s each (issue 32's throughput figures were taken on vLLM's op); not in `all`
+#             over our op, 60 s each (issue 32's throughput figures were taken on vLLM's op); SGLang's op too
+#             where SGLANG_SOURCE is set (examples/sglang_wheel_op); not in `all`
 #   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz|thirdparty ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,7 +122,17 @@ for t in "${targets[@]}"; do
         timeout 150 python3 -m moe_lora_harness fuzz --device cuda "${extra[@]}" --only "$name" --jobs 8 --budget 60s -q \
           --no-db --out "$OUT/fuzz_$name" > "$OUT/fuzz_$name.txt" 2>&1 || rc=1
         echo "fuzz --jobs 8 $name: $(grep -E "examples" "$OUT/fuzz_$name.txt" | tail -1 | cut -c1-200)"
-      done ;;
+      done
+      # SGLang's op too where SGLANG_SOURCE names an unpacked SGLang wheel (examples/sglang_wheel_op)
+      if [[ -f ${SGLANG_SOURCE:-}/sglang/kernels/ops/lora/moe/fused_moe_lora_kernel.py ]]; then
+        S=examples/sglang_wheel_op/sglang_wheel_op.py:SGLANG_OP
+        timeout 240 python3 -m moe_lora_harness check --device cuda --backend $S --only sglang_op \
+          --json "$OUT/check_sglang_op.json" > "$OUT/check_sglang_op.txt" 2>&1 || rc=1
+        tail -1 "$OUT/check_sglang_op.txt"
+        timeout 150 python3 -m moe_lora_harness fuzz --device cuda --backend $S --only sglang_op --jobs 8 --budget 60s -q \
+          --no-db --out "$OUT/fuzz_sglang_op" > "$OUT/fuzz_sglang_op.txt" 2>&1 || rc=1
+        tail -1 "$OUT/fuzz_sglang_op.txt"
+      fi ;;
     layer)
       MOE_LORA_HARNESS_MAX_EXAMPLES=${MOE_LORA_HARNESS_MAX_EXAMPLES:-20} timeout ${LAYER_TIMEOUT:-300} \
         python3 -m pytest -q -p no:benchmark -p no:cacheprovider -n ${WORKERS:-8} --moe-lora-device cuda \
