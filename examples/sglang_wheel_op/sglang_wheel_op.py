@@ -18,63 +18,29 @@ On a CPU set TRITON_INTERPRET=1 (fp16 and fp32 only: the interpreter cannot comp
 from __future__ import annotations
 
 import functools
-import importlib
-import os
-import sys
-import types
 
 import torch
 
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug, Rule
+from moe_lora_harness.harness.source_ops import load_op_module, no_registration, single_rank
 
 ENV_VAR = "SGLANG_SOURCE"
 OP_PACKAGE = "sglang.kernels.ops.lora.moe"
-
-
-def _source_dir() -> str:
-    root = os.environ.get(ENV_VAR, "")
-    pkg = os.path.join(root, *OP_PACKAGE.split("."))
-    if not root or not os.path.isfile(os.path.join(pkg, "fused_moe_lora_kernel.py")):
-        raise ImportError(f"{ENV_VAR}={root!r}: expected the folder holding an unpacked SGLang wheel's sglang/ (with "
-                          f"{OP_PACKAGE.replace('.', '/')}/fused_moe_lora_kernel.py)")
-    return pkg
 
 
 def _capability_at_least(major: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= major
 
 
-def _single_rank(x, *args, **kwargs):
-    """SGLang's tensor-parallel collectives on one rank (the harness's fully-sharded op cases run one rank)."""
-    return x
-
-
-def _register_custom_op(*args, **kwargs):
-    """No registration: the op module then exports its Python functions (its own fallback)."""
-
-
-def _module(name: str, path: list[str] | None = None, **attrs) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    if path is not None:
-        mod.__path__ = path
-    mod.__dict__.update(attrs)
-    sys.modules[name] = mod
-    return mod
-
-
 @functools.cache
 def _op_module():
-    if OP_PACKAGE not in sys.modules:
-        for name in ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.kernels", "sglang.kernels.ops",
-                     "sglang.kernels.ops.lora"):
-            _module(name, [])
-        _module("sglang.srt.distributed", tensor_model_parallel_all_gather=_single_rank,
-                tensor_model_parallel_all_reduce=_single_rank)
-        _module("sglang.srt.utils.common", is_sm90_supported=lambda: _capability_at_least(9),
-                is_blackwell_supported=lambda: _capability_at_least(10),
-                direct_register_custom_op=_register_custom_op)
-        _module(OP_PACKAGE, [_source_dir()])
-    return importlib.import_module(f"{OP_PACKAGE}.fused_moe_lora_kernel")
+    """SGLang's op module from its source, with the two SGLang helper modules it imports as stand-ins."""
+    return load_op_module(ENV_VAR, OP_PACKAGE, "fused_moe_lora_kernel", {
+        "sglang.srt.distributed": {"tensor_model_parallel_all_gather": single_rank,
+                                   "tensor_model_parallel_all_reduce": single_rank},
+        "sglang.srt.utils.common": {"is_sm90_supported": lambda: _capability_at_least(9),
+                                    "is_blackwell_supported": lambda: _capability_at_least(10),
+                                    "direct_register_custom_op": no_registration}})
 
 
 def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,

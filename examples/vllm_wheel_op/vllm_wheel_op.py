@@ -18,25 +18,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import sys
-import types
 
 import torch
 import triton
 import triton.language as tl
 
+from moe_lora_harness.harness.source_ops import load_op_module, no_registration, single_rank
+
 ENV_VAR = "VLLM_SOURCE"
 OP_PACKAGE = "vllm.lora.ops.triton_ops"
-
-
-def _source_dir() -> str:
-    root = os.environ.get(ENV_VAR, "")
-    pkg = os.path.join(root, *OP_PACKAGE.split("."))
-    if not root or not os.path.isfile(os.path.join(pkg, "fused_moe_lora_op.py")):
-        raise ImportError(f"{ENV_VAR}={root!r}: expected the folder holding an unpacked vLLM wheel's vllm/ "
-                          f"(with {OP_PACKAGE.replace('.', '/')}/fused_moe_lora_op.py)")
-    return pkg
 
 
 class _Logger(logging.LoggerAdapter):
@@ -91,62 +81,36 @@ def _async_tensor_h2d(data, dtype, target_device=None, pin_memory=False, *, devi
     return torch.tensor(data, dtype=dtype, device=device if device is not None else target_device)
 
 
-def _register_custom_op(*args, **kwargs):
-    """No registration: the op module then exports its Python functions (its own fallback)."""
-
-
 def _set_triton_allocator(device):
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
 
 
-def _single_rank(x, *args, **kwargs):
-    """vLLM's tensor-parallel collectives on one rank (the harness's fully-sharded op cases run one rank)."""
-    return x
-
-
-def _module(name: str, path: list[str] | None = None, **attrs) -> types.ModuleType:
-    mod = types.ModuleType(name)
-    if path is not None:
-        mod.__path__ = path
-    mod.__dict__.update(attrs)
-    sys.modules[name] = mod
-    return mod
-
-
-def _install_stand_ins(pkg_dir: str) -> None:
-    """vLLM's helper modules as stand-ins; the op package's folder is the real one (its __init__ not run)."""
-    if OP_PACKAGE in sys.modules:
-        return
-    try:     # vLLM's triton_utils imports it (the op's TMA path reads triton.tools.tensor_descriptor)
-        import triton.tools.tensor_descriptor  # noqa: F401
-    except ImportError:
-        pass
+def _stand_ins() -> dict:
+    """vLLM's helper modules the op module and its utils import, as small stand-ins."""
     envs = dict(VLLM_BATCH_INVARIANT=False, VLLM_TUNED_CONFIG_FOLDER=None, VLLM_LORA_DISABLE_PDL=False)
-    _module("vllm", [])
-    _module("vllm.envs", **envs)
-    sys.modules["vllm"].envs = sys.modules["vllm.envs"]
-    _module("vllm.logger", init_logger=lambda name: _Logger(logging.getLogger(name), {}))
-    _module("vllm.platforms", current_platform=_Platform(), vllm_version_matches_substr=lambda s: False)
-    _module("vllm.distributed", tensor_model_parallel_all_gather=_single_rank,
-            tensor_model_parallel_all_reduce=_single_rank)
-    _module("vllm.triton_utils", [], tl=tl, triton=triton, HAS_TRITON=True)
-    _module("vllm.triton_utils.allocation", set_triton_allocator=_set_triton_allocator)
-    _module("vllm.utils", [])
-    _module("vllm.utils.mem_utils", get_max_shared_memory_bytes=_max_shared_memory_bytes)
-    _module("vllm.utils.torch_utils", async_tensor_h2d=_async_tensor_h2d,
-            direct_register_custom_op=_register_custom_op)
-    _module("vllm.utils.math_utils", next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
-            cdiv=lambda a, b: -(a // -b))
-    _module("vllm.lora", [])
-    _module("vllm.lora.ops", [])
-    _module(OP_PACKAGE, [pkg_dir])
+    return {
+        "vllm.envs": envs,
+        "vllm.logger": {"init_logger": lambda name: _Logger(logging.getLogger(name), {})},
+        "vllm.platforms": {"current_platform": _Platform(), "vllm_version_matches_substr": lambda s: False},
+        "vllm.distributed": {"tensor_model_parallel_all_gather": single_rank,
+                             "tensor_model_parallel_all_reduce": single_rank},
+        "vllm.triton_utils": {"tl": tl, "triton": triton, "HAS_TRITON": True},
+        "vllm.triton_utils.allocation": {"set_triton_allocator": _set_triton_allocator},
+        "vllm.utils.mem_utils": {"get_max_shared_memory_bytes": _max_shared_memory_bytes},
+        "vllm.utils.torch_utils": {"async_tensor_h2d": _async_tensor_h2d,
+                                   "direct_register_custom_op": no_registration},
+        "vllm.utils.math_utils": {"next_power_of_2": lambda n: 1 << max(int(n) - 1, 0).bit_length(),
+                                  "cdiv": lambda a, b: -(a // -b)},
+    }
 
 
 @functools.cache
 def _op_module():
-    _install_stand_ins(_source_dir())
-    import importlib
-    return importlib.import_module(f"{OP_PACKAGE}.fused_moe_lora_op")
+    try:     # vLLM's triton_utils imports it (the op's TMA path reads triton.tools.tensor_descriptor)
+        import triton.tools.tensor_descriptor  # noqa: F401
+    except ImportError:
+        pass
+    return load_op_module(ENV_VAR, OP_PACKAGE, "fused_moe_lora_op", _stand_ins())
 
 
 def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,

@@ -1,0 +1,62 @@
+"""Loading another engine's op module from its unpacked source (a wheel's files), without installing the engine:
+its package folder is mounted as it is (its `__init__` not run) and the engine's helper modules the op imports are
+replaced by stand-ins the wrapper names. What examples/vllm_wheel_op and examples/sglang_wheel_op are built on.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+
+def source_package(env_var: str, package: str, module: str) -> str:
+    """The folder of `package` under the root `env_var` names, holding `module`.py; ImportError naming the variable
+    and the file expected where it does not."""
+    root = os.environ.get(env_var, "")
+    folder = os.path.join(root, *package.split("."))
+    if not root or not os.path.isfile(os.path.join(folder, f"{module}.py")):
+        raise ImportError(f"{env_var}={root!r}: expected the folder holding the unpacked source of "
+                          f"{package.split('.')[0]}/ (with {package.replace('.', '/')}/{module}.py)")
+    return folder
+
+
+def single_rank(x, *args, **kwargs):
+    """A tensor-parallel collective on one rank (all-gather and all-reduce alike): the tensor itself."""
+    return x
+
+
+def no_registration(*args, **kwargs):
+    """A custom-op registrar that registers nothing: an op module then exports its Python functions."""
+
+
+def load_op_module(env_var: str, package: str, module: str, stand_ins: dict) -> types.ModuleType:
+    """Import `package.module` from the source under `env_var`, after installing `stand_ins` (module name ->
+    attributes) and an empty package for every parent of `package` not among them. Installed once per process."""
+    name = f"{package}.{module}"
+    if name in sys.modules:
+        return sys.modules[name]
+    folder = source_package(env_var, package, module)
+    for full in (*stand_ins, package):         # every parent first, as an empty package unless a stand-in
+        parts = full.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent not in sys.modules:
+                _module(parent, path=[], **stand_ins.get(parent, {}))
+    for mod_name, attrs in stand_ins.items():
+        if mod_name not in sys.modules:
+            _module(mod_name, path=[], **attrs)
+    _module(package, path=[folder])
+    return importlib.import_module(name)
+
+
+def _module(name: str, path: list | None = None, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    if path is not None:
+        mod.__path__ = path
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    parent, _, child = name.rpartition(".")
+    if parent in sys.modules:
+        setattr(sys.modules[parent], child, mod)
+    return mod
