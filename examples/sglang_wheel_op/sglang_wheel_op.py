@@ -23,6 +23,7 @@ import torch
 
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug, Rule
 from moe_lora_harness.harness.source_ops import load_op_module, no_registration, single_rank
+from moe_lora_harness.op_contract.validate import SIGNATURE
 
 ENV_VAR = "SGLANG_SOURCE"
 OP_PACKAGE = "sglang.kernels.ops.lora.moe"
@@ -43,27 +44,21 @@ def _op_module():
                                     "direct_register_custom_op": no_registration}})
 
 
-def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
-                   expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
-                   num_active_loras, adapter_enabled, shrink_block_size_m, shrink_block_size_n,
-                   shrink_block_size_k, shrink_group_size_m, shrink_num_warps, shrink_num_stages, shrink_split_k,
-                   expand_block_size_m, expand_block_size_n, expand_block_size_k, expand_group_size_m,
-                   expand_num_warps, expand_num_stages, expand_split_k, mul_routed_weight=False,
-                   fully_sharded=False, offset=0, add_inputs=True):
+def fused_moe_lora(*args, **kwargs):
     """vLLM's fused_moe_lora call as SGLang's `_fused_moe_lora` takes it (token_lora_mapping, num_active_loras and
     add_inputs have no SGLang argument: the declaration keeps the cases that need them away)."""
-    if sorted_token_ids is None or not add_inputs:
+    a = SIGNATURE.bind(*args, **kwargs)
+    a.apply_defaults()
+    kw = dict(a.arguments)
+    if kw["sorted_token_ids"] is None or not kw.pop("add_inputs"):
         raise ValueError("sglang_op: SGLang's fused_moe_lora takes the sorted layout (sorted_token_ids) and always "
                          "adds its delta (add_inputs=True)")
-    return _op_module()._fused_moe_lora(
-        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
-        num_tokens_post_padded, max_lora_rank, top_k_num, _sglang_lora_ids(lora_ids, num_active_loras,
-                                                                            lora_a_stacked[0].shape[0]),
-        adapter_enabled, shrink_block_size_m,
-        shrink_block_size_n, shrink_block_size_k, shrink_group_size_m, shrink_num_warps, shrink_num_stages,
-        shrink_split_k, expand_block_size_m, expand_block_size_n, expand_block_size_k, expand_group_size_m,
-        expand_num_warps, expand_num_stages, expand_split_k, mul_routed_weight=mul_routed_weight,
-        fully_sharded=fully_sharded, offset=offset)
+    kw["lora_ids"] = _sglang_lora_ids(kw["lora_ids"], kw.pop("num_active_loras"), kw["lora_a_stacked"][0].shape[0])
+    del kw["token_lora_mapping"]
+    return _op_module()._fused_moe_lora(**kw)
+
+
+fused_moe_lora.__signature__ = SIGNATURE      # vLLM's parameters, which the registry reads
 
 
 def _sglang_lora_ids(lora_ids, num_active_loras, max_loras: int):

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moe_lora_harness.harness.source_ops import load_op_module, no_registration, single_rank
+from moe_lora_harness.op_contract.validate import SIGNATURE
 
 ENV_VAR = "VLLM_SOURCE"
 OP_PACKAGE = "vllm.lora.ops.triton_ops"
@@ -113,21 +114,12 @@ def _op_module():
     return load_op_module(ENV_VAR, OP_PACKAGE, "fused_moe_lora_op", _stand_ins())
 
 
-def fused_moe_lora(output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids,
-                   expert_ids, num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids,
-                   num_active_loras, adapter_enabled, shrink_block_size_m, shrink_block_size_n,
-                   shrink_block_size_k, shrink_group_size_m, shrink_num_warps, shrink_num_stages, shrink_split_k,
-                   expand_block_size_m, expand_block_size_n, expand_block_size_k, expand_group_size_m,
-                   expand_num_warps, expand_num_stages, expand_split_k, mul_routed_weight=False,
-                   fully_sharded=False, offset=0, add_inputs=True):
+def fused_moe_lora(*args, **kwargs):
     """vLLM 0.33.0's `_fused_moe_lora` (the function its custom op registers), called as the harness calls an op."""
-    return _op_module()._fused_moe_lora(
-        output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids,
-        num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras,
-        adapter_enabled, shrink_block_size_m, shrink_block_size_n, shrink_block_size_k, shrink_group_size_m,
-        shrink_num_warps, shrink_num_stages, shrink_split_k, expand_block_size_m, expand_block_size_n,
-        expand_block_size_k, expand_group_size_m, expand_num_warps, expand_num_stages, expand_split_k,
-        mul_routed_weight=mul_routed_weight, fully_sharded=fully_sharded, offset=offset, add_inputs=add_inputs)
+    return _op_module()._fused_moe_lora(*args, **kwargs)
+
+
+fused_moe_lora.__signature__ = SIGNATURE      # vLLM's parameters, which the registry reads (and vLLM's function has)
 
 
 # --- the same op declared as a user who has read vLLM's source would (imports of the harness's public contract) --
