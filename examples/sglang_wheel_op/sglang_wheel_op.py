@@ -47,6 +47,7 @@ def _op_module():
 def fused_moe_lora(*args, **kwargs):
     """vLLM's fused_moe_lora call as SGLang's `_fused_moe_lora` takes it (token_lora_mapping, num_active_loras and
     add_inputs have no SGLang argument: the declaration keeps the cases that need them away)."""
+    op = _op_module()._fused_moe_lora
     a = SIGNATURE.bind(*args, **kwargs)
     a.apply_defaults()
     kw = dict(a.arguments)
@@ -55,7 +56,7 @@ def fused_moe_lora(*args, **kwargs):
                          "adds its delta (add_inputs=True)")
     kw["lora_ids"] = _sglang_lora_ids(kw["lora_ids"], kw.pop("num_active_loras"), kw["lora_a_stacked"][0].shape[0])
     del kw["token_lora_mapping"]
-    return _op_module()._fused_moe_lora(**kw)
+    return op(**kw)
 
 
 fused_moe_lora.__signature__ = SIGNATURE      # vLLM's parameters, which the registry reads
