@@ -400,20 +400,10 @@ def _model_plan(args, specs, device, features):
     """check --model NAME / --model-config PATH: every feature at that layer's shape (harness.model_plan), or None
     without them; a bad option is a usage error naming it."""
     if not (args.model or args.model_config):
-        for opt, v in (("--tp", args.tp), ("--ep", args.ep), ("--tokens", args.tokens), ("--adapter", args.adapter)):
-            if v:
-                raise UsageError(f"{opt} needs --model or --model-config (a served layer's shape)")
+        _no_served_layer(("--tp", args.tp), ("--ep", args.ep), ("--tokens", args.tokens), ("--adapter", args.adapter))
         return None
-    if args.model and args.model_config:
-        raise UsageError("give one of --model (a catalogue name) and --model-config (a config.json), not both")
     from moe_lora_harness.harness.model_plan import DEFAULT_TOKENS, plan_model
-    from moe_lora_harness.harness.models import ConfigError, layer_from_config, model_named
-    try:
-        layer = model_named(args.model) if args.model else layer_from_config(args.model_config)
-    except ConfigError as e:
-        raise UsageError(f"--model-config: {e}") from None
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    layer = _served_layer(args)
     if args.more or args.cases_per_feature:
         raise UsageError("--more / --cases-per-feature do not apply with --model: each feature runs at every --tokens "
                          "count in every dtype of the device's profile")
@@ -435,6 +425,27 @@ def _model_plan(args, specs, device, features):
         return plan_model(layer, specs, device, features, tp=args.tp or 1, ep=args.ep or 1,
                           tokens=args.tokens or DEFAULT_TOKENS, adapters=adapters)
     except ValueError as e:   # a TP / EP degree the layer does not divide by
+        raise UsageError(str(e)) from None
+
+
+def _no_served_layer(*given) -> None:
+    """Without --model / --model-config: a usage error for the first of `given` (option, value) that was set."""
+    for opt, v in given:
+        if v:
+            raise UsageError(f"{opt} needs --model or --model-config (a served layer's shape)")
+
+
+def _served_layer(args):
+    """The layer --model names or --model-config describes; a usage error naming the option where it cannot be
+    read (both given is one too)."""
+    if args.model and args.model_config:
+        raise UsageError("give one of --model (a catalogue name) and --model-config (a config.json), not both")
+    from moe_lora_harness.harness.models import ConfigError, layer_from_config, model_named
+    try:
+        return model_named(args.model) if args.model else layer_from_config(args.model_config)
+    except ConfigError as e:
+        raise UsageError(f"--model-config: {e}") from None
+    except ValueError as e:
         raise UsageError(str(e)) from None
 
 
@@ -652,11 +663,27 @@ def cmd_fuzz(args) -> int:
     if level == "layer":
         return fuzz_layer(args, spec, device)
     sizes = draw_sizes(device, level)
-    # the search spends itself on what it claims (shapes from compile classes on a GPU unless --palette free)
-    classes = wants_compile_classes(args.palette, device)
+    served = args.model or args.model_config
+    if not served:
+        _no_served_layer(("--tp", args.tp), ("--ep", args.ep), ("--tokens", args.tokens))
+    # the search spends itself on what it claims (shapes from compile classes on a GPU unless --palette free; a
+    # served layer's own shape with --model)
+    classes = wants_compile_classes(args.palette, device) and not served
     strategy = claimed_cases(spec, device, level, compile_classes=classes, **sizes)
     shapes = "free shapes"
-    if classes:
+    if served:
+        from moe_lora_harness.harness.model_fuzz import FUZZ_TOKENS, served_cases
+        from moe_lora_harness.harness.model_plan import shape_text
+        layer = _served_layer(args)
+        tokens = args.tokens or FUZZ_TOKENS
+        try:
+            strategy = served_cases(strategy, layer, spec, device, tp=args.tp or 1, ep=args.ep or 1,
+                                    tokens=tokens, share=args.job_count or args.jobs)
+            shapes = (f"{layer.name}'s layer, {shape_text(layer, args.tp or 1, args.ep or 1)}, tokens "
+                      f"{', '.join(map(str, tokens))}")
+        except ValueError as e:          # a TP / EP degree the layer does not divide by
+            raise UsageError(str(e)) from None
+    elif classes:
         pal = palette_of(spec, device, level, **sizes)
         shapes = f"{len(pal.classes)} compile classes ({len(pal.unmet)} value pairs it cannot claim)"
     if not args.quiet and args.job_index is None:
@@ -993,6 +1020,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(own seeds; shared corpus, example database and Triton cache), merged into one report; "
                         "on a GPU host, up to the CPU cores")
     f.add_argument("--job-index", type=int, default=None, help=argparse.SUPPRESS)
+    f.add_argument("--job-count", type=int, default=None, help=argparse.SUPPRESS)
+    f.add_argument("--model", metavar="NAME", default=None,
+                   help="search at this served layer's shape (`moe-lora-harness models`): H, I, E, top_k and the "
+                        "activation fixed, the token count from --tokens, the rest drawn")
+    f.add_argument("--model-config", metavar="PATH", default=None,
+                   help="the same for the MoE layer of a config.json (a file, or a folder holding one)")
+    f.add_argument("--tp", type=_positive(int), default=None, metavar="N", help="with --model: one TP rank's slice")
+    f.add_argument("--ep", type=_positive(int), default=None, metavar="N", help="with --model: EP over N ranks")
+    f.add_argument("--tokens", type=_token_list, default=None, metavar="LIST",
+                   help="with --model: the token counts drawn from (default 1,7,64,256,4096+17)")
     palette_option(f)
     f.set_defaults(fn=cmd_fuzz)
     t = sub.add_parser("selftest", help="run the project's planted-bug corpora through check and fuzz: the kill "

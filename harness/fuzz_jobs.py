@@ -26,10 +26,11 @@ from moe_lora_harness.harness.worker import child_env, share_cores
 SEED_STRIDE = 1000     # job i searches from seed + i * SEED_STRIDE when --seed is given
 
 
-def child_argv(argv: list, i: int, out_dir: str) -> list:
-    """The command of job i: the user's own arguments, then the job's (argparse keeps an option's last value)."""
+def child_argv(argv: list, i: int, out_dir: str, jobs: int = 1) -> list:
+    """The command of job i of `jobs`: the user's own arguments, then the job's (argparse keeps an option's last
+    value; the job count so that a job takes its share of the device's memory)."""
     return [sys.executable, "-m", "moe_lora_harness.harness.cli", *argv, "--jobs", "1", "--job-index", str(i),
-            "--out", out_dir]
+            "--job-count", str(jobs), "--out", out_dir]
 
 
 def _records(job_dir: pathlib.Path, job: int) -> list:
@@ -76,7 +77,7 @@ def run_jobs(argv: list, jobs: int, out: str | None, junit: str | None, name: st
     env = child_env()
     # the cores shared out: each job's torch threads (and its worker's) get their share, unless the user set it
     share_cores(env, jobs)
-    procs = [subprocess.Popen(child_argv(argv, i, str(d)), stdout=logs[i], stderr=subprocess.STDOUT,
+    procs = [subprocess.Popen(child_argv(argv, i, str(d), jobs), stdout=logs[i], stderr=subprocess.STDOUT,
                               env=env, start_new_session=True) for i, d in enumerate(dirs)]
     if not quiet:
         print(f"[fuzz] {jobs} jobs (one process each, logs in {tmp})", file=sys.stderr)

@@ -222,6 +222,9 @@ def test_tp_and_ep_slices():
     (["check", "--model", "deepseek-v3", "--tokens", "1,x"], "expected comma-separated token counts"),
     (["check", "--model", "deepseek-v3", "--more"], "do not apply with --model"),
     (["check", "--model", "deepseek-v3", "--model-config", "."], "not both"),
+    (["fuzz", "--level", "expert", "--tokens", "7"], "--tokens needs --model or --model-config"),
+    (["fuzz", "--level", "expert", "--model", "qwen3-30b-a3b", "--tp", "5"], "--tp 5"),
+    (["fuzz", "--level", "op", "--model", "nosuch"], "no such model"),
 ])
 def test_model_usage_errors_are_one_line(argv, text, capsys):
     from moe_lora_harness.harness.cli import main
