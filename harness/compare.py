@@ -270,7 +270,7 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     total, spread = dm.sum(dim=0), torch.linalg.vector_norm(dm, dim=0)
     over, allow = ((dm > 0).to(torch.float64)).sum(dim=0), (a[:, None] * m).sum(dim=0)
     found = []
-    for j, (t, sp, o, al, i) in enumerate(zip(*(x.tolist() for x in (total, spread, over, allow)), keep)):
+    for t, sp, o, al, i in zip(*(x.tolist() for x in (total, spread, over, allow)), keep):
         stat = t / (z * sp) if t > 0 and sp > 0 else 0.0
         found.append((stat, int(o), int(sizes[i]), t / max(al, 1e-300), names[i]))
     return max(found, key=lambda f: f[0])     # the first (every row) among equals
