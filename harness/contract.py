@@ -78,11 +78,15 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class KnownBug:
-    """A ledger entry: a known wrong answer, citing its issue. A matching case that passes fails the run."""
+    """A ledger entry: a known wrong answer, citing its issue. A matching case that passes fails the run.
+    `applies(case)` matches from the case alone; `shows(case, before, written)`, where given, also from what the
+    judge drew for it (the output buffer as handed over, None at the expert level; the elements the contract
+    writes), for a bug that only some draws of a case meet."""
 
     issue: str
     description: str
     applies: Callable[[Case], bool]
+    shows: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -279,9 +283,10 @@ def _missing(cap: Capabilities, axis: str, value: str, what: str) -> str:
     return f"{what}: {why}" if why else what
 
 
-def known_bug_for(spec: BackendSpec, case: Case) -> KnownBug | None:
-    """The ledger entry expected to make this case fail, if any."""
+def known_bug_for(spec: BackendSpec, case: Case, before=None, written=None) -> KnownBug | None:
+    """The ledger entry expected to make this case fail, if any (`before`, `written`: the judge's draw, for the
+    entries that look at it)."""
     for bug in spec.known_bugs:
-        if bug.applies(case):
+        if bug.applies(case) and (bug.shows is None or bug.shows(case, before, written)):
             return bug
     return None

@@ -308,7 +308,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
                            f"declared unsupported ({reason}) but passes", verdict, seconds=seconds)
         return Outcome(spec.name, case, device, "unsupported", reason, verdict, seconds=seconds, kind=kind,
                        message=message, probed=True)
-    bug = known_bug_for(spec, case)
+    bug = known_bug_for(spec, case, exp.before, judging(case, exp.truth)[0] if exp.truth is not None else None)
     if bug is not None:
         if passed:
             repro = repro_command(spec, case, device, getattr(executor, "timeout", None))

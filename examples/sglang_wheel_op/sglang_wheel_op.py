@@ -76,24 +76,18 @@ def _sglang_lora_ids(lora_ids, num_active_loras, max_loras: int):
     return ids
 
 
-def _untouched_negative_zero(case) -> bool:
-    """Whether the buffer holds -0.0 where the contract leaves it untouched but SGLang's closing add covers (the
-    slices' columns of every pair), drawn where a run draws the case."""
-    from moe_lora_harness.harness.builders import build_op_inputs
-    from moe_lora_harness.harness.expectation import op_reference
-    inputs = build_op_inputs(case, "cuda" if torch.cuda.is_available() else "cpu")
-    untouched = ~op_reference(case, inputs, "exact").written
-    buf = inputs.output
-    cols = torch.arange(buf.shape[-1], device=buf.device)
-    added = (cols >= case.offset) & (cols < case.offset + len(inputs.lora_b) * inputs.lora_b[0].shape[2])
-    return bool((untouched & added & (buf == 0) & torch.signbit(buf)).any())
+def _untouched_negative_zero(case, before, written) -> bool:
+    """Whether the buffer holds -0.0 where the contract leaves it untouched but SGLang's closing add covers (every
+    pair's columns from `offset` on)."""
+    cols = torch.arange(before.shape[-1], device=before.device)
+    return bool((~written & (cols >= case.offset) & (before == 0) & torch.signbit(before)).any())
 
 
 ZERO_SIGN = KnownBug(
     issue="SGLang 0.5.23 fused_moe_lora_kernel.py: _fused_moe_lora_expand ends with output[...] += b_intermediate",
     description="the delta is added to every pair in PyTorch, zero where no adapter applies: an untouched -0.0 "
                 "becomes +0.0 (values equal, bits not; the contract leaves those elements as they were)",
-    applies=_untouched_negative_zero)
+    applies=lambda case: True, shows=_untouched_negative_zero)
 
 SGLANG_OP = BackendSpec(
     name="sglang_op",

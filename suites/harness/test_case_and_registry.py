@@ -1,6 +1,7 @@
 """Case JSON round-trip and validation; registry loading, wrapping and clear errors; the CLI."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -105,6 +106,16 @@ def test_known_bug_ledger_expects_failure_and_flags_unexpected_pass():
     assert run_case(buggy, Case(T=3), "cpu").status == "xfail"
     out = run_case(fixed, Case(T=3), "cpu")
     assert out.status == "xpass" and out.failed and "close the ledger entry" in out.reason
+    # an entry that also looks at the judge's draw (the buffer as handed over, the elements the contract writes)
+    seen = []
+
+    def nothing_written(case, before, written):
+        seen.append((tuple(before.shape), tuple(written.shape), bool(written.any())))
+        return not bool(written.any())
+    shy = KnownBug("example#2", "drops slice 1 where nothing is written", lambda c: c.num_slices > 1, nothing_written)
+    for spec, status in ((buggy, "fail"), (fixed, "pass")):
+        assert run_case(dataclasses.replace(spec, known_bugs=(shy,)), Case(T=3), "cpu").status == status
+    assert seen and all(b == w and any_ for b, w, any_ in seen), seen
 
 
 def test_cli_replay_and_list():
