@@ -19,12 +19,13 @@ def served_cases(strategy, layer, spec, device: str, *, tp: int = 1, ep: int = 1
                  share: int = 1):
     """`strategy`'s cases at `layer`'s shape (one TP / EP rank's slice), with a token count from `tokens`; only
     those `spec` claims on `device` and that fit its free memory (a `share`-th of it: the jobs of one device)."""
-    fixed_fields(layer, tp, ep)                  # a TP / EP degree the layer does not divide by raises here
+    # per pass (the w13 slice count is the layer's); a TP / EP degree the layer does not divide by raises here
+    fixed = {which: fixed_fields(layer, tp, ep, which) for which in ("w13", "w2")}
     free = free_bytes(device)[0] // max(int(share), 1)
 
     def at_layer(drawn: tuple) -> Case:
         case, T = drawn
-        return case.replace(**fixed_fields(layer, tp, ep, case.which), T=T)
+        return case.replace(**fixed[case.which], T=T)
 
     def keep(case: Case) -> bool:
         return (not case.problems() and support_for(spec, case, device)[0]
