@@ -31,9 +31,26 @@ def torch_dtype(case: Case) -> torch.dtype:
 
 
 def build_device(device) -> torch.device:
-    """Where a case's tensors are drawn for a run on `device`: that CUDA device, else the CPU."""
+    """Where tensors are drawn for a run on `device`: that CUDA device, else the CPU."""
     d = torch.device(device)
     return d if d.type == "cuda" else torch.device("cpu")
+
+
+# A CUDA run's case within both is drawn on the CPU (and copied to the GPU for the backend), and judged there: jobs
+# sharing one GPU then do not queue their judges' many small launches behind each other's (issue 32's throughput)
+SMALL_ELEMENTS = 1 << 22     # the inputs' elements (harness.case_memory.memory_need)
+SMALL_WORK = 1 << 25         # the float64 reference's multiply-adds (harness.case_memory.reference_work)
+
+
+def draw_device(case: Case, device) -> torch.device:
+    """Where the judge and the worker draw `case`'s inputs for a run on `device`: `build_device(device)`, but the
+    CPU for a small case (SMALL_ELEMENTS, SMALL_WORK), so that the judge computes it there."""
+    from moe_lora_harness.harness.case_memory import _ITEM, memory_need, reference_work
+    at = build_device(device)
+    if at.type == "cuda" and memory_need(case).inputs <= SMALL_ELEMENTS * _ITEM[case.dtype] \
+            and reference_work(case) <= SMALL_WORK:
+        return torch.device("cpu")
+    return at
 
 
 def _gen(case: Case, salt: int, device="cpu") -> torch.Generator:

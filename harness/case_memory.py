@@ -85,6 +85,17 @@ def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
     return MemoryNeed(item * elems + quant + 16 * P, ref)
 
 
+def reference_work(case: Case) -> int:
+    """The float64 reference's multiply-adds for a case (the routed pairs' GEMMs and LoRA products, or the op's
+    shrink and expand): what the judge computes, to tell a case a CPU judges quickly."""
+    P, R = case.T * case.top_k, case.max_rank
+    if case.level == "op":
+        return P * case.num_slices * R * (case.K + case.N)
+    N1 = 2 * case.I if is_gated(case.activation) else case.I
+    lora = 2 * R * (N1 + case.H + 2 * case.I) if case.lora else 0
+    return P * (N1 * case.H + case.H * case.I + lora)
+
+
 def _host_free() -> int:
     """MemAvailable of /proc/meminfo (what can be allocated without swapping), else free physical pages."""
     try:

@@ -217,7 +217,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
     with open(os.path.join(tmp, "job.json")) as f:
         job = json.load(f)
     import torch.distributed as dist
-    from moe_lora_harness.harness.builders import build_expert_inputs
+    from moe_lora_harness.harness.builders import build_expert_inputs, draw_device
     from moe_lora_harness.harness.communicator import TorchDistributedCommunicator
     from moe_lora_harness.harness.registry import load_ref
     device = job["device"]
@@ -243,7 +243,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         setup_failure = run_setup(spec)
         if setup_failure is not None:
             raise RuntimeError(setup_failure.message)
-        built = build_expert_inputs(case, device)     # drawn on this rank's GPU, as the judge draws on its own
+        built = build_expert_inputs(case, draw_device(case, device))   # drawn as the judge draws (a GPU: this rank's)
         result["digest"] = inputs_digest(built)
         call = rank_call(built, case, rank, device, TorchDistributedCommunicator())
         watch = InputWatch()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs
+from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs, draw_device
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.compare import _int_view
 from moe_lora_harness.harness.contract import BackendSpec
@@ -137,8 +137,10 @@ def release_device_memory(device) -> None:
 
 
 def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch):
-    inp = build_op_inputs(case, device)     # drawn on a CUDA device itself, as the judge's are
+    inp = build_op_inputs(case, draw_device(case, device))     # drawn where the judge draws them
     digest = inputs_digest(inp)
+    if inp.x.device != torch.device(device):
+        inp = inp.to(device)
     if poison is not None:   # elements the contract neither reads nor must keep: NaN, so a missed write shows
         inp.output[poison.to(inp.output.device)] = float("nan")
     kw = inp.call_kwargs()
@@ -150,7 +152,7 @@ def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatc
 
 def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, launches: LaunchWatch):
     from moe_lora_harness.harness.expert_runner import run_tp_ranks
-    built = build_expert_inputs(case, device)     # drawn on a CUDA device itself, as the judge's are
+    built = build_expert_inputs(case, draw_device(case, device))     # drawn where the judge draws them
     digest = inputs_digest(built)
     if case.dispatched:
         from moe_lora_harness.harness import ep_ranks

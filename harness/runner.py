@@ -131,11 +131,12 @@ def _build(case: Case, device):
 
 def expectations(spec: BackendSpec, case: Case, device: str) -> Expectation:
     """Everything the judge needs before the backend runs on `device` (computed once for all reruns), computed on
-    that device when it is a CUDA device (in this process, never the backend's)."""
-    from moe_lora_harness.harness.builders import build_device
+    that device when it is a CUDA device (in this process, never the backend's), on the CPU for a small case
+    (harness.builders.draw_device)."""
+    from moe_lora_harness.harness.builders import draw_device
     from moe_lora_harness.harness.execute import release_device_memory
     precision = spec.precision_for(case, device)
-    at = str(build_device(device))
+    at = str(draw_device(case, device))
     exp = _expectations(case, precision, at)
     exp.precision, exp.case, exp.device = precision, case, at
     if exp.truth is not None:

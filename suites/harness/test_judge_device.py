@@ -219,6 +219,23 @@ def test_rounding_in_slices_keeps_every_bit(dtype, monkeypatch):
     assert not torch.equal(whole, x)      # it did round
 
 
+def test_a_small_cuda_case_is_drawn_and_judged_on_the_cpu():
+    """draw_device: a CUDA run draws (and judges) a case within SMALL_ELEMENTS and SMALL_WORK on the CPU, a larger
+    one on its GPU; a CPU run always on the CPU. The rule reads the case alone, so the judge and the worker agree."""
+    from moe_lora_harness.harness.builders import SMALL_WORK, draw_device
+    from moe_lora_harness.harness.case_memory import reference_work
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    small = Case(level="expert", T=33, H=256, I=128, E=8, top_k=2, max_rank=16, dtype="bfloat16", seed=1)
+    wide = small.replace(E=64, H=1024, I=512)                     # the weights alone: 100M elements
+    long = small.replace(T=8192, top_k=8)                         # small inputs, a long reference
+    assert reference_work(long) > SMALL_WORK >= reference_work(small)
+    assert draw_device(small, "cuda:1") == cpu
+    assert draw_device(wide, "cuda:1") == gpu and draw_device(long, "cuda:1") == gpu
+    assert draw_device(wide, "cpu") == cpu and draw_device(wide, "meta") == cpu
+    op = Case(T=48, H=64, I=32, E=4, top_k=2, max_rank=8)
+    assert draw_device(op, "cuda:1") == cpu and draw_device(op.replace(T=4096, H=4096, I=4096), "cuda:1") == gpu
+
+
 def test_released_inputs_are_rebuilt_bit_for_bit():
     """A GPU judge drops its inputs after the reference; `inputs` then rebuilds the same tensors from the case."""
     from moe_lora_harness.backends.eager import BACKEND

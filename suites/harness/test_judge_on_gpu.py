@@ -112,24 +112,30 @@ def test_cuda_op_truth_is_the_cpu_truth_of_the_same_tensors(case):
     _close(truth.value, want.value, want.scale + want.value.abs(), "value")
 
 
-def test_a_supervised_cuda_run_is_judged_on_the_gpu():
-    """The worker draws the same inputs on its GPU (digest match: pass), a wrong output fails, an input write is
-    seen; the judge keeps no inputs after its reference."""
+def test_a_supervised_cuda_run_is_judged_where_it_is_drawn():
+    """The worker draws the inputs where the judge does (digest match: pass): a small case on the CPU (copied to the
+    GPU for the backend; judged on the CPU), a larger one on the GPU; an input write is seen; a GPU judge keeps no
+    inputs after its reference."""
+    from moe_lora_harness.harness.builders import draw_device
     from moe_lora_harness.harness.registry import load_ref
     from moe_lora_harness.harness.runner import expectations, run_case
     from moe_lora_harness.harness.worker import Supervisor
     eager = {s.name: s for s in load_ref("moe_lora_harness.backends:BUILTINS")}["eager"]
     hostile = {s.name: s for s in load_ref("moe_lora_harness.suites.harness.hostile_backends:HOSTILE")}
     w2 = Case(T=3, H=24, I=16, E=4, top_k=2, max_rank=4, which="w2", num_slices=1, mul_routed_weight=True, seed=7)
+    big = Case(level="expert", T=64, H=1024, I=512, E=16, top_k=2, dtype="bfloat16", seed=5)
+    assert draw_device(big, "cuda").type == "cuda" and draw_device(EXPERT[0], "cuda").type == "cpu"
     with Supervisor(timeout=120) as sup:
-        for case in (OP[0], OP[1], EXPERT[0], EXPERT[3]):
+        for case in (OP[0], OP[1], EXPERT[0], EXPERT[3], big):
             out = run_case(eager, case, "cuda", executor=sup, reruns=0)
             assert out.status == "pass", out.detail
         out = run_case(hostile["hostile-writes-x"], w2, "cuda", executor=sup, reruns=0)
         assert out.kind == "input-written", out.detail
-    exp = expectations(eager, EXPERT[0], "cuda")
+    exp = expectations(eager, big, "cuda")
     assert exp.built is None and exp.truth.value.is_cuda
     assert inputs_digest(exp.inputs) == exp.digest            # rebuilt on demand, bit for bit
+    small = expectations(eager, EXPERT[0], "cuda")
+    assert small.built is not None and not small.truth.value.is_cuda
 
 
 def test_the_judge_lets_go_of_the_layer():
