@@ -2,7 +2,8 @@
 
 On a CUDA device every tensor is drawn there, from generators of that device seeded as on the CPU (the case and
 the device kind determine the values; they differ from the CPU's); on the CPU (and any other device, built on the
-CPU and moved) the values are what they always were. docs/architecture.md, "The judge on the device".
+CPU and moved) the values are what they always were. Where a run's case is drawn: `draw_device` (a small case of a
+CUDA run on the CPU). docs/architecture.md, "The judge on the device".
 
 Inputs are never zeros and are scaled so that every term matters: a LoRA delta is about as large as the
 value it is added to, routing weights are distinct, so a dropped expert, a missing delta or a wrong

@@ -1,8 +1,8 @@
 """The backend side of a run: build a case's inputs on the device, call the backend, watch its inputs.
 
 `execute` runs wherever the backend runs: in the supervised worker process (harness/worker.py), or in
-the caller's process (`InProcess`). The inputs are drawn on the run's device (harness.builders.build_device),
-as the judge draws its own. It returns an `Execution` of plain CPU data, which the judge
+the caller's process (`InProcess`). The inputs are drawn where the judge draws its own (harness.builders.draw_device:
+the run's device, the CPU for a small case, copied to the run's device after the digest). It returns an `Execution` of plain CPU data, which the judge
 (harness/runner.py) compares with the float64 reference it computed on its own. The judge checks that
 the inputs the backend saw are the ones it judged (`built_digest`), and every input tensor handed to
 the backend is compared bit for bit before and after the call (`inputs_written`).
