@@ -24,4 +24,7 @@ BACKEND = BackendSpec(
     op=eager.fused_moe_lora,
     experts=run_experts,
     precision="one_shot",
+    # on the CPU its GEMMs accumulate in fp32 and round once, where one_shot rounds; cuBLAS may reduce bf16 partial
+    # sums in reduced precision (other rounding points), so not on CUDA
+    model_points_only={"cpu": True},
 )

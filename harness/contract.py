@@ -148,6 +148,10 @@ class BackendSpec:
     `precision`: a reference precision preset name, or `case -> name` when the path depends on the case, or a
     mapping from device kind ("cpu", "cuda") to either, when it depends on the device (fp32 `tl.dot` is TF32 on
     a GPU by default, IEEE fp32 in the CPU interpreter).
+    `model_points_only`: True (or a mapping from device kind to it) when the backend rounds exactly where its
+    precision model rounds and nowhere else (no extra or double rounding, no reduced-precision reduction); rule 4
+    then allows its fp32 accumulation alone, a sharper judge (docs/error-model.md). A false claim fails correct
+    outputs that round elsewhere: declare it only where that is known.
     """
 
     name: str
@@ -157,6 +161,7 @@ class BackendSpec:
     experts: Callable | None = None
     layer: Callable | None = None
     precision: str | Callable[[Case], str] | Mapping = "one_shot"
+    model_points_only: bool | Mapping = False
     known_bugs: tuple = ()
     origin: str = ""
     # the backend's environment: `setup` (a callable, or a "module:attr" reference to one) runs once per
@@ -180,6 +185,12 @@ class BackendSpec:
                                  f"{sorted(p)})")
             p = p[kind]
         return p(case) if callable(p) else p
+
+
+    def model_points_only_for(self, device: str) -> bool:
+        """Whether this backend declares that it rounds only where its model rounds, on `device`."""
+        p = self.model_points_only
+        return bool(p.get(device_kind(device), False) if isinstance(p, Mapping) else p)
 
 
 def device_kind(device: str) -> str:

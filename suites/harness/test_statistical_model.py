@@ -221,6 +221,34 @@ def test_the_excess_rule_admits_other_rounding_points(other):
     assert rows == case.T and extra < 0, (stat, over, rows, extra)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_kernel_that_rounds_only_at_its_models_points_is_judged_sharper(dtype):
+    """Declared `model_points_only`, rule 4 allows the accumulation alone: eager's output (it rounds where one_shot
+    does) still passes, noise of 0.5 times its error, which the default admits, fails; a kernel rounding the rank
+    intermediate twice, within the default's allowance (no excess), shows a positive excess under the declaration."""
+    case = Case.from_json(ROWS).replace(dtype=dtype)
+    out, truth, emu = _eager(case)
+    assert _judge(case, out, truth, emu, model_points_only=True).ok
+    slip = _noise(out, truth, 0.5)
+    assert _judge(case, slip, truth, emu).ok
+    v = _judge(case, slip, truth, emu, model_points_only=True)
+    assert not v.ok and "rounds only where its model rounds" in v.message, v.summary()
+    _, _, twice = expert_expectations(case, "one_shot_rank2x", emulation_only=True)
+    got = twice.value.to(torch_dtype(case))
+    assert _judge(case, got, truth, emu).excess == 0.0
+    assert _judge(case, got, truth, emu, model_points_only=True).excess > 0.0
+
+
+def test_the_declaration_is_keyed_by_device():
+    """eager declares it on the CPU (its GEMMs accumulate in fp32 and round once there); not on CUDA, where cuBLAS
+    may reduce bf16 partial sums in reduced precision: other rounding points."""
+    import dataclasses
+    assert EAGER.model_points_only_for("cpu") and not EAGER.model_points_only_for("cuda:0")
+    other = dataclasses.replace(EAGER, model_points_only=True)
+    assert other.model_points_only_for("cuda") and not dataclasses.replace(EAGER, model_points_only=False) \
+        .model_points_only_for("cpu")
+
+
 def test_the_excess_rule_is_silent_below_its_row_count():
     """A self-normalised sum of n rows is at most sqrt(n): rule 4 cannot fail 80 rows, however far off."""
     assert 9.0 < compare.EXCESS_SIGMAS < 9.2 and math.sqrt(80) < compare.EXCESS_SIGMAS < math.sqrt(83)
