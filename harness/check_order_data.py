@@ -20,6 +20,8 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                                                                       'contents and adapters',
                           'layer/layer-mutant-dual-stream-event-reuse': 'layer: graph: capture, replay with new '
                                                                         'contents and adapters',
+                          'layer/layer-mutant-factors-in-half': 'layer: adapter, then base-model tokens (#42008) '
+                                                                '[float32]',
                           'layer/layer-mutant-metadata-cached': 'layer: graph: capture, replay with new contents and '
                                                                 'adapters',
                           'layer/layer-mutant-padding-delta-leaks': 'layer: graph: a padded replay after a full '
@@ -27,8 +29,8 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                           'layer/layer-mutant-padding-right-aligned': 'layer: graph: capture, replay with new '
                                                                       'contents and adapters',
                           'layer/layer-mutant-reload-no-zero': 'layer: smaller rank into a used slot',
-                          'layer/layer-mutant-reload-stays-disabled': 'layer: reload after an unload (another '
-                                                                      'adapter, then the same again)',
+                          'layer/layer-mutant-reload-stays-disabled': 'layer: graph: capture, replay with new '
+                                                                      'contents and adapters',
                           'layer/layer-mutant-same-adapter-reload-skipped': 'layer: reload after an unload (another '
                                                                             'adapter, then the same again)',
                           'layer/layer-mutant-slot-keeps-first-rank': 'layer: larger rank into a slot that held a '
@@ -37,8 +39,7 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                                                                   'and adapters',
                           'layer/layer-mutant-stale-mapping': 'layer: graph: capture, replay with new contents and '
                                                               'adapters',
-                          'layer/layer-mutant-unload-leaves-live': 'layer: graph: capture, replay with new contents '
-                                                                   'and adapters',
+                          'layer/layer-mutant-unload-leaves-live': 'layer: unloaded slot still in the mapping',
                           'layer/layer-mutant-w13-rank-from-down': 'layer: larger rank into a slot that held a '
                                                                    'smaller one',
                           'layer/layer-mutant-w2-scaled-like-w13': 'layer: w13 and w2 of other ranks and scalings '
@@ -150,88 +151,88 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                                                                 'layer: graph: a padded replay after a full batch',
                                                                 'layer: graph: a zero-token replay after a batch '
                                                                 'with live slots'],
-                   'layer/layer-mutant-dual-stream-event-reuse': ['layer: adapter, then base-model tokens (#42008)',
-                                                                  'layer: batches grow and shrink (0, 1, max_tokens, '
-                                                                  'small after large)',
-                                                                  'layer: unloaded slot still in the mapping',
-                                                                  'layer: smaller rank into a used slot',
-                                                                  'layer: mapping changes, same batch size',
-                                                                  'layer: graph: capture, replay with new contents '
+                   'layer/layer-mutant-dual-stream-event-reuse': ['layer: graph: capture, replay with new contents '
                                                                   'and adapters',
-                                                                  'layer: graph: a padded replay after a full batch',
                                                                   'layer: larger rank into a slot that held a '
                                                                   'smaller one',
+                                                                  'layer: graph: a padded replay after a full batch',
                                                                   'layer: reload after an unload (another adapter, '
                                                                   'then the same again)',
                                                                   'layer: graph: a zero-token replay after a batch '
                                                                   'with live slots',
+                                                                  'layer: unloaded slot still in the mapping',
+                                                                  'layer: smaller rank into a used slot',
+                                                                  'layer: adapter, then base-model tokens (#42008)',
+                                                                  'layer: batches grow and shrink (0, 1, max_tokens, '
+                                                                  'small after large)',
+                                                                  'layer: mapping changes, same batch size',
                                                                   'layer: adapter, then base-model tokens (#42008) '
                                                                   '[float32]'],
-                   'layer/layer-mutant-metadata-cached': ['layer: adapter, then base-model tokens (#42008)',
-                                                          'layer: batches grow and shrink (0, 1, max_tokens, small '
-                                                          'after large)',
-                                                          'layer: unloaded slot still in the mapping',
-                                                          'layer: mapping changes, same batch size',
-                                                          'layer: every slot, then a base-model batch',
-                                                          'layer: graph: capture, replay with new contents and '
+                   'layer/layer-mutant-factors-in-half': ['layer: adapter, then base-model tokens (#42008) '
+                                                          '[float32]'],
+                   'layer/layer-mutant-metadata-cached': ['layer: graph: capture, replay with new contents and '
                                                           'adapters',
-                                                          'layer: graph: a padded replay after a full batch',
                                                           'layer: larger rank into a slot that held a smaller one',
+                                                          'layer: graph: a padded replay after a full batch',
                                                           'layer: reload after an unload (another adapter, then the '
                                                           'same again)',
                                                           'layer: graph: a zero-token replay after a batch with live '
                                                           'slots',
-                                                          'layer: adapter, then base-model tokens (#42008) '
-                                                          '[float32]'],
+                                                          'layer: unloaded slot still in the mapping',
+                                                          'layer: adapter, then base-model tokens (#42008)',
+                                                          'layer: batches grow and shrink (0, 1, max_tokens, small '
+                                                          'after large)',
+                                                          'layer: mapping changes, same batch size',
+                                                          'layer: adapter, then base-model tokens (#42008) [float32]',
+                                                          'layer: every slot, then a base-model batch'],
                    'layer/layer-mutant-padding-delta-leaks': ['layer: graph: a padded replay after a full batch'],
                    'layer/layer-mutant-padding-right-aligned': ['layer: graph: capture, replay with new contents and '
                                                                 'adapters',
                                                                 'layer: graph: a padded replay after a full batch'],
                    'layer/layer-mutant-reload-no-zero': ['layer: smaller rank into a used slot'],
-                   'layer/layer-mutant-reload-stays-disabled': ['layer: reload after an unload (another adapter, '
+                   'layer/layer-mutant-reload-stays-disabled': ['layer: graph: capture, replay with new contents and '
+                                                                'adapters',
+                                                                'layer: reload after an unload (another adapter, '
                                                                 'then the same again)'],
                    'layer/layer-mutant-same-adapter-reload-skipped': ['layer: reload after an unload (another '
                                                                       'adapter, then the same again)'],
                    'layer/layer-mutant-slot-keeps-first-rank': ['layer: larger rank into a slot that held a smaller '
                                                                 'one'],
-                   'layer/layer-mutant-split-k-with-lora': ['layer: adapter, then base-model tokens (#42008)',
-                                                            'layer: batches grow and shrink (0, 1, max_tokens, small '
-                                                            'after large)',
-                                                            'layer: unloaded slot still in the mapping',
-                                                            'layer: smaller rank into a used slot',
-                                                            'layer: zero-B adapter beside a real one',
-                                                            'layer: mapping changes, same batch size',
-                                                            'layer: every slot, then a base-model batch',
-                                                            'layer: graph: capture, replay with new contents and '
+                   'layer/layer-mutant-split-k-with-lora': ['layer: graph: capture, replay with new contents and '
                                                             'adapters',
-                                                            'layer: graph: a padded replay after a full batch',
-                                                            'layer: w13 and w2 of other ranks and scalings (PEFT: '
-                                                            'gate_up 2r, down r)',
                                                             'layer: larger rank into a slot that held a smaller one',
+                                                            'layer: graph: a padded replay after a full batch',
                                                             'layer: reload after an unload (another adapter, then '
                                                             'the same again)',
                                                             'layer: graph: a zero-token replay after a batch with '
                                                             'live slots',
+                                                            'layer: unloaded slot still in the mapping',
+                                                            'layer: smaller rank into a used slot',
+                                                            'layer: w13 and w2 of other ranks and scalings (PEFT: '
+                                                            'gate_up 2r, down r)',
+                                                            'layer: adapter, then base-model tokens (#42008)',
+                                                            'layer: batches grow and shrink (0, 1, max_tokens, small '
+                                                            'after large)',
+                                                            'layer: mapping changes, same batch size',
                                                             'layer: adapter, then base-model tokens (#42008) '
-                                                            '[float32]'],
-                   'layer/layer-mutant-stale-mapping': ['layer: adapter, then base-model tokens (#42008)',
-                                                        'layer: batches grow and shrink (0, 1, max_tokens, small '
-                                                        'after large)',
-                                                        'layer: mapping changes, same batch size',
-                                                        'layer: every slot, then a base-model batch',
-                                                        'layer: graph: capture, replay with new contents and '
+                                                            '[float32]',
+                                                            'layer: every slot, then a base-model batch',
+                                                            'layer: zero-B adapter beside a real one'],
+                   'layer/layer-mutant-stale-mapping': ['layer: graph: capture, replay with new contents and '
                                                         'adapters',
                                                         'layer: graph: a padded replay after a full batch',
                                                         'layer: reload after an unload (another adapter, then the '
                                                         'same again)',
-                                                        'layer: adapter, then base-model tokens (#42008) [float32]'],
-                   'layer/layer-mutant-unload-leaves-live': ['layer: unloaded slot still in the mapping',
-                                                             'layer: graph: capture, replay with new contents and '
-                                                             'adapters'],
-                   'layer/layer-mutant-w13-rank-from-down': ['layer: w13 and w2 of other ranks and scalings (PEFT: '
-                                                             'gate_up 2r, down r)',
-                                                             'layer: larger rank into a slot that held a smaller '
-                                                             'one'],
+                                                        'layer: adapter, then base-model tokens (#42008)',
+                                                        'layer: batches grow and shrink (0, 1, max_tokens, small '
+                                                        'after large)',
+                                                        'layer: mapping changes, same batch size',
+                                                        'layer: adapter, then base-model tokens (#42008) [float32]',
+                                                        'layer: every slot, then a base-model batch'],
+                   'layer/layer-mutant-unload-leaves-live': ['layer: unloaded slot still in the mapping'],
+                   'layer/layer-mutant-w13-rank-from-down': ['layer: larger rank into a slot that held a smaller one',
+                                                             'layer: w13 and w2 of other ranks and scalings (PEFT: '
+                                                             'gate_up 2r, down r)'],
                    'layer/layer-mutant-w2-scaled-like-w13': ['layer: w13 and w2 of other ranks and scalings (PEFT: '
                                                              'gate_up 2r, down r)'],
                    'layer/layer-mutant-zero-token-replay-deactivates': ['layer: graph: a zero-token replay after a '
@@ -531,15 +532,17 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'pairwise op #2',
                    'experts: fp8 block',
                    'experts: fully-sharded LoRA, TP 2',
-                   'layer: reload after an unload (another adapter, then the same again)',
                    'layer: larger rank into a slot that held a smaller one',
                    'pairwise op #1',
                    'experts: disabled slot',
                    'experts: router weight on input',
                    'layer: graph: a padded replay after a full batch',
+                   'layer: reload after an unload (another adapter, then the same again)',
                    'pairwise op #12',
                    'layer: graph: a zero-token replay after a batch with live slots',
+                   'layer: adapter, then base-model tokens (#42008) [float32]',
                    'op: top_k 8, E 16',
+                   'layer: unloaded slot still in the mapping',
                    'layer: smaller rank into a used slot',
                    'layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)',
                    'experts: EP + fully-sharded LoRA (must be refused)',
@@ -566,9 +569,7 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'experts: rank padding',
                    'layer: adapter, then base-model tokens (#42008)',
                    'layer: batches grow and shrink (0, 1, max_tokens, small after large)',
-                   'layer: unloaded slot still in the mapping',
                    'layer: mapping changes, same batch size',
-                   'layer: adapter, then base-model tokens (#42008) [float32]',
                    'fp16',
                    'fp32',
                    'sorted layout',
@@ -605,20 +606,20 @@ ORDER = {'cpu': {'first_killer': {'ep/ep-accepts-fully-sharded': 'experts: EP + 
                    'pairwise op #9',
                    'pairwise op #20',
                    'experts: TP 2 (sliced weights, outputs all-reduced)'],
-         'rows': ['layer: adapter, then base-model tokens (#42008)',
-                  'layer: batches grow and shrink (0, 1, max_tokens, small after large)',
-                  'layer: unloaded slot still in the mapping',
-                  'layer: smaller rank into a used slot',
-                  'layer: zero-B adapter beside a real one',
-                  'layer: mapping changes, same batch size',
-                  'layer: every slot, then a base-model batch',
-                  'layer: graph: capture, replay with new contents and adapters',
-                  'layer: graph: a padded replay after a full batch',
-                  'layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)',
+         'rows': ['layer: graph: capture, replay with new contents and adapters',
                   'layer: larger rank into a slot that held a smaller one',
+                  'layer: graph: a padded replay after a full batch',
                   'layer: reload after an unload (another adapter, then the same again)',
                   'layer: graph: a zero-token replay after a batch with live slots',
+                  'layer: unloaded slot still in the mapping',
+                  'layer: smaller rank into a used slot',
+                  'layer: w13 and w2 of other ranks and scalings (PEFT: gate_up 2r, down r)',
+                  'layer: adapter, then base-model tokens (#42008)',
+                  'layer: batches grow and shrink (0, 1, max_tokens, small after large)',
+                  'layer: mapping changes, same batch size',
                   'layer: adapter, then base-model tokens (#42008) [float32]',
+                  'layer: every slot, then a base-model batch',
+                  'layer: zero-B adapter beside a real one',
                   'fp16',
                   'bf16',
                   'fp32',

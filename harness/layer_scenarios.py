@@ -81,10 +81,14 @@ def _every_slot_then_base(s):
 
 
 def _graph_new_contents(s):
+    # one capture, replayed as slots change under it: a new adapter, an unload, another adapter of a smaller rank in
+    # the unloaded slot; mapped only to loaded slots or -1 (an engine that maps adapter ids cannot name an unloaded
+    # one: the row "unloaded slot still in the mapping" holds that case)
     big = max(s.capture_sizes)
     return [_load(0, s.max_rank, 1), {"do": "capture", "size": big}, _replay(big, _cycle([0, -1], big), 2),
             _replay(big, _cycle([-1, 0], big - 1), 3), _load(1, s.max_rank, 4), _replay(big, _cycle([1, 0, -1], big), 5),
-            {"do": "unload", "slot": 0}, _replay(big, _cycle([0, 1], big), 6)]
+            {"do": "unload", "slot": 0}, _replay(big, _cycle([-1, 1], big), 6), _load(0, s.max_rank // 2 or 1, 7),
+            _replay(big, _cycle([0, 1], big), 8)]
 
 
 def _graph_padding(s):

@@ -2,7 +2,7 @@
 wrong in one way that serving code with LoRA has shipped (stale mappings, slots left live, cached or capture-time
 metadata, a base path that changes with LoRA on, events reused across calls; w2 loaded with w13's rank or scaling,
 a slot's rank fixed at its first load, reloads after an unload, a dummy zero-token replay, padding that reaches
-real rows). Each is a layer-level backend the harness must fail; CONTROL holds the same layers without a defect,
+real rows, factors cast to one dtype whatever the layer's). Each is a layer-level backend the harness must fail; CONTROL holds the same layers without a defect,
 which must pass. MECHANISMS says how each goes wrong and SCENARIOS holds the short scripted scenario
 (harness.layer_scenario's step format) that shows it.
 
@@ -194,6 +194,17 @@ class SameAdapterReloadSkipped(ContractLayer):
         super().load_adapter(slot, adapter)
 
 
+class FactorsInHalf(ContractLayer):
+    """load_adapter casts the factors to float16 (a dtype written where the layer's was meant) before the layer's
+    cast: right in a float16 layer, the factors rounded to half precision in any other (the every-dtype family:
+    a search of the first dtype claimed alone misses it)."""
+
+    def load_adapter(self, slot, adapter):
+        half = {f.name: v.to(torch.float16) for f in dataclasses.fields(adapter)
+                for v in [getattr(adapter, f.name)] if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        super().load_adapter(slot, dataclasses.replace(adapter, **half))
+
+
 def _same_adapter(a, b) -> bool:
     """Whether two ExpertAdapters hold the same factors and scalings."""
     pairs = [(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)]
@@ -267,6 +278,7 @@ _DEFECTS = {   # short name: (layer class, experts class, contract adapter class
     "zero-token-replay-deactivates": (ZeroTokenReplayDeactivates, TritonExperts, None),
     "padding-right-aligned": (PaddingRightAligned, TritonExperts, None),
     "padding-delta-leaks": (PaddingDeltaLeaks, TritonExperts, None),
+    "factors-in-half": (None, TritonExperts, FactorsInHalf),
 }
 
 MECHANISMS = {
@@ -329,6 +341,7 @@ SCENARIOS = {
     "layer-mutant-zero-token-replay-deactivates": [_load(0, 8, 1), CAPTURE4, _fwd([0, 0, -1, 0], 2),
                                                    _replay(4, [], 3), _fwd([0, -1, 0, 0], 4)],
     "layer-mutant-padding-delta-leaks": [_load(0, 8, 1), CAPTURE8, FULL8, _replay(8, [-1, -1, -1, 0, -1], 3)],
+    "layer-mutant-factors-in-half": [_load(0, 8, 1), _fwd([0, -1, 0, 0], 2)],     # in a float32 layer
 }
 
 # a named scenario (harness.layer_scenarios, check's layer rows) each planted bug fails, its family's: the suite
@@ -349,6 +362,7 @@ FAILS_NAMED = {
     "layer-mutant-zero-token-replay-deactivates": "layer: graph: a zero-token replay after a batch with live slots",
     "layer-mutant-padding-right-aligned": "layer: graph: a padded replay after a full batch",
     "layer-mutant-padding-delta-leaks": "layer: graph: a padded replay after a full batch",
+    "layer-mutant-factors-in-half": "layer: adapter, then base-model tokens (#42008) [float32]",
 }
 
 # what each scenario shows: "not-neutral" (a token without an adapter differs from the twin), "out-of-bound"
@@ -369,4 +383,5 @@ SHOWS = {
     "layer-mutant-same-adapter-reload-skipped": "out-of-bound",
     "layer-mutant-zero-token-replay-deactivates": "out-of-bound",
     "layer-mutant-padding-delta-leaks": "not-neutral",
+    "layer-mutant-factors-in-half": "out-of-bound",
 }

@@ -27,7 +27,7 @@ class ReferenceLayer:
     def __init__(self, config: LayerConfig, weights, model: str, mistake: str = ""):
         self.c, self.w, self.model, self.mistake = config, weights, model, mistake
         self.slots = [None] * config.max_loras
-        self.mapping, self.last, self.sizes = None, None, set()
+        self.mapping, self.last, self.sizes, self.before = None, None, set(), None
 
     def load_adapter(self, slot, adapter):
         if self.mistake == "scaling-twice":
@@ -39,13 +39,20 @@ class ReferenceLayer:
         self.slots[slot] = None
 
     def set_mapping(self, mapping):
+        if self.mistake == "previous-mapping":      # one batch late: the mapping the previous batch set
+            self.before, mapping = mapping.cpu(), (mapping if self.before is None else self.before)
         self.mapping = mapping.cpu()
 
     def _run(self, b, size):
         c = self.c
         m = torch.full((size,), -1, dtype=torch.int32)
         if self.mapping is not None and c.lora_enabled and self.mistake != "no-adapter":
-            m[:self.mapping.numel()] = self.mapping
+            n = min(self.mapping.numel(), size)
+            m[:n] = self.mapping[:n]
+        if self.mistake == "other-slot":             # each token given the next loaded slot's adapter
+            loaded = [s for s, a in enumerate(self.slots) if a is not None]
+            m = torch.tensor([loaded[(loaded.index(int(s)) + 1) % len(loaded)] if s >= 0 else -1 for s in m],
+                             dtype=torch.int32)
         lora = None
         if c.lora_enabled:
             stacked = pack_moe_lora(self.slots, max_loras=c.max_loras, max_rank=c.max_rank, num_experts=c.E,
@@ -55,7 +62,8 @@ class ReferenceLayer:
         out = moe_experts_forward(b.hidden_states.cpu(), self.w.w13.cpu(), self.w.w2.cpu(), b.topk_weights.cpu(),
                                   b.topk_ids.cpu(), activation=c.activation, lora=lora, magnitudes=False,
                                   precision=make_precision(self.model, c.torch_dtype)).value.to(c.torch_dtype)
-        if self.mistake == "previous-output" and self.last is not None and self.last.shape == out.shape:
+        if self.mistake == "previous-output" and c.lora_enabled and self.last is not None \
+                and self.last.shape == out.shape:
             out = (out.double() + self.last.double()).to(out.dtype)
         real = size if self.mapping is None else self.mapping.numel()   # the twin is never given a mapping
         if self.mistake == "padding-nan":
@@ -100,7 +108,7 @@ def test_the_reference_layer_passes():
     assert _run(spec(), [*LOAD, FWD]).status == "pass"
 
 
-@pytest.mark.parametrize("mistake", ["scaling-twice", "no-adapter"])
+@pytest.mark.parametrize("mistake", ["scaling-twice", "no-adapter", "other-slot"])
 def test_a_value_failure_names_the_mistake_and_its_rows_slots(mistake):
     o = _run(spec(mistake=mistake), [*LOAD, FWD])
     assert o.status == "fail" and o.kind in ("element", "aggregate"), o.detail
@@ -110,10 +118,21 @@ def test_a_value_failure_names_the_mistake_and_its_rows_slots(mistake):
 
 
 def test_the_previous_output_accumulated_into_a_replay_is_named():
+    """The LoRA layer (not its twin) adds its previous output into a replay: a value failure that the diagnosis names
+    as the mistake it follows, not only in the list of those that do not fit."""
     steps = [*LOAD, {"do": "capture", "size": 8}, {"do": "replay", "size": 8, "mapping": [0] * 8, "seed": 4},
-             {"do": "replay", "size": 8, "mapping": [1, -1] * 4, "seed": 5}]
+             {"do": "replay", "size": 8, "mapping": [1, 0] * 4, "seed": 5}]      # every token with an adapter
     o = _run(spec(mistake="previous-output"), steps)
-    assert o.status == "fail" and "previous-output" in o.detail, o.detail
+    assert o.status == "fail" and not o.kind.startswith("twin-"), o.detail
+    assert "semantics: consistent with" in o.detail and "(previous-output:" in o.detail, o.detail
+
+
+def test_a_stale_mapping_is_named_as_the_previous_batchs():
+    """A layer one batch late with its mapping (it uses what the previous batch set) is named so."""
+    steps = [*LOAD, {"do": "forward", "mapping": [1] * 8, "seed": 3},
+             {"do": "forward", "mapping": [0, 1, 0, 0, 1, 0, 1, 1], "seed": 4}]      # every token with an adapter
+    o = _run(spec(mistake="previous-mapping"), steps)
+    assert o.status == "fail" and "(previous-mapping:" in o.detail, o.detail
 
 
 def test_padding_rows_are_free_but_real_rows_are_judged():
@@ -146,6 +165,18 @@ def test_declared_engine_limits_decline_what_it_cannot_express():
     assert not ok and "layer_lora_dtypes" in why
     assert layer_support(spec(layer_lora_dtypes=frozenset({"float32"})), Scenario(config(lora_dtype="float32")),
                          "cpu")[0]
+
+
+def test_an_engine_that_maps_adapter_ids_runs_every_named_row_but_one():
+    """Of the named rows only "unloaded slot still in the mapping" maps a token to an empty slot: an engine that cannot
+    name one (maps_unloaded_slots=False, as vLLM's ids) keeps the graph and reload rows."""
+    from moe_lora_harness.harness.layer_runner import _maps_an_unloaded_slot
+    from moe_lora_harness.harness.layer_scenarios import SCENARIOS
+    from moe_lora_harness.harness.profiles import LARGE_LAYER, SMALL_LAYER
+    for shapes in (SMALL_LAYER, LARGE_LAYER):
+        mapping_empty = {s.name for s in SCENARIOS
+                         if _maps_an_unloaded_slot(Scenario(config(), tuple(s.steps(shapes)))) is not None}
+        assert mapping_empty == {"unloaded slot still in the mapping"}, mapping_empty
 
 
 def test_the_config_carries_the_engine_fields():
