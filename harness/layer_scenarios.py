@@ -156,10 +156,14 @@ def layer_config(shapes: LayerShapes, dtype: str, **overrides) -> LayerConfig:
 def claimed_scenario(spec, scenario: Scenario, device: str) -> Scenario:
     """`scenario` at a configuration `spec` claims: its own, else the first of the declared quant schemes and
     activations that makes the layer claim it (a Marlin-style layer takes quantized weights, an OAI-style one
-    swigluoai); the scenario unchanged when none does (its row then says why it is declined)."""
+    swigluoai), at the smallest max_rank the engine allows that holds the scenario's adapters
+    (Capabilities.layer_max_ranks); the scenario unchanged when none does (its row then says why it is declined)."""
     import dataclasses
     from moe_lora_harness.harness.layer_runner import layer_support
     cap = spec.capabilities
+    allowed = sorted(r for r in (cap.layer_max_ranks or ()) if r >= scenario.config.max_rank)
+    if cap.layer_max_ranks is not None and scenario.config.max_rank not in cap.layer_max_ranks and allowed:
+        scenario = dataclasses.replace(scenario, config=dataclasses.replace(scenario.config, max_rank=allowed[0]))
     quants = ["none", *sorted(q for q in cap.quant if q != "none")]
     acts = [scenario.config.activation, *sorted(a for a in (cap.activations or ()) if a != scenario.config.activation)]
     for q in quants:

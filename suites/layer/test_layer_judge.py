@@ -161,6 +161,11 @@ def test_declared_engine_limits_decline_what_it_cannot_express():
     assert layer_support(spec(maps_unloaded_slots=False), Scenario(config(), (*LOAD, FWD)), "cpu")[0]
     ok, why = layer_support(spec(layer_max_ranks=frozenset({1, 16, 32})), Scenario(config()), "cpu")
     assert not ok and "max_rank 8" in why
+    from moe_lora_harness.harness.layer_scenarios import claimed_scenario       # built at the next allowed rank
+    got = claimed_scenario(spec(layer_max_ranks=frozenset({1, 16, 32})), Scenario(config(), (*LOAD, FWD)), "cpu")
+    assert got.config.max_rank == 16 and got.steps == (*LOAD, FWD)
+    assert run_scenario(spec(layer_max_ranks=frozenset({1, 16, 32})), got, "cpu").status == "pass"
+    assert claimed_scenario(spec(layer_max_ranks=frozenset({1, 4})), Scenario(config()), "cpu").config.max_rank == 8
     ok, why = layer_support(spec(), Scenario(config(lora_dtype="float32")), "cpu")
     assert not ok and "layer_lora_dtypes" in why
     assert layer_support(spec(layer_lora_dtypes=frozenset({"float32"})), Scenario(config(lora_dtype="float32")),
