@@ -105,7 +105,7 @@ def _who(state: LayerState, step: dict, t: int) -> str:
 def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: dict, rows, twin_rows,
                device: str, previous: tuple | None = None) -> StepVerdict:
     """Judge the outputs of one forward/replay step, the state being what the steps before it left; `previous`:
-    (mapping, rows) of the run before it (the diagnosis reads it)."""
+    (mapping, rows, twin rows) of the run before it (the diagnosis reads the side it judges)."""
     c = scenario.config
     size = step.get("size", len(step["mapping"]))
     for who, r in (("layer", rows), ("LoRA-disabled twin", twin_rows)):
@@ -127,15 +127,17 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     def judge(r, truth, emu, name, slots=None):
         return _compare(r, truth, emu, c, name, real, slots)
 
-    def context(r, slots, adapters):
-        return StepContext(r, real, slots, adapters, expected, precision_name, judge, k_plus_r(c), previous)
+    def context(r, slots, adapters, twin=False):
+        prev = None if previous is None else (previous[0], previous[2] if twin else previous[1])
+        return StepContext(r, real, slots, adapters, expected, precision_name, judge, k_plus_r(c), prev)
 
     twin_truth, twin_emu = expected(None)
     v = judge(twin_rows, twin_truth, twin_emu, precision_name)
     if not v.ok:
         none = torch.full_like(effective, -1)
         return _failed("twin-", TWIN, "the LoRA-disabled twin is not the base layer: ", v,
-                       context(twin_rows, none, [None] * c.max_loras), twin_truth, twin_emu, c.torch_dtype)
+                       context(twin_rows, none, [None] * c.max_loras, twin=True), twin_truth, twin_emu,
+                       c.torch_dtype)
     none = effective < 0
     none[real:] = False
     diff = none[:, None] & ~same_bits(rows, twin_rows)

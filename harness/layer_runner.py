@@ -89,7 +89,7 @@ def first_failure(spec: BackendSpec, scenario: Scenario, device: str, ex, start:
     """Judge the steps `start:` of an execution (ScenarioExecution) in order; `state`: the model after the steps
     before `start` (advanced in place)."""
     state = state or LayerState(scenario.config)
-    previous = None        # (mapping, rows) of the last run judged: the diagnosis reads it
+    previous = None        # (mapping, rows, twin rows) of the last run judged: the diagnosis reads it
     for i in range(start, len(scenario.steps)):
         step = scenario.steps[i]
         if ex.failure is not None and (ex.failed_step is None or ex.failed_step <= i):
@@ -101,7 +101,7 @@ def first_failure(spec: BackendSpec, scenario: Scenario, device: str, ex, start:
             v: StepVerdict = judge_step(spec, scenario, state, step, rows, twin, device, previous)
             if not v.ok:
                 return LayerFailure(i, v.kind, v.feature, f"step {i} ({step['do']}): {v.message}")
-            previous = (step["mapping"], rows)
+            previous = (step["mapping"], rows, twin)
         state.apply(step)
     return None
 

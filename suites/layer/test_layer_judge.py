@@ -62,8 +62,9 @@ class ReferenceLayer:
         out = moe_experts_forward(b.hidden_states.cpu(), self.w.w13.cpu(), self.w.w2.cpu(), b.topk_weights.cpu(),
                                   b.topk_ids.cpu(), activation=c.activation, lora=lora, magnitudes=False,
                                   precision=make_precision(self.model, c.torch_dtype)).value.to(c.torch_dtype)
-        if self.mistake == "previous-output" and c.lora_enabled and self.last is not None \
-                and self.last.shape == out.shape:
+        accumulates = c.lora_enabled if self.mistake == "previous-output" else \
+            not c.lora_enabled if self.mistake == "twin-previous-output" else False
+        if accumulates and self.last is not None and self.last.shape == out.shape:
             out = (out.double() + self.last.double()).to(out.dtype)
         real = size if self.mapping is None else self.mapping.numel()   # the twin is never given a mapping
         if self.mistake == "padding-nan":
@@ -125,6 +126,14 @@ def test_the_previous_output_accumulated_into_a_replay_is_named():
     o = _run(spec(mistake="previous-output"), steps)
     assert o.status == "fail" and not o.kind.startswith("twin-"), o.detail
     assert "semantics: consistent with" in o.detail and "(previous-output:" in o.detail, o.detail
+
+
+def test_a_twin_failure_is_diagnosed_from_the_twins_own_previous_output():
+    """The LoRA-disabled twin adds its previous output: the twin fails, and the diagnosis reads the twin's previous
+    rows (not the LoRA layer's) to name it."""
+    steps = [*LOAD, {"do": "forward", "mapping": [0] * 8, "seed": 4}, {"do": "forward", "mapping": [1, 0] * 4, "seed": 5}]
+    o = _run(spec(mistake="twin-previous-output"), steps)
+    assert o.status == "fail" and o.kind.startswith("twin-") and "(previous-output:" in o.detail, o.detail
 
 
 def test_a_stale_mapping_is_named_as_the_previous_batchs():
