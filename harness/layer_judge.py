@@ -69,15 +69,15 @@ def _base_weights(config, seed: int, at: torch.device):
     return base_weights(Scenario(config, (), seed), at)
 
 
-def _compare(rows, truth, emu, config, precision_name, real: int, slots=None):
+def _compare(rows, truth, emu, config, precision_name, real: int, slots=None, points_only: bool = False):
     """compare_written over rows [0, real) (padding rows beyond are free); `slots`: each row's judged slot (rule 4
-    holds per slot too)."""
+    holds per slot too); `points_only`: the layer declares BackendSpec.model_points_only."""
     dt = config.torch_dtype
     written = torch.zeros(rows.shape, dtype=torch.bool)
     written[:real] = True
     return compare_written(rows, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(precision_name, dt),
                            k_plus_r=k_plus_r(config), names=("t", "h"), underflow=truth.underflow, work_dtype=dt,
-                           row_groups=slots, **allowances(truth))
+                           row_groups=slots, model_points_only=points_only, **allowances(truth))
 
 
 def k_plus_r(config) -> int:
@@ -125,7 +125,7 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
         return _expected(scenario, state, w, b, precision or precision_name, mapping, adapters)
 
     def judge(r, truth, emu, name, slots=None):
-        return _compare(r, truth, emu, c, name, real, slots)
+        return _compare(r, truth, emu, c, name, real, slots, spec.model_points_only_for(device))
 
     def context(r, slots, adapters, twin=False):
         prev = None if previous is None else (previous[0], previous[2] if twin else previous[1])
