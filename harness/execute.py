@@ -137,9 +137,10 @@ def release_device_memory(device) -> None:
 
 
 def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch):
-    inp = build_op_inputs(case, draw_device(case, device))     # drawn where the judge draws them
+    at = draw_device(case, device)
+    inp = build_op_inputs(case, at)     # drawn where the judge draws them
     digest = inputs_digest(inp)
-    if inp.x.device != torch.device(device):
+    if at.type != torch.device(device).type:    # drawn on the CPU for another device (a small CUDA case): moved there
         inp = inp.to(device)
     if poison is not None:   # elements the contract neither reads nor must keep: NaN, so a missed write shows
         inp.output[poison.to(inp.output.device)] = float("nan")

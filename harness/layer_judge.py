@@ -120,12 +120,13 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     at = w.w13.device                                           # the CPU; spelt as _expected spells it (the
     b = batch(c, step, at)                                      # state's adapters are drawn once per spelling)
     effective = state.effective_mapping(step)
+    points_only = spec.model_points_only_for(device)
 
     def expected(mapping, adapters=None, precision=None):
         return _expected(scenario, state, w, b, precision or precision_name, mapping, adapters)
 
     def judge(r, truth, emu, name, slots=None):
-        return _compare(r, truth, emu, c, name, real, slots, spec.model_points_only_for(device))
+        return _compare(r, truth, emu, c, name, real, slots, points_only)
 
     def context(r, slots, adapters, twin=False):
         prev = None if previous is None else (previous[0], previous[2] if twin else previous[1])
