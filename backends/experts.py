@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
 from moe_lora_harness.harness.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities, ExpertCall, Rule
 from moe_lora_harness.kernels.dtypes import DTYPES
@@ -158,7 +159,7 @@ def spec_for(cls, description: str) -> BackendSpec:
     """A harness BackendSpec for an experts class: capabilities from its declarations, run through FusedMoEKernel."""
     return BackendSpec(
         name=cls.name, description=description, capabilities=capabilities_of(cls),
-        experts=lambda call: run_call(call, cls), precision=precision_for(cls))
+        experts=lambda call: run_call(call, cls), precision=precision_for(cls), model_points_only=TRITON_POINTS_ONLY)
 
 
 def _oracle_spec() -> BackendSpec:
@@ -188,7 +189,7 @@ def _oracle_spec() -> BackendSpec:
                                   dtype_reasons=reasons, quant=frozenset().union(*(c.quant_schemes for c in classes)),
                                   tensor_parallel=True, expert_parallel=True, rules=(rule, on_cpu)),
         experts=run_call,
-        precision=lambda case: _oracle_precision(case, picked))
+        precision=lambda case: _oracle_precision(case, picked), model_points_only=TRITON_POINTS_ONLY)
 
 
 def _selection_at_stake_on_cpu(case: Case) -> bool:

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from moe_lora_harness.backends.experts import capabilities_of, precision_for, unavailable
+from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Rule
 from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
@@ -221,7 +222,7 @@ def layer_spec(name: str, experts_cls, description: str, *, layer_cls=None, prec
     return BackendSpec(name=name, description=description, capabilities=layer_capabilities(experts_cls, graphs),
                        layer=make_factory(experts_cls, layer_cls),
                        precision=precision or (lambda case, p=precision_for(experts_cls): p(as_case(case))),
-                       origin=origin, cpu_rows_in_full_tier=cpu_rows_in_full_tier)
+                       origin=origin, cpu_rows_in_full_tier=cpu_rows_in_full_tier, model_points_only=TRITON_POINTS_ONLY)
 
 
 # the built-in layers other than layer_triton: StatefulMoELoRALayer's state handling over other experts

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.contract import BackendSpec, Capabilities, Rule
+from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
 from moe_lora_harness.kernels.dtypes import TRITON_DTYPE_REASONS, TRITON_DTYPES
 
 try:
@@ -52,21 +53,23 @@ _SB_SIZE = Rule("T*k*rank <= 1024", lambda c: c.T * c.top_k * c.max_rank <= 1024
 
 TRITON = BackendSpec(
     name="triton", description="our Triton op, dispatching like vLLM 0.33.0 (falls back instead of asserting)",
-    capabilities=_caps(), op=_fn("fused_moe_lora"), precision=dispatch_precision)
+    capabilities=_caps(), op=_fn("fused_moe_lora"), precision=dispatch_precision,
+    model_points_only=TRITON_POINTS_ONLY)
 TRITON_ONE_SHOT = BackendSpec(
     name="triton_one_shot", description="one-shot fused kernel (shrink+expand in one kernel, rank <= 128)",
     capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,)) if _ops else _caps(),
-    op=_fn("fused_moe_lora_one_shot"), precision="one_shot")
+    op=_fn("fused_moe_lora_one_shot"), precision="one_shot", model_points_only=TRITON_POINTS_ONLY)
 TRITON_SMALL_BATCH = BackendSpec(
     name="triton_small_batch", description="small-batch GEMV kernel (naive layout, rank <= 64, fp32, one rounding)",
     capabilities=_caps(max_rank=64, layouts=frozenset({"naive"}), fully_sharded=False,
                        reasons={("layout", "sorted"): "the small-batch kernel runs one program per (token, slot) "
                                                       "pair of the naive layout and reads no align"},
                        rules=(_NOT_FS, _SB_SIZE)) if _ops else _caps(),
-    op=_fn("fused_moe_lora_small_batch"), precision="small_batch")
+    op=_fn("fused_moe_lora_small_batch"), precision="small_batch", model_points_only=TRITON_POINTS_ONLY)
 TRITON_TWO_KERNEL = BackendSpec(
     name="triton_two_kernel", description="two-kernel path (shrink to HBM, collective, expand; any rank)",
-    capabilities=_caps(), op=_fn("fused_moe_lora_two_kernel"), precision="two_kernel")
+    capabilities=_caps(), op=_fn("fused_moe_lora_two_kernel"), precision="two_kernel",
+    model_points_only=TRITON_POINTS_ONLY)
 
 
 def _one_shot_forced(name: str, description: str, device_reasons: dict | None = None, **knobs) -> BackendSpec:
@@ -88,7 +91,7 @@ def _one_shot_forced(name: str, description: str, device_reasons: dict | None = 
     return BackendSpec(
         name=f"triton_one_shot_{name}", description=description,
         capabilities=_caps(max_rank=128, fully_sharded=False, rules=(_NOT_FS,), **devices) if _ops else _caps(),
-        op=op, precision="one_shot",
+        op=op, precision="one_shot", model_points_only=TRITON_POINTS_ONLY,
         cpu_rows_in_full_tier="triton_one_shot's kernel with forced knobs (its own tests: suites/kernels)")
 
 
