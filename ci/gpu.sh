@@ -6,7 +6,8 @@
 #   bench     the op benchmark, 60 shapes, every path verified first, vLLM's figures beside ours (~200 s)
 #   experts   the expert benchmark: kernel level and expert level with/without LoRA (~95 s)
 #   dual      the dual-stream benchmark, 15 shapes (~25 s)
-#   sanitize  compute-sanitizer racecheck + synccheck on a dual-stream forward (~60 s)
+#   sanitize  compute-sanitizer racecheck + synccheck on a dual-stream forward (~60 s), then memcheck over
+#             layer_triton's graph rows (padded and zero-token replays; about 30 s a row under memcheck)
 #   ep        expert parallelism: the EP suites and check rows on CUDA (simulated ranks; NCCL processes when
 #             the machine has a GPU per rank), bf16 at real shapes, and the dispatch benchmark (~120 s)
 #   check     the conformance matrix on CUDA (not in `all`: over 220 s; run it alone)

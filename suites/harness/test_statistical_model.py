@@ -239,24 +239,25 @@ def test_a_kernel_that_rounds_only_at_its_models_points_is_judged_sharper(dtype)
     assert _judge(case, got, truth, emu, model_points_only=True).excess > 0.0
 
 
-def test_our_triton_experts_keep_their_declaration():
-    """triton_experts declares model_points_only (backends/rounding.py): its output (the CPU interpreter's) passes
-    the sharper rule 4 with no positive excess, and noise of half its own error, which the default admits, fails
-    under its declaration: the claim checked both ways on the kernel that makes it (on the GPU: the lane and
-    docs/benchmarks.md, twenty-third session)."""
+def test_our_triton_experts_keep_their_declaration(device):
+    """triton_experts declares model_points_only (backends/rounding.py): its output passes the sharper rule 4
+    (at 128 rows, where it can fail), and noise of half its own error, which the default admits, fails
+    under its declaration: the claim checked both ways on the kernel that makes it, on the suite's device (the CPU
+    interpreter, or the GPU in the lane; docs/benchmarks.md, twenty-third session)."""
     from moe_lora_harness.backends.experts import TRITON_EXPERTS
     if not TRITON_EXPERTS.capabilities.devices:
         pytest.skip(f"triton_experts unavailable here: {TRITON_EXPERTS.capabilities.rules[0].reason}")
-    points_only = TRITON_EXPERTS.model_points_only_for("cpu")
-    assert points_only and TRITON_EXPERTS.model_points_only_for("cuda")
+    points_only = TRITON_EXPERTS.model_points_only_for(device)
+    assert points_only
     case = Case.from_json('{"level":"expert","T":128,"H":128,"I":64,"E":4,"top_k":2,"max_rank":16,'
                           '"dtype":"float16","seed":3}')
-    inp, truth, emu = expert_expectations(case, TRITON_EXPERTS.precision_for(case, "cpu"))
-    call = inp.call("cpu")
+    inp, truth, emu = expert_expectations(case, TRITON_EXPERTS.precision_for(case, device))
+    call = inp.call(device)
     TRITON_EXPERTS.experts(call)
-    v = _judge(case, call.output, truth, emu, model_points_only=points_only)
-    assert v.ok and v.excess == 0.0, v.summary()
-    slip = _noise(call.output, truth, 0.5)
+    out = call.output.cpu()
+    v = _judge(case, out, truth, emu, model_points_only=points_only)
+    assert v.ok, v.summary()
+    slip = _noise(out, truth, 0.5)
     assert _judge(case, slip, truth, emu).ok
     assert not _judge(case, slip, truth, emu, model_points_only=points_only).ok
 
