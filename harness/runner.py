@@ -56,6 +56,8 @@ class Outcome:
                                                 # it failed, as declared
     semantics: str = ""                         # the integration mistake a gross failure follows (harness.
                                                 # semantic_diagnosis; '' when none was named or none was tried)
+    semantics_also: tuple = ()                  # the other mistakes that fit as well (the case cannot tell them
+                                                # apart from `semantics`)
 
     @property
     def failed(self) -> bool:
@@ -324,10 +326,11 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if passed:
         return Outcome(spec.name, case, device, "pass", note, verdict, seconds=seconds)
     repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
-    notes, semantics = _diagnoses(case, kind, verdict, ex, exp) if diagnose else ([], "")
+    notes, semantics, also = _diagnoses(case, kind, verdict, ex, exp) if diagnose else ([], "", ())
     return Outcome(spec.name, case, device, "fail", kind, verdict,
                    _explain(spec, case, device, kind, message, verdict, ex, exp, repro, notes), kind=kind,
-                   runs=runs, seconds=seconds, message=message, repro=repro, semantics=semantics)
+                   runs=runs, seconds=seconds, message=message, repro=repro, semantics=semantics,
+                   semantics_also=also)
 
 
 def _op_coords(case: Case, cpu):
@@ -355,8 +358,8 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
     (harness.diagnose); beyond every rounding model, the integration mistake (harness.semantic_diagnosis);
     and, when only some rows fail, which they are. Advice only: its own failure is reported, never raised."""
     if verdict is None or ex.output is None or kind not in (*WRONG_VALUE_KINDS, "nonfinite"):
-        return [], ""
-    lines, name = [], ""
+        return [], "", ()
+    lines, name, also = [], "", ()
     try:
         d = None
         if kind in ("element", "aggregate"):
@@ -374,13 +377,13 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
                 name = SIGN_OF_ZERO
             elif s is not None:
                 lines.append("  semantics: " + s.text)
-                name = s.name
+                name, also = s.name, tuple(f.name for f in s.matched[1:])
         where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth, exp.before))
         if where:
             lines.append("  rows: " + where)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict
         lines.append(f"  (no diagnosis: {type(e).__name__}: {e})")
-    return lines, name
+    return lines, name, also
 
 
 def _explain(spec, case, device, kind, message, verdict, ex: Execution, exp: Expectation, repro: str,

@@ -93,14 +93,16 @@ class Kill:
     first: str = ""       # the first failure's one-line summary
     error: str = ""       # the detector could not run (load error, nothing claimed)
     named: str = ""       # the semantic alternative the caught failure was named as ('' none)
+    also: tuple = ()      # the other alternatives that fit that failure as well (its case cannot tell them apart)
     expected: str = ""    # the one the mutant commits ('' when its mechanism is not in the table)
     row: str = ""         # check: the row that failed first
     rows: tuple = ()      # check: every row that failed (all of them only when every row was run)
 
     @property
     def misnamed(self) -> bool:
-        """Caught, with a mechanism in the table, but not named as it."""
-        return self.caught and bool(self.expected) and self.named != self.expected
+        """Caught, with a mechanism in the table, but not named as it (nor among the alternatives that fit its
+        failure equally: where the case cannot tell them apart, naming either is true)."""
+        return self.caught and bool(self.expected) and self.expected not in (self.named, *self.also)
 
 
 class BudgetSpent(Exception):
@@ -196,15 +198,15 @@ def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: 
             failures.append(f"{row}: {o.kind} {o.message[:120]}"
                             + (f" [consistent with {o.semantics}]" if o.semantics else ""))
             rows.append(row)
-            first = first or (time.monotonic() - t0, runs, o.semantics)
+            first = first or (time.monotonic() - t0, runs, o.semantics, getattr(o, "semantics_also", ()))
             if stop_at_first:
                 break
     if not claimed:
         return Kill(False, time.monotonic() - t0, runs, error="declined every check row")
     if first is None:
         return Kill(False, time.monotonic() - t0, runs)
-    seconds, at, named = first
-    return Kill(True, seconds, at, "; ".join(failures[:3]), named=named, expected=expected, row=rows[0],
+    seconds, at, named, also = first
+    return Kill(True, seconds, at, "; ".join(failures[:3]), named=named, also=also, expected=expected, row=rows[0],
                 rows=tuple(rows))
 
 
@@ -237,7 +239,8 @@ def _campaign(spec, corpus: Corpus, device: str, executor, budget_s: float, max_
         return Kill(False, time.monotonic() - t0, r.examples, error="nothing claimed")
     if r.found:
         f = r.found[0]
-        return Kill(True, f.seconds, r.examples, f.signature.text, named=f.signature.semantics, expected=expected)
+        return Kill(True, f.seconds, r.examples, f.signature.text, named=f.signature.semantics,
+                    also=f.outcome.semantics_also, expected=expected)
     return Kill(False, time.monotonic() - t0, r.examples)
 
 
