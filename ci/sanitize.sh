@@ -7,8 +7,9 @@
 # layer (default layer_triton), SANITIZE_LAYER_BACKEND a --backend REF to load it from (a user's layer),
 # SANITIZE_LAYER_FEATURE the rows (default "graph:": captures, padded and zero-token replays, every dtype; under
 # memcheck a row takes about 30 s on the H200, so all 39 runs of layer_triton's rows need about 20 minutes);
-# SANITIZE_LAYER_TIMEOUT its limit (default 600 s); SANITIZE_LAYER= skips it. GPU only; run on the H200 by the lead. Cross-stream ordering itself is checked by the
-# Recorder (suites/schedule) and by the sleep-injection stress test (suites/schedule/test_gpu_stress.py).
+# SANITIZE_LAYER_TIMEOUT its limit (default 600 s); SANITIZE_LAYER= skips it. GPU only; run on the H200 by the
+# lead. Cross-stream ordering itself is checked by the Recorder (suites/schedule) and by the sleep-injection
+# stress test (suites/schedule/test_gpu_stress.py).
 #
 # Fails when a tool reports an error, AND when a tool did not really run: the sanitizer binary is
 # missing, its log lacks the "ERROR SUMMARY" line, or the program did not print its completion marker.

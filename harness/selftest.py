@@ -198,7 +198,7 @@ def _check_detector(spec, corpus: Corpus, device: str, executor, stop_at_first: 
             failures.append(f"{row}: {o.kind} {o.message[:120]}"
                             + (f" [consistent with {o.semantics}]" if o.semantics else ""))
             rows.append(row)
-            first = first or (time.monotonic() - t0, runs, o.semantics, getattr(o, "semantics_also", ()))
+            first = first or (time.monotonic() - t0, runs, o.semantics, o.semantics_also)
             if stop_at_first:
                 break
     if not claimed:
