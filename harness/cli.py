@@ -672,16 +672,22 @@ def cmd_fuzz(args) -> int:
     strategy = claimed_cases(spec, device, level, compile_classes=classes, **sizes)
     shapes = "free shapes"
     if served:
-        from moe_lora_harness.harness.model_fuzz import FUZZ_TOKENS, served_cases
+        from moe_lora_harness.harness.model_fuzz import FUZZ_TOKENS, jobs_that_fit, served_cases
         from moe_lora_harness.harness.model_plan import shape_text
         layer = _served_layer(args)
         tokens = args.tokens or FUZZ_TOKENS
         try:
+            if args.job_index is None:     # the campaigns the device holds at this shape (a job's share of memory)
+                fit, why = jobs_that_fit(strategy, layer, spec, device, args.jobs, tp=args.tp or 1, ep=args.ep or 1,
+                                         tokens=tokens)
+                if why:
+                    print(f"[fuzz] {why}", file=sys.stderr)
+                    args.jobs = fit
             strategy = served_cases(strategy, layer, spec, device, tp=args.tp or 1, ep=args.ep or 1,
                                     tokens=tokens, share=args.job_count or args.jobs)
             shapes = (f"{layer.name}'s layer, {shape_text(layer, args.tp or 1, args.ep or 1)}, tokens "
                       f"{', '.join(map(str, tokens))}")
-        except ValueError as e:          # a TP / EP degree the layer does not divide by
+        except ValueError as e:    # a TP / EP degree the layer does not divide by; a layer the device cannot hold
             raise UsageError(str(e)) from None
     elif classes:
         pal = palette_of(spec, device, level, **sizes)

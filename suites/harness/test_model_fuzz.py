@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hypothesis import given, settings
 
 from moe_lora_harness.harness.case import Case
@@ -53,3 +55,27 @@ def test_fuzz_model_finds_a_planted_bug_at_the_layers_shape(tmp_path):
     case = Case.from_json(json.dumps(found["case"]))
     assert (case.H, case.I, case.E, case.top_k) == (32, 16, 8, 2) and case.T in (1, 17), case
     assert "replay" in found["repro"] and '"H":32' in found["repro"]
+
+
+def test_jobs_that_fit_runs_as_many_campaigns_as_the_device_holds_at_the_layer(monkeypatch):
+    """--jobs N splits the device's free memory N ways and each job draws only what its share holds: at a layer whose
+    cases exceed a share, N jobs would test nothing (the served fuzz of DeepSeek-V3 with --jobs 8 on the H200 said
+    "NOTHING TESTED ... claimed by its declarations"). Fewer jobs, said why; none fitting at all is an error."""
+    from moe_lora_harness.harness import model_fuzz
+    from moe_lora_harness.harness.case_memory import memory_need
+    from moe_lora_harness.harness.strategies import examples
+    strategy = claimed_cases(EAGER, "cpu", "expert", **draw_sizes("cpu", "expert"))
+    needs = sorted(memory_need(c, "cpu").total for c in examples(
+        model_fuzz._claimed_at_layer(strategy, LAYER, EAGER, "cpu", 1, 1, (1, 17, 300)), model_fuzz.FIT_SAMPLE))
+    median = needs[len(needs) // 2]
+
+    def fit(free: int, jobs: int):
+        monkeypatch.setattr(model_fuzz, "free_bytes", lambda device: (free, "test memory"))
+        return model_fuzz.jobs_that_fit(strategy, LAYER, EAGER, "cpu", jobs, tokens=(1, 17, 300))
+
+    assert fit(100 * median, 8) == (8, "")
+    jobs, why = fit(3 * median, 8)
+    assert jobs == 3 and "3 job(s) instead of 8" in why and "tiny" in why and "test memory" in why
+    assert fit(median, 4)[0] == 1
+    with pytest.raises(ValueError, match="smallest drawn case needs"):
+        fit(needs[0] - 1, 2)
