@@ -895,8 +895,14 @@ def _power(args, device: str) -> int:
     specs = _backends(args)
     if name not in specs:
         raise UsageError(f"--only {name!r}: no such backend")
+    try:
+        ranks = tuple(int(r) for r in (args.rank or "").split(",") if r.strip()) or (64,)
+    except ValueError:
+        raise UsageError(f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {args.rank!r}") from None
+    if any(r < 1 for r in ranks):
+        raise UsageError(f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {args.rank!r}")
     cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
-                              dtypes=tuple(d for d in (args.dtype or "").split(",") if d))
+                              dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=ranks)
     reports = []
     for case in cases:
         reports.append(power.measure(specs[name], case, device,
@@ -1070,6 +1076,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokens", type=_token_list, default=None, metavar="LIST",
                    help="--power's token counts, e.g. 256,4096+17 (default 16)")
     t.add_argument("--dtype", default="", metavar="LIST", help="--power's dtypes (comma-separated)")
+    t.add_argument("--rank", default="", metavar="LIST", help="--power's LoRA ranks, e.g. 16,32,64 (default 64)")
     palette_option(t)
     t.set_defaults(fn=cmd_selftest)
     from moe_lora_harness.harness import cli_adapter

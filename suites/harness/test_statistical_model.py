@@ -182,6 +182,23 @@ def test_the_power_table_on_a_small_layer():
     assert U32 == 2.0 ** -24
 
 
+def test_selftest_power_takes_the_ranks_asked_for(monkeypatch, capsys):
+    """`selftest --power --rank 16,32` measures each rank (issue 30 asks ranks 16-64); a rank that is not a positive
+    integer is a usage error naming the option."""
+    from moe_lora_harness.harness import power
+    from moe_lora_harness.harness.cli import main
+    seen = []
+
+    def measured(spec, case, device, **kw):
+        seen.append((case.max_rank, case.dtype, case.T))
+        return power.PowerReport(case, spec.name, 0.01, 1.0, True, True, [], 0.0)
+    monkeypatch.setattr(power, "measure", measured)
+    assert main(["selftest", "--power", "--device", "cpu", "--rank", "16,32", "--dtype", "float16"]) == 0
+    assert seen == [(16, "float16", 16), (32, "float16", 16)]
+    assert main(["selftest", "--power", "--device", "cpu", "--rank", "16,x"]) == 2
+    assert "--rank must be" in capsys.readouterr().err
+
+
 # rule 4, the excess over the emulation: a layer with enough token rows for it to speak (it cannot below 83)
 ROWS = '{"level":"expert","T":300,"H":768,"I":384,"E":4,"top_k":2,"max_rank":16,"dtype":"float16","seed":7}'
 
