@@ -22,10 +22,18 @@ def cell(outcomes: list[Outcome]) -> dict:
     for o in outcomes:
         if o.probed:
             probed[o.kind] += 1
+    # every case without a verdict, by its reason (a cell that passes may hold some: "pass 4/6 (2 not runnable
+    # here)" says how many, this says why and which)
+    declined: dict = {}
+    for o in outcomes:
+        if o.status in NO_VERDICT:
+            d = declined.setdefault((o.status, o.reason), {"status": o.status, "reason": o.reason, "cases": []})
+            d["cases"].append(o.case.to_json())
     return {"status": status, "counts": dict(counts), "reason": reason, "kinds": dict(kinds),
             "seconds": round(sum(o.seconds for o in outcomes), 3),     # the backend's time on the cell's cases
             "failures": [o.detail for o in outcomes if o.failed], "probed_failing": dict(probed),
-            "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}" for o in outcomes if o.probed]}
+            "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}" for o in outcomes if o.probed],
+            "no_verdict": list(declined.values())}
 
 
 def build_matrix(outcomes: list[Outcome], feature_of) -> dict:
@@ -66,7 +74,7 @@ def add_not_reached(matrix: dict, runs: list) -> list[dict]:
         left[(backend, feature)] += 1
         matrix.setdefault(backend, {}).setdefault(feature, {
             "status": NOT_REACHED, "counts": {}, "reason": NOT_REACHED_REASON, "kinds": {}, "seconds": 0.0,
-            "failures": [], "probed_failing": {}, "probed_messages": []})
+            "failures": [], "probed_failing": {}, "probed_messages": [], "no_verdict": []})
     return [{"backend": b, "feature": f, "runs": n} for (b, f), n in left.items()]
 
 
@@ -115,6 +123,10 @@ def to_text(matrix: dict, features: list[str], width: int | None = None) -> str:
     for status, title in (("unsupported", "unsupported, as declared"), ("not-runnable", "not runnable on this machine")):
         reasons = sorted({(b, matrix[b][f]["reason"]) for b in backends for f in features
                           if f in matrix[b] and matrix[b][f]["status"] == status})
+        # a cell with a verdict may hold cases without one: their reasons too, with the feature they belong to
+        reasons += sorted({(f"{b} / {f}", d["reason"]) for b in backends for f in features if f in matrix[b]
+                           and matrix[b][f]["status"] not in NO_VERDICT
+                           for d in matrix[b][f].get("no_verdict", ()) if d["status"] == status})
         if reasons:
             lines.append(f"\n{title}:")
             lines += [f"  {b}: {r}" for b, r in reasons]

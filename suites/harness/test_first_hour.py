@@ -284,3 +284,21 @@ def test_two_named_mistakes_of_one_backend_are_two_groups():
     groups = group_failures([fail("no-lora", 2.5), fail("no-lora", 7.0), fail("w2-delta-missing", 3.0)],
                             lambda o: "fp16")
     assert [len(g.outcomes) for g in groups] == [2, 1]
+
+
+def test_a_cell_that_passes_still_says_why_some_of_its_cases_were_not_run():
+    """A cell "pass 4/6 (2 not runnable here)" (check --model at DeepSeek-V3 on the H200: fp32 needs more memory than
+    the GPU has) says why, and which cases: in the text beside the cell's feature, and in the JSON."""
+    from moe_lora_harness.harness.report import build_matrix, to_text
+    from moe_lora_harness.harness.runner import Outcome
+    from moe_lora_harness.harness.case import Case
+    ran, big = Case(T=3), Case(T=3, dtype="float32")
+    why = "not runnable on this machine: T=3 float32 needs 160 GiB; 139 GiB free GPU memory on cuda"
+    matrix = build_matrix([Outcome("b", ran, "cuda", "pass"), Outcome("b", big, "cuda", "not-runnable", why)],
+                          lambda _: "experts: fp32")
+    c = matrix["b"]["experts: fp32"]
+    assert c["status"] == "pass" and c["no_verdict"] == [{"status": "not-runnable", "reason": why,
+                                                          "cases": [big.to_json()]}]
+    text = to_text(matrix, ["experts: fp32"], width=200)
+    assert "pass 1/2 (1 not runnable here)" in text
+    assert "not runnable on this machine:\n  b / experts: fp32: " + why in text
