@@ -902,7 +902,11 @@ def _power(args, device: str) -> int:
     if any(r < 1 for r in ranks):
         raise UsageError(f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {args.rank!r}")
     cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
-                              dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=ranks)
+                              dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=ranks,
+                              quant=args.quant)
+    bad = [c.problems() for c in cases if c.problems()]
+    if bad:
+        raise UsageError(f"--quant {args.quant!r}: {bad[0][0]}")
     reports = []
     for case in cases:
         reports.append(power.measure(specs[name], case, device,
@@ -1077,6 +1081,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--power's token counts, e.g. 256,4096+17 (default 16)")
     t.add_argument("--dtype", default="", metavar="LIST", help="--power's dtypes (comma-separated)")
     t.add_argument("--rank", default="", metavar="LIST", help="--power's LoRA ranks, e.g. 16,32,64 (default 64)")
+    t.add_argument("--quant", default="none", metavar="SCHEME",
+                   help="--power's weight scheme (e.g. fp8_w8a8; default none)")
     palette_option(t)
     t.set_defaults(fn=cmd_selftest)
     from moe_lora_harness.harness import cli_adapter

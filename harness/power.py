@@ -256,10 +256,11 @@ def to_json(reports) -> list:
             for r in reports]
 
 
-def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0) -> list:
+def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0, quant: str = "none") -> list:
     """The cases of a power table: each catalogued layer's (harness.models.MoELayer; TP 1, EP 1) at each token count,
     dtype and rank, every slot at that rank; without layers, one of H 1024, I 512, E 8, top-k 2 (what a CPU computes
-    in seconds), at 16 tokens."""
+    in seconds), at 16 tokens. `quant`: the weights' scheme (an FP8 one quantizes the activations too; the base-GEMM
+    slips rewrite the dequantized weights a quantized backend does not read, so they are no-ops there)."""
     from moe_lora_harness.harness.models import case_fields
     shapes = [case_fields(m) for m in layers] if layers else [
         dict(H=1024, I=512, E=8, top_k=2, activation="silu", bias=False)]
@@ -268,6 +269,6 @@ def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed:
         for T in tokens or (16,):
             for dt in dtypes or (("bfloat16", "float16") if device != "cpu" else ("float16", "float32")):
                 for r in ranks:
-                    out.append(Case(level="expert", T=T, dtype=dt, max_rank=r, seed=seed,
+                    out.append(Case(level="expert", T=T, dtype=dt, max_rank=r, seed=seed, quant=quant,
                                     **{k: v for k, v in fields.items() if k not in ("tp_size", "ep_size", "ep_rank")}))
     return out

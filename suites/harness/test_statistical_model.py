@@ -183,20 +183,25 @@ def test_the_power_table_on_a_small_layer():
 
 
 def test_selftest_power_takes_the_ranks_asked_for(monkeypatch, capsys):
-    """`selftest --power --rank 16,32` measures each rank (issue 30 asks ranks 16-64); a rank that is not a positive
-    integer is a usage error naming the option."""
+    """`selftest --power --rank 16,32` measures each rank and `--quant` the weight scheme (issue 30 asks ranks 16-64
+    and the FP8 rows); a rank that is not a positive integer, or a scheme that is not one, is a usage error."""
     from moe_lora_harness.harness import power
     from moe_lora_harness.harness.cli import main
     seen = []
 
     def measured(spec, case, device, **kw):
-        seen.append((case.max_rank, case.dtype, case.T))
+        seen.append((case.max_rank, case.dtype, case.T, case.quant))
         return power.PowerReport(case, spec.name, 0.01, 1.0, True, True, [], 0.0)
     monkeypatch.setattr(power, "measure", measured)
     assert main(["selftest", "--power", "--device", "cpu", "--rank", "16,32", "--dtype", "float16"]) == 0
-    assert seen == [(16, "float16", 16), (32, "float16", 16)]
+    assert seen == [(16, "float16", 16, "none"), (32, "float16", 16, "none")]
     assert main(["selftest", "--power", "--device", "cpu", "--rank", "16,x"]) == 2
     assert "--rank must be" in capsys.readouterr().err
+    seen.clear()
+    assert main(["selftest", "--power", "--device", "cpu", "--quant", "fp8_w8a8", "--dtype", "bfloat16"]) == 0
+    assert seen == [(64, "bfloat16", 16, "fp8_w8a8")]
+    assert main(["selftest", "--power", "--device", "cpu", "--quant", "fp8"]) == 2
+    assert "--quant 'fp8': quant must be one of" in capsys.readouterr().err
 
 
 # rule 4, the excess over the emulation: a layer with enough token rows for it to speak (it cannot below 83)
