@@ -915,7 +915,8 @@ def _power(args, device: str) -> int:
         print(power.power_table(reports[-1:]), flush=True)
         if args.json:     # after every case: a run cut by its time limit keeps what it measured
             pathlib.Path(args.json).write_text(json.dumps(power.to_json(reports), indent=1))
-    bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)]
+    bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)]   # 0 where the oracle
+    # fails the correct kernel (power.measure): it cannot stand beside the judge there, which the table says
     for r in bad:
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
                                                        "an output assert_close fails passes the judge"))

@@ -182,6 +182,20 @@ def test_the_power_table_on_a_small_layer():
     assert U32 == 2.0 ** -24
 
 
+def test_the_power_table_leaves_out_an_oracle_that_fails_the_correct_kernel():
+    """On an FP8 row in bf16 assert_close(2e-2) fails the correct kernel (e4m3 steps exceed its tolerance), so it
+    fails every slip too: its column says n/a and counts no output against the judge (it did: 'POWER FAILED')."""
+    from moe_lora_harness.harness import power
+    case = Case(level="expert", T=8, H=256, I=128, E=8, top_k=2, dtype="bfloat16", max_rank=16, quant="fp8_w8a8")
+    rep = power.measure(EAGER, case, "cpu", slips=[s for s in power.SLIPS if s.name == "scaling"], steps=3)
+    assert rep.kernel_ok and not rep.oracle_ok
+    (slip,) = rep.slips
+    assert slip.oracle_only == 0 and slip.oracle.multiple is None and slip.judge.multiple is not None
+    table = power.power_table([rep])
+    assert "assert_close fails the correct kernel here" in table and table.splitlines()[-1].split()[-2:] == ["n/a",
+                                                                                                           "n/a"]
+
+
 def test_selftest_power_takes_the_ranks_asked_for(monkeypatch, capsys):
     """`selftest --power --rank 16,32` measures each rank and `--quant` the weight scheme (issue 30 asks ranks 16-64
     and the FP8 rows); a rank that is not a positive integer, or a scheme that is not one, is a usage error."""
