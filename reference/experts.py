@@ -338,16 +338,17 @@ def _activation_change(c: Tensor, e: Tensor, spec) -> Tensor:
 
 
 def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: Tensor, k: int, spec,
-                 rows_per_chunk: int = 1024):
-    """The GEMM1 flips a kernel's fp32 scale arithmetic may take: (base (P,) the sum over the pair's flippable input
-    elements j of ||w2[e] (h(c + d_j) - h(c))|| for the worse sign of d_j = +-(one e4m3 step x s) x column j of
-    w13[e], each flip's change computed exactly; lin (P, I): the sum of those flips' |h(c + d_j) - h(c)|, for the
-    LoRA's path). c: the pair's activation input (cache1, exact); step (T, H): `flip_step` of GEMM1's input with no
-    error of its own. Few elements are flippable (exact ties, values within FP32_SLACK of a boundary): the work is
-    per flippable element."""
+                 w_base: Tensor, w2_lora=None, rows_per_chunk: int = 1024) -> Tensor:
+    """The GEMM1 flips a kernel's fp32 scale arithmetic may take: (P,) the sum over the pair's flippable input elements
+    j of the norm of the pair's output change, for the worse sign of d_j = +-(one e4m3 step x s) x column j of w13[e]:
+    w_base w2[e] (h(c + d_j) - h(c)) plus, where the pair has a w2 LoRA, w_lora B (A (h(c + d_j) - h(c))) (the LoRA
+    reads the unquantized activation, so a flip reaches it too), each flip's change computed exactly. c: the pair's
+    activation input (cache1, exact); step (T, H): `flip_step` of GEMM1's input with no error of its own; w_base (P,):
+    the base GEMM2's factor (|w|, or 1 with the weight on the input); `w2_lora`: (slot (P,) -1 for none, A (L, E, R, I),
+    B (L, E or 1, H', R), column offset, w_lora (P,)) or None. Few elements are flippable (exact ties, values within
+    FP32_SLACK of a boundary): the work is per flippable element."""
     P = cache1.shape[0]
     base = torch.zeros(P, dtype=_F64, device=cache1.device)
-    lin = torch.zeros(P, W2.shape[2], dtype=_F64, device=cache1.device)
     tj = step.nonzero()                                              # (n, 2): token, input element
     pairs = (tj[:, :1] * k + torch.arange(k, device=tj.device)).reshape(-1)
     cols, d = tj[:, 1].repeat_interleave(k), step[tj[:, 0], tj[:, 1]].repeat_interleave(k)
@@ -362,10 +363,20 @@ def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: 
             shift = d[part, None] * w13e[:, cols[part]].T                # (n, N1)
             h0 = apply_activation(c, spec.name)
             dh = torch.stack([apply_activation(c + shift, spec.name) - h0, apply_activation(c - shift, spec.name) - h0])
-            base.index_add_(0, p, torch.linalg.vector_norm(dh @ w2e.T, dim=2).amax(dim=0))
-            lin.index_add_(0, p, dh.abs().amax(dim=0))
+            change = (dh @ w2e.T) * w_base[p][None, :, None]              # (2, n, H)
+            if w2_lora is not None:
+                slot, a2, b2, offset, w_lora = w2_lora
+                for lo_slot in torch.unique(slot[p]).tolist():
+                    if lo_slot < 0:
+                        continue
+                    rows = (slot[p] == lo_slot).nonzero().flatten()
+                    a = a2[lo_slot, e].to(_F64)                            # (R, I)
+                    b = b2[lo_slot, 0 if b2.shape[1] == 1 else e].to(_F64)  # (H', R)
+                    delta = ((dh[:, rows] @ a.T) @ b.T) * w_lora[p[rows]][None, :, None]
+                    change[:, rows, offset:offset + b.shape[0]] += delta
+            base.index_add_(0, p, torch.linalg.vector_norm(change, dim=2).amax(dim=0))
         del w13e, w2e
-    return base, lin
+    return base
 
 
 def _interleave(split: Tensor, I: int) -> Tensor:
@@ -635,7 +646,7 @@ def forward_steps(
         var3 = var3.reshape(T, k, H)
         rnd3 = rnd3.reshape(T, k, H) + cache3 * cache3          # cache3's rounding
     del c3
-    scale3 = under3 = flip3 = one3 = slack = None
+    scale3 = under3 = flip3 = one3 = None
     if magnitudes:
         s3 = got.pop("s3")
         if b2 is not None:
@@ -647,10 +658,18 @@ def forward_steps(
             o3 = (flip_step(a, err, fp8) * _per_expert_rows(_column_norms(W2), e_flat)).amax(dim=1, keepdim=True)
             flip3 = (w_pair.abs() * f3 if weight_out else f3).reshape(T, k, H)
             one3 = (w_pair.abs() * o3 if weight_out else o3).reshape(T, k)
-            # the flips of GEMM1's input that only a kernel's scale arithmetic takes (err 0): exact, one at a time
-            slack_base, slack_lin = _slack_flips(slack_step, cache1_exact, W13, W2, e_flat, k, spec)
-            if weight_out:
-                slack_base = w_pair.abs().reshape(P) * slack_base
+            # the flips of GEMM1's input that only a kernel's scale arithmetic takes (err 0): exact, one at a time,
+            # through the base GEMM2 and the w2 LoRA together
+            w2_lora = None
+            if lora is not None:
+                slot = torch.full((P,), -1, dtype=torch.int64, device=dev)
+                slot[layout.pair] = layout.lora
+                w_lora = (w32 if semantics.w2_lora_weight_power == 1 else w32 ** semantics.w2_lora_weight_power)
+                w2_lora = (slot, lora.stacked.w2_a[0], lora.stacked.w2_b[0], w2_lora_offset,
+                           w_lora.to(_F64).reshape(P))
+            slack_base = _slack_flips(slack_step, cache1_exact, W13, W2, e_flat, k, spec,
+                                      w_pair.abs().reshape(P) if weight_out else torch.ones(P, dtype=_F64, device=dev),
+                                      w2_lora)
             del f3, o3, err, allow2
         if weight_out:
             s3 = w_pair.abs() * s3
@@ -676,9 +695,7 @@ def forward_steps(
             a2_abs = [a2.abs() for a2 in st.w2_a]
             u_flip = lora_shrink(flip2, a2_abs, layout, k, True, _EXACT)
             flip3 = flip3 + _abs_expand(u_flip, st.w2_b, w2_weights, cache3, layout, k, True, w2_lora_offset)
-            u_slack = lora_shrink(slack_lin, a2_abs, layout, k, True, _EXACT)
-            slack = _abs_expand(u_slack, st.w2_b, w2_weights, cache3, layout, k, True, w2_lora_offset)
-            del u_flip, u_slack, a2_abs
+            del u_flip, a2_abs
     del s2, under2, flip2, cache1_exact, slack_step, var2, rnd2
     if not return_intermediates:
         del a
@@ -693,11 +710,9 @@ def forward_steps(
         flips["acc_var"] = ((var3 * keep).sum(dim=1)
                             + dot_variance(out, (cache3 * cache3 * keep).sum(dim=1), k))
         flips["round_var"] = (rnd3 * keep).sum(dim=1)     # the output's own rounding is the judge's to add
-    if flip3 is not None:   # slack_flip: the exact base flips' norms add up, the LoRA's part (absolute) is one vector
-        lora_part = torch.zeros(T, dtype=_F64, device=dev) if slack is None else \
-            torch.linalg.vector_norm((slack * keep).sum(dim=1), dim=1)
+    if flip3 is not None:   # slack_flip: the exact flips' norms (base GEMM2 and w2 LoRA together) add up
         flips.update(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
-                     slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1) + lora_part)
+                     slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1))
     if not return_intermediates:
         return ExpertExpected(value=out, scale=scale, underflow=under, **flips)
     return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),
