@@ -880,6 +880,18 @@ def _write_order(path: str, device: str, res) -> None:
           f"that a row kills; no check row kills {len(data['no_check_killer'])}")
 
 
+def _rank_list(text: str) -> tuple:
+    """`--rank`'s LoRA ranks (default 64); UsageError naming the option for anything but positive integers."""
+    why = f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {text!r}"
+    try:
+        ranks = tuple(int(r) for r in (text or "").split(",") if r.strip()) or (64,)
+    except ValueError:
+        raise UsageError(why) from None
+    if any(r < 1 for r in ranks):
+        raise UsageError(why)
+    return ranks
+
+
 def _power(args, device: str) -> int:
     """`selftest --power`: the judge's power table (harness.power); fails if the correct kernel fails, or if an
     output that assert_close fails passes the judge."""
@@ -895,12 +907,7 @@ def _power(args, device: str) -> int:
     specs = _backends(args)
     if name not in specs:
         raise UsageError(f"--only {name!r}: no such backend")
-    try:
-        ranks = tuple(int(r) for r in (args.rank or "").split(",") if r.strip()) or (64,)
-    except ValueError:
-        raise UsageError(f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {args.rank!r}") from None
-    if any(r < 1 for r in ranks):
-        raise UsageError(f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {args.rank!r}")
+    ranks = _rank_list(args.rank)
     cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
                               dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=ranks,
                               quant=args.quant)
@@ -915,8 +922,8 @@ def _power(args, device: str) -> int:
         print(power.power_table(reports[-1:]), flush=True)
         if args.json:     # after every case: a run cut by its time limit keeps what it measured
             pathlib.Path(args.json).write_text(json.dumps(power.to_json(reports), indent=1))
-    bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)]   # 0 where the oracle
-    # fails the correct kernel (power.measure): it cannot stand beside the judge there, which the table says
+    # (oracle_only is 0 where assert_close fails the correct kernel: it cannot stand beside the judge there)
+    bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)]
     for r in bad:
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
                                                        "an output assert_close fails passes the judge"))

@@ -241,7 +241,8 @@ def power_table(reports) -> str:
              "on this case)"]
     for r in reports:
         c = r.case
-        label = f"{c.dtype} T{c.T} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}"
+        label = f"{c.dtype} T{c.T} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}" + (
+            f" {c.quant}" if c.quant != "none" else "")
         lines.append(f"{label:<44} {'(correct kernel)':<20} ratio {r.kernel_ratio:.3g} err {r.kernel_rel_error:.2e}"
                      f" judge {'pass' if r.kernel_ok else 'FAIL'} oracle {'pass' if r.oracle_ok else 'FAIL'}")
         if not r.oracle_ok:

@@ -32,7 +32,8 @@ def cell(outcomes: list[Outcome]) -> dict:
     return {"status": status, "counts": dict(counts), "reason": reason, "kinds": dict(kinds),
             "seconds": round(sum(o.seconds for o in outcomes), 3),     # the backend's time on the cell's cases
             "failures": [o.detail for o in outcomes if o.failed], "probed_failing": dict(probed),
-            "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}" for o in outcomes if o.probed],
+            "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}"
+                                for o in outcomes if o.probed],
             "no_verdict": list(declined.values())}
 
 
