@@ -449,6 +449,18 @@ def _served_layer(args):
         raise UsageError(str(e)) from None
 
 
+def _rank_list(text: str) -> tuple:
+    """--rank: comma-separated LoRA ranks, each a positive int."""
+    why = f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {text!r}"
+    try:
+        ranks = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(why) from None
+    if any(r < 1 for r in ranks):
+        raise argparse.ArgumentTypeError(why)
+    return ranks
+
+
 def _token_list(text: str) -> tuple:
     """--tokens: comma-separated token counts, each an int >= 0 or a sum like 4096+17."""
     try:
@@ -880,18 +892,6 @@ def _write_order(path: str, device: str, res) -> None:
           f"that a row kills; no check row kills {len(data['no_check_killer'])}")
 
 
-def _rank_list(text: str) -> tuple:
-    """`--rank`'s LoRA ranks (default 64); UsageError naming the option for anything but positive integers."""
-    why = f"--rank must be comma-separated positive integers, e.g. 16,32,64; got {text!r}"
-    try:
-        ranks = tuple(int(r) for r in (text or "").split(",") if r.strip()) or (64,)
-    except ValueError:
-        raise UsageError(why) from None
-    if any(r < 1 for r in ranks):
-        raise UsageError(why)
-    return ranks
-
-
 def _power(args, device: str) -> int:
     """`selftest --power`: the judge's power table (harness.power); fails if the correct kernel fails, or if an
     output that assert_close fails passes the judge."""
@@ -907,13 +907,12 @@ def _power(args, device: str) -> int:
     specs = _backends(args)
     if name not in specs:
         raise UsageError(f"--only {name!r}: no such backend")
-    ranks = _rank_list(args.rank)
     cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
-                              dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=ranks,
+                              dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=args.rank,
                               quant=args.quant)
-    bad = [c.problems() for c in cases if c.problems()]
-    if bad:
-        raise UsageError(f"--quant {args.quant!r}: {bad[0][0]}")
+    problems = next((p for p in (c.problems() for c in cases) if p), None)
+    if problems:
+        raise UsageError(f"--quant {args.quant!r}: {problems[0]}")
     reports = []
     for case in cases:
         reports.append(power.measure(specs[name], case, device,
@@ -1088,7 +1087,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokens", type=_token_list, default=None, metavar="LIST",
                    help="--power's token counts, e.g. 256,4096+17 (default 16)")
     t.add_argument("--dtype", default="", metavar="LIST", help="--power's dtypes (comma-separated)")
-    t.add_argument("--rank", default="", metavar="LIST", help="--power's LoRA ranks, e.g. 16,32,64 (default 64)")
+    t.add_argument("--rank", type=_rank_list, default=(64,), metavar="LIST",
+                   help="--power's LoRA ranks, e.g. 16,32,64 (default 64)")
     t.add_argument("--quant", default="none", metavar="SCHEME",
                    help="--power's weight scheme (e.g. fp8_w8a8; default none)")
     palette_option(t)

@@ -366,12 +366,12 @@ def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: 
             change = (dh @ w2e.T) * w_base[p][None, :, None]              # (2, n, H)
             if w2_lora is not None:
                 slot, a2, b2, offset, w_lora = w2_lora
-                for lo_slot in torch.unique(slot[p]).tolist():
-                    if lo_slot < 0:
+                for l in torch.unique(slot[p]).tolist():
+                    if l < 0:
                         continue
-                    rows = (slot[p] == lo_slot).nonzero().flatten()
-                    a = a2[lo_slot, e].to(_F64)                            # (R, I)
-                    b = b2[lo_slot, 0 if b2.shape[1] == 1 else e].to(_F64)  # (H', R)
+                    rows = (slot[p] == l).nonzero().flatten()
+                    a = a2[l, e].to(_F64)                                   # (R, I)
+                    b = b2[l, 0 if b2.shape[1] == 1 else e].to(_F64)        # (H', R)
                     delta = ((dh[:, rows] @ a.T) @ b.T) * w_lora[p[rows]][None, :, None]
                     change[:, rows, offset:offset + b.shape[0]] += delta
             base.index_add_(0, p, torch.linalg.vector_norm(change, dim=2).amax(dim=0))
@@ -636,6 +636,8 @@ def forward_steps(
         var3 = got.pop("var3") + (U32 * U32 * (I + 1)) * c3 * c3
         rnd3 = got.pop("rnd3")
     weight_out = not apply_router_weight_on_input or semantics.weight_on_output_too
+    power = semantics.w2_lora_weight_power     # the w2 LoRA's routing weight (the contract: w, once)
+    w2_weights = w32 if power == 1 else w32 ** power
     if weight_out:
         c3 = w_pair * c3
         if var3 is not None:    # times the fp32 weight, one more rounding
@@ -664,9 +666,8 @@ def forward_steps(
             if lora is not None:
                 slot = torch.full((P,), -1, dtype=torch.int64, device=dev)
                 slot[layout.pair] = layout.lora
-                w_lora = (w32 if semantics.w2_lora_weight_power == 1 else w32 ** semantics.w2_lora_weight_power)
                 w2_lora = (slot, lora.stacked.w2_a[0], lora.stacked.w2_b[0], w2_lora_offset,
-                           w_lora.to(_F64).reshape(P))
+                           w2_weights.to(_F64).reshape(P))
             slack_base = _slack_flips(slack_step, cache1_exact, W13, W2, e_flat, k, spec,
                                       w_pair.abs().reshape(P) if weight_out else torch.ones(P, dtype=_F64, device=dev),
                                       w2_lora)
@@ -682,8 +683,6 @@ def forward_steps(
     # w2 LoRA (x row = pair, weighted by the routing weight even with apply_router_weight_on_input)
     if lora is not None:
         st = lora.stacked
-        power = semantics.w2_lora_weight_power
-        w2_weights = w32 if power == 1 else w32 ** power      # the contract: w, once
         cache3, m, under3, v3, r3 = yield from _lora_delta(a, st.w2_a, st.w2_b, s2, under2, cache3, under3,
                                                            w2_weights, layout, k, True, w2_lora_offset, prec, w2_join,
                                                            x_var=var2, prev_var=var3, track_var=track_var,
