@@ -133,6 +133,18 @@ for t in "${targets[@]}"; do
           --no-db --out "$OUT/fuzz_$name" > "$OUT/fuzz_$name.txt" 2>&1 || rc=1
         echo "fuzz --jobs 8 $name: $(grep -E "examples" "$OUT/fuzz_$name.txt" | tail -1 | cut -c1-200)"
       done
+      # vLLM's expert class (TritonExperts + LoRAExpertsMixin) where the wheel's fused_moe/ is unpacked too
+      if [[ -f ${VLLM_SOURCE}/vllm/model_executor/layers/fused_moe/experts/triton_moe.py ]]; then
+        X=examples/vllm_wheel_experts/vllm_wheel_experts.py:VLLM_EXPERTS
+        timeout 300 python3 -m moe_lora_harness check --device cuda --backend $X --only vllm_experts \
+          --json "$OUT/check_vllm_experts.json" > "$OUT/check_vllm_experts.txt" 2>&1 || rc=1
+        tail -1 "$OUT/check_vllm_experts.txt"
+        timeout 150 python3 -m moe_lora_harness fuzz --device cuda --backend $X --only vllm_experts --jobs 8 --budget 60s \
+          -q --no-db --out "$OUT/fuzz_vllm_experts" > "$OUT/fuzz_vllm_experts.txt" 2>&1 || rc=1
+        echo "fuzz --jobs 8 vllm_experts: $(grep -E "examples" "$OUT/fuzz_vllm_experts.txt" | tail -1 | cut -c1-200)"
+      else
+        echo "thirdparty: vllm_experts skipped (examples/vllm_wheel_experts/README.md: what to unzip into VLLM_SOURCE)"
+      fi
       # SGLang's op too where SGLANG_SOURCE names an unpacked SGLang wheel (examples/sglang_wheel_op)
       if [[ -f ${SGLANG_SOURCE:-}/sglang/kernels/ops/lora/moe/fused_moe_lora_kernel.py ]]; then
         S=examples/sglang_wheel_op/sglang_wheel_op.py:SGLANG_OP

@@ -82,6 +82,36 @@ def test_the_example_wrappers_load_and_name_their_missing_source(name, monkeypat
         spec.op()
 
 
+EXPERT_WRAPPERS = {"vllm_experts": ("vllm_wheel_experts/vllm_wheel_experts.py:VLLM_EXPERTS", "VLLM_SOURCE")}
+
+
+@pytest.mark.skipif(not _EXAMPLES.is_dir(), reason="the examples/ folder is not beside an installed package")
+@pytest.mark.parametrize("name", sorted(EXPERT_WRAPPERS))
+def test_the_expert_wrappers_load_and_name_their_missing_source(name, monkeypatch):
+    """vLLM's TritonExperts wrapper loads through the registry without vLLM (its files are read at the first call),
+    declares an expert-level backend with its precision per device, and a call without the source names the
+    variable to set."""
+    import torch
+
+    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.contract import ExpertCall
+    from moe_lora_harness.harness.registry import load_ref
+    ref, var = EXPERT_WRAPPERS[name]
+    monkeypatch.delenv(var, raising=False)
+    engine = name.split("_")[0]
+    for mod in [m for m in sys.modules if m == engine or m.startswith(engine + ".")]:
+        monkeypatch.delitem(sys.modules, mod)
+    spec, = load_ref(str(_EXAMPLES / ref))
+    assert spec.name == name and spec.experts is not None and spec.capabilities.levels == frozenset({"expert"})
+    case = Case.from_json('{"T":5,"dtype":"float32","level":"expert"}')
+    assert "tf32" in spec.precision_for(case, "cuda") and "tf32" not in spec.precision_for(case, "cpu")
+    x = torch.zeros(2, 8)
+    call = ExpertCall(output=torch.empty(2, 8), hidden_states=x, w13=torch.zeros(2, 16, 8), w2=torch.zeros(2, 8, 8),
+                      topk_weights=torch.ones(2, 1), topk_ids=torch.zeros(2, 1, dtype=torch.int32), activation="silu")
+    with pytest.raises(ImportError, match=var):
+        spec.experts(call)
+
+
 @pytest.mark.skipif(not _EXAMPLES.is_dir(), reason="the examples/ folder is not beside an installed package")
 def test_the_sglang_wrapper_hands_over_every_listed_slot():
     """vLLM's lora_ids (L + 1 entries, -1 first where tokens have no adapter) as SGLang's max_loras programs read
