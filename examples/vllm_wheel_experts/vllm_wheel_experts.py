@@ -241,26 +241,17 @@ def _moe_lora_align_block_size(*args, **kwargs):
 
 
 def _moe_sum(input, output, topk_ids=None, expert_map=None):
-    """csrc's moe_sum: (T, k, H) -> (T, H). Top-k 2..4: a scalar_t accumulator from 0, one rounding per slot in slot
-    order (`x += in[k]` in the tensor dtype); other k: at::sum_out (fp32 accumulation, one rounding). With
-    expert_map, slots whose expert is not local are skipped (the pad-aware variant TritonExperts calls under EP)."""
-    T, k, H = input.shape
-    keep = None
+    """csrc's moe_sum in vLLM 0.33.0 (its binary's moe_sum_vec_kernel / moe_sum_scalar_kernel): (T, k, H) -> (T, H),
+    the k slots summed in fp32 in slot order and rounded once to the output's dtype, for every k. With expert_map,
+    slots whose expert is not local are skipped (the pad-aware form TritonExperts calls under EP)."""
+    x = input.float()
     if expert_map is not None:
         keep = expert_map.long()[topk_ids.long()] >= 0                                  # (T, k)
-    if 2 <= k <= 4:
-        acc = torch.zeros(T, H, dtype=input.dtype, device=input.device)
-        for j in range(k):
-            term = input[:, j].float()
-            if keep is not None:
-                term = torch.where(keep[:, j, None], term, torch.zeros_like(term))
-            acc = (acc.float() + term).to(input.dtype)
-        output.copy_(acc)
-    else:
-        x = input.float()
-        if keep is not None:
-            x = torch.where(keep[..., None], x, torch.zeros_like(x))
-        output.copy_(x.sum(dim=1).to(output.dtype))
+        x = torch.where(keep[..., None], x, torch.zeros_like(x))
+    acc = torch.zeros_like(x[:, 0])
+    for j in range(x.shape[1]):
+        acc = acc + x[:, j]
+    output.copy_(acc.to(output.dtype))
 
 
 def _act_then_mul(f):
