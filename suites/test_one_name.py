@@ -34,10 +34,30 @@ def test_no_second_name_inside_the_package(name):
 @pytest.mark.parametrize("part", PARTS)
 def test_a_folder_of_the_checkout_is_not_a_package_of_its_own(part):
     """From the repository root (on sys.path as the working directory), `import harness` names the folder
-    moe_lora_harness.harness already has: it refuses, naming the one name."""
-    r = subprocess.run([sys.executable, "-c", f"import {part}"], cwd=ROOT, capture_output=True, text=True,
+    moe_lora_harness.harness already has: it refuses, naming the one name (no site packages: an installed package
+    of the same name is the next test's)."""
+    r = subprocess.run([sys.executable, "-S", "-c", f"import {part}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and f"is the package moe_lora_harness.{part}" in r.stderr, r.stderr[-2000:]
+
+
+@needs_source
+def test_the_kernels_folder_steps_aside_for_an_installed_kernels(tmp_path):
+    """`kernels` is also Hugging Face's package (transformers >= 5 requires and imports it): from the repository
+    root, where the checkout's kernels/ shadows it, `import kernels` is the installed one, and nothing of ours is
+    loaded under that name. It broke `import peft` there before."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("from kernels.layer import MARK\n")
+    (tmp_path / "kernels" / "layer.py").write_text("MARK = 'installed'\n")
+    code = ("import kernels, sys\n"
+            "print(kernels.MARK, kernels.__file__)\n"
+            "print(sorted(n for n, m in sys.modules.items() if n.startswith('kernels')))\n")
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    mark, where = r.stdout.splitlines()[0].split(" ", 1)
+    assert mark == "installed" and pathlib.Path(where).resolve().is_relative_to(tmp_path.resolve()), r.stdout
+    assert r.stdout.splitlines()[1] == "['kernels', 'kernels.layer']", r.stdout
 
 
 def test_every_module_has_one_name():
