@@ -50,8 +50,36 @@ def load_op_module(env_var: str, package: str, module: str, stand_ins: dict) -> 
     return importlib.import_module(name)
 
 
-def _module(name: str, path: list | None = None, **attrs) -> types.ModuleType:
-    mod = types.ModuleType(name)
+def max_shared_memory_bytes(device_id: int | None = 0) -> int:
+    """A device's shared memory per block (the opt-in maximum), an engine's launch heuristics' query; an H100/H200's
+    228 KiB where no GPU is (the CPU interpreter runs the GPU path's heuristics)."""
+    import torch
+    if not torch.cuda.is_available():
+        return 228 * 1024
+    props = torch.cuda.get_device_properties(device_id or 0)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+
+
+def tensor_h2d(data, dtype, target_device=None, pin_memory=False, *, device=None):
+    """An engine's asynchronous host-to-device tensor helper, synchronously: the same tensor."""
+    import torch
+    return torch.tensor(data, dtype=dtype, device=device if device is not None else target_device)
+
+
+def set_triton_allocator(device):
+    """Triton's scratch allocator (TMA descriptors) on `device`, as an engine sets it."""
+    import torch
+    import triton
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
+
+
+def stand_in_module(name: str, cls=types.ModuleType, path: list | None = None, **attrs) -> types.ModuleType:
+    """Install module `name` (of class `cls`; a package where `path` is given) holding `attrs`, bound on its parent."""
+    return _module(name, path, cls=cls, **attrs)
+
+
+def _module(name: str, path: list | None = None, cls=types.ModuleType, **attrs) -> types.ModuleType:
+    mod = cls(name)
     if path is not None:
         mod.__path__ = path
     mod.__dict__.update(attrs)

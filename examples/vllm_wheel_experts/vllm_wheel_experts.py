@@ -36,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.harness.source_ops import single_rank, source_package
+from moe_lora_harness.harness.source_ops import (single_rank, source_package,
+                                                   max_shared_memory_bytes, set_triton_allocator, stand_in_module,
+                                                   tensor_h2d)
 
 ENV_VAR = "VLLM_SOURCE"
 
@@ -150,21 +152,6 @@ class _Platform:
 def _device_name_as_file_name() -> str:
     """vLLM's tuned-config file key (`NVIDIA_H200`...); "cpu" on a CPU, where no tuned file exists (the defaults)."""
     return _Platform().get_device_name().replace(" ", "_")
-
-
-def _max_shared_memory_bytes(device_id: int | None = 0) -> int:
-    if not torch.cuda.is_available():
-        return 228 * 1024
-    props = torch.cuda.get_device_properties(device_id or 0)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-
-
-def _async_tensor_h2d(data, dtype, target_device=None, pin_memory=False, *, device=None):
-    return torch.tensor(data, dtype=dtype, device=device if device is not None else target_device)
-
-
-def _set_triton_allocator(device):
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
 
 
 class _CustomOp(torch.nn.Module):
@@ -332,9 +319,9 @@ def _stand_ins() -> dict:
         "vllm.distributed": {"tensor_model_parallel_all_gather": single_rank,
                              "tensor_model_parallel_all_reduce": single_rank},
         "vllm.triton_utils": {"tl": tl, "triton": triton, "HAS_TRITON": True},
-        "vllm.triton_utils.allocation": {"set_triton_allocator": _set_triton_allocator},
-        "vllm.utils.mem_utils": {"get_max_shared_memory_bytes": _max_shared_memory_bytes},
-        "vllm.utils.torch_utils": {"async_tensor_h2d": _async_tensor_h2d, "direct_register_custom_op": _no_registration,
+        "vllm.triton_utils.allocation": {"set_triton_allocator": set_triton_allocator},
+        "vllm.utils.mem_utils": {"get_max_shared_memory_bytes": max_shared_memory_bytes},
+        "vllm.utils.torch_utils": {"async_tensor_h2d": tensor_h2d, "direct_register_custom_op": _no_registration,
                                    "PIN_MEMORY": False},
         "vllm.utils.math_utils": {"next_power_of_2": lambda n: 1 << max(int(n) - 1, 0).bit_length(),
                                   "cdiv": lambda a, b: -(a // -b), "round_up": lambda x, y: -(x // -y) * y},
@@ -391,18 +378,6 @@ _PACKAGES = (
 )
 
 
-def _module(name: str, cls=types.ModuleType, path=None, **attrs) -> types.ModuleType:
-    mod = cls(name)
-    if path is not None:
-        mod.__path__ = path
-    mod.__dict__.update(attrs)
-    sys.modules[name] = mod
-    parent, _, child = name.rpartition(".")
-    if parent in sys.modules:
-        setattr(sys.modules[parent], child, mod)
-    return mod
-
-
 def _ensure(name: str, cls=types.ModuleType, **attrs) -> types.ModuleType:
     """`name` in sys.modules (its parents as empty packages), with `attrs` added where missing (a module another
     wrapper stood in first keeps its own values)."""
@@ -410,10 +385,10 @@ def _ensure(name: str, cls=types.ModuleType, **attrs) -> types.ModuleType:
     for i in range(1, len(parts)):
         parent = ".".join(parts[:i])
         if parent not in sys.modules:
-            _module(parent, path=[])
+            stand_in_module(parent, path=[])
     mod = sys.modules.get(name)
     if mod is None:
-        return _module(name, cls, path=[], **attrs)
+        return stand_in_module(name, cls, path=[], **attrs)
     for k, v in attrs.items():
         if not hasattr(mod, k):
             setattr(mod, k, v)

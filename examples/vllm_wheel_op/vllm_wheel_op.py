@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.harness.source_ops import load_op_module, no_registration, single_rank
+from moe_lora_harness.harness.source_ops import (load_op_module, no_registration, single_rank,
+                                                   max_shared_memory_bytes, set_triton_allocator, tensor_h2d)
 from moe_lora_harness.op_contract.validate import SIGNATURE
 
 ENV_VAR = "VLLM_SOURCE"
@@ -70,21 +71,6 @@ class _Platform:
         return torch.cuda.get_device_properties(device_id or 0).multi_processor_count
 
 
-def _max_shared_memory_bytes(device_id: int | None = 0) -> int:
-    if not torch.cuda.is_available():
-        return 228 * 1024
-    props = torch.cuda.get_device_properties(device_id or 0)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
-
-
-def _async_tensor_h2d(data, dtype, target_device=None, pin_memory=False, *, device=None):
-    return torch.tensor(data, dtype=dtype, device=device if device is not None else target_device)
-
-
-def _set_triton_allocator(device):
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
-
-
 def _stand_ins() -> dict:
     """vLLM's helper modules the op module and its utils import, as small stand-ins."""
     envs = dict(VLLM_BATCH_INVARIANT=False, VLLM_TUNED_CONFIG_FOLDER=None, VLLM_LORA_DISABLE_PDL=False)
@@ -95,9 +81,9 @@ def _stand_ins() -> dict:
         "vllm.distributed": {"tensor_model_parallel_all_gather": single_rank,
                              "tensor_model_parallel_all_reduce": single_rank},
         "vllm.triton_utils": {"tl": tl, "triton": triton, "HAS_TRITON": True},
-        "vllm.triton_utils.allocation": {"set_triton_allocator": _set_triton_allocator},
-        "vllm.utils.mem_utils": {"get_max_shared_memory_bytes": _max_shared_memory_bytes},
-        "vllm.utils.torch_utils": {"async_tensor_h2d": _async_tensor_h2d,
+        "vllm.triton_utils.allocation": {"set_triton_allocator": set_triton_allocator},
+        "vllm.utils.mem_utils": {"get_max_shared_memory_bytes": max_shared_memory_bytes},
+        "vllm.utils.torch_utils": {"async_tensor_h2d": tensor_h2d,
                                    "direct_register_custom_op": no_registration},
         "vllm.utils.math_utils": {"next_power_of_2": lambda n: 1 << max(int(n) - 1, 0).bit_length(),
                                   "cdiv": lambda a, b: -(a // -b)},
