@@ -31,11 +31,11 @@ def test_no_second_name_inside_the_package(name):
 
 
 @needs_source
-@pytest.mark.parametrize("part", PARTS)
+@pytest.mark.parametrize("part", [p for p in PARTS if p != "kernels"])
 def test_a_folder_of_the_checkout_is_not_a_package_of_its_own(part):
     """From the repository root (on sys.path as the working directory), `import harness` names the folder
-    moe_lora_harness.harness already has: it refuses, naming the one name (no site packages: an installed package
-    of the same name is the next test's)."""
+    moe_lora_harness.harness already has: it refuses, naming the one name (no site packages; `kernels`, also a
+    package other libraries import, has the next two tests)."""
     r = subprocess.run([sys.executable, "-S", "-c", f"import {part}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and f"is the package moe_lora_harness.{part}" in r.stderr, r.stderr[-2000:]
@@ -58,6 +58,21 @@ def test_the_kernels_folder_steps_aside_for_an_installed_kernels(tmp_path):
     mark, where = r.stdout.splitlines()[0].split(" ", 1)
     assert mark == "installed" and pathlib.Path(where).resolve().is_relative_to(tmp_path.resolve()), r.stdout
     assert r.stdout.splitlines()[1] == "['kernels', 'kernels.layer']", r.stdout
+
+
+@needs_source
+def test_the_kernels_folder_reads_as_absent_where_none_is_installed():
+    """With no `kernels` installed, `import kernels` from the repository root (what transformers' availability
+    probe does when no distribution names it) gets a module with no file, no version and no submodules, which such
+    a probe takes for "not installed"; any name used on it says which package the folder is. It raised before, and
+    `import transformers` with it."""
+    code = ("import kernels\n"
+            "print(kernels.__file__, getattr(kernels, '__version__', 'N/A'), kernels.__path__)\n"
+            "try:\n    import kernels.triton\nexcept ModuleNotFoundError:\n    print('no submodule')\n"
+            "kernels.ops\n")
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines() == ["None N/A []", "no submodule"], (r.stdout, r.stderr[-2000:])
+    assert r.returncode != 0 and "is the package moe_lora_harness.kernels" in r.stderr, r.stderr[-2000:]
 
 
 def test_every_module_has_one_name():

@@ -8,7 +8,7 @@ real layer? One BackendSpec per bug, each the padded wrapper with one of vLLM's 
 
     TRITON_INTERPRET=1 python -m moe_lora_harness check --device cpu \
         --backend examples/vllm_real_layer/planted.py:PLANTED --only planted-reset-keeps-weights
-(run from outside the repository root, README.md says why). Each must FAIL some row; the unplanted layer passes all.
+Each must FAIL some row; the unplanted layer passes all.
 """
 from __future__ import annotations
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 import torch
 
@@ -55,23 +54,6 @@ from moe_lora_harness.reference.precision import vllm_dispatch_path  # noqa: E40
 
 
 # ------------------------------------------------------------------------------------- stand-ins for compiled ops
-def _align_rows(rows_expert: torch.Tensor, flat_index: torch.Tensor, num_experts: int, block_size: int,
-                sorted_out: torch.Tensor, expert_out: torch.Tensor) -> int:
-    """Write the pairs `flat_index` (whose experts are `rows_expert`) grouped by expert into `sorted_out`, each group
-    padded to a multiple of block_size (the padding keeps the sentinel already there), the expert of each block into
-    `expert_out`; return the padded total."""
-    pos = 0
-    for e in range(num_experts):
-        rows = flat_index[rows_expert == e]
-        if rows.numel() == 0:
-            continue
-        n = -(-rows.numel() // block_size) * block_size
-        sorted_out[pos:pos + rows.numel()] = rows.to(torch.int32)
-        expert_out[pos // block_size:(pos + n) // block_size] = e
-        pos += n
-    return pos
-
-
 def _moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, experts_ids, num_tokens_post_pad,
                           maybe_expert_map=None, scatter_idx=None):
     """moe_align_block_size: the (token, k) pairs grouped by expert in flat order, each group padded to a multiple of
@@ -83,37 +65,30 @@ def _moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, e
     flat = topk_ids.reshape(-1).long()
     sorted_token_ids.fill_(flat.numel())
     experts_ids.fill_(-1)
-    idx = torch.arange(flat.numel(), device=flat.device)
-    num_tokens_post_pad.fill_(_align_rows(flat, idx, int(num_experts), int(block_size), sorted_token_ids, experts_ids))
+    pos = 0
+    for e in range(int(num_experts)):
+        rows = (flat == e).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        n = -(-rows.numel() // block_size) * block_size
+        sorted_token_ids[pos:pos + rows.numel()] = rows.to(torch.int32)
+        experts_ids[pos // block_size:(pos + n) // block_size] = e
+        pos += n
+    num_tokens_post_pad.fill_(pos)
 
 
 def _moe_lora_align_block_size(topk_ids, token_lora_mapping, num_experts, block_size, max_loras,
                                max_num_tokens_padded, max_num_m_blocks, sorted_token_ids, experts_ids,
                                num_tokens_post_pad, adapter_enabled, lora_ids, maybe_expert_map=None):
-    """moe_lora_align_block_size: for each of the max_loras + 1 entries of lora_ids whose id is a slot (0 <= id <
-    max_loras) with adapter_enabled[id]: row `id` of sorted_token_ids (max_loras, max_num_tokens_padded) holds the
-    pairs of the tokens mapped to that id, aligned as moe_align_block_size does (sentinel topk_ids.numel()), row `id`
-    of experts_ids (max_loras, max_num_m_blocks) their blocks' experts (-1 after), num_tokens_post_pad[id] the padded
-    total. Other rows are not written (as the CUDA kernel returns early for them)."""
+    """moe_lora_align_block_size: the harness's own exact implementation of vLLM's schema (reference/align.py, as
+    examples/vllm_wheel_experts stands it in), over the first T entries of the token -> LoRA buffer, which is all
+    the CUDA kernel reads of it (the buffer is sized for the largest batch; the rest is whatever it held)."""
     if maybe_expert_map is not None:
         raise NotImplementedError("moe_lora_align_block_size stand-in: expert_map (single rank only)")
-    T, k = topk_ids.shape
-    flat = topk_ids.reshape(-1).long()
-    numel = flat.numel()
-    sorted2 = sorted_token_ids.view(int(max_loras), int(max_num_tokens_padded))
-    experts2 = experts_ids.view(int(max_loras), int(max_num_m_blocks))
-    token_of_pair = torch.arange(numel, device=flat.device) // k
-    mapping = token_lora_mapping[:T].long()
-    for j in range(min(int(max_loras) + 1, lora_ids.numel())):
-        lid = int(lora_ids[j])
-        if lid < 0 or lid >= max_loras or int(adapter_enabled[lid]) == 0:
-            continue
-        sorted2[lid].fill_(numel)
-        experts2[lid].fill_(-1)
-        mine = mapping[token_of_pair] == lid
-        idx = torch.arange(numel, device=flat.device)[mine]
-        num_tokens_post_pad[lid] = _align_rows(flat[mine], idx, int(num_experts), int(block_size), sorted2[lid],
-                                               experts2[lid])
+    from moe_lora_harness.reference.align import moe_lora_align_block_size
+    moe_lora_align_block_size(topk_ids, token_lora_mapping[:topk_ids.shape[0]], num_experts, block_size, max_loras,
+                              max_num_tokens_padded, max_num_m_blocks, sorted_token_ids, experts_ids,
+                              num_tokens_post_pad, adapter_enabled, lora_ids)
 
 
 def _moe_sum(input, output, topk_ids=None, expert_map=None):
@@ -164,30 +139,14 @@ def _install_stand_ins() -> list:
     return done
 
 
-def _is_checkout_root(entry: str) -> bool:
-    """A sys.path entry that is a moe-lora-harness checkout's root: its top-level `kernels/` folder is importable as
-    a package named `kernels`, which raises (one name per module)."""
-    root = os.path.abspath(entry or os.getcwd())
-    return (os.path.isfile(os.path.join(root, "kernels", "__init__.py"))
-            and os.path.isdir(os.path.join(root, "src", "moe_lora_harness")))
-
-
-# transformers (imported by vLLM) probes for the Hugging Face `kernels` package by importing it when no installed
-# distribution names it; from a checkout's root that import finds the harness's `kernels/` folder, which raises. The
-# checkout root leaves sys.path while vLLM (and so transformers, which decides once) is imported.
-_saved_path = list(sys.path)
-sys.path[:] = [p for p in sys.path if not _is_checkout_root(p)]
-try:
-    import vllm  # noqa: E402,F401
-    from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-    from vllm.config.lora import LoRAConfig  # noqa: E402
-    from vllm.forward_context import set_forward_context  # noqa: E402
-    from vllm.lora.layers import LoRAMapping  # noqa: E402
-    from vllm.lora.layers.fused_moe import FusedMoEWithLoRA  # noqa: E402
-    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU  # noqa: E402
-    from vllm.model_executor.layers.fused_moe import FusedMoEFactory  # noqa: E402
-finally:
-    sys.path[:] = _saved_path
+import vllm  # noqa: E402,F401
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config.lora import LoRAConfig  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.lora.layers import LoRAMapping  # noqa: E402
+from vllm.lora.layers.fused_moe import FusedMoEWithLoRA  # noqa: E402
+from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU  # noqa: E402
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory  # noqa: E402
 
 STOOD_IN = _install_stand_ins() if not _ON_GPU else []
 VOCAB_SIZE = 32000          # update_metadata's vocab_size: only the embedding indices read it
