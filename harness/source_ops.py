@@ -1,10 +1,12 @@
 """Loading another engine's op module from its unpacked source (a wheel's files), without installing the engine:
 its package folder is mounted as it is (its `__init__` not run) and the engine's helper modules the op imports are
-replaced by stand-ins the wrapper names. What examples/vllm_wheel_op and examples/sglang_wheel_op are built on.
+replaced by stand-ins the wrapper names, the common ones here (collectives, the custom-op registrar, the logger, the
+device queries). What examples/vllm_wheel_op, examples/vllm_wheel_experts and examples/sglang_wheel_op are built on.
 """
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import types
@@ -48,6 +50,24 @@ def load_op_module(env_var: str, package: str, module: str, stand_ins: dict) -> 
             _module(mod_name, path=[], **attrs)
     _module(package, path=[folder])
     return importlib.import_module(name)
+
+
+class _OnceLogger(logging.LoggerAdapter):
+    """The standard logger with the `*_once` methods engines add (each logs like the plain call)."""
+
+    def warning_once(self, msg, *a, **k):
+        self.log(logging.WARNING, msg, *a)
+
+    def info_once(self, msg, *a, **k):
+        self.log(logging.INFO, msg, *a)
+
+    def debug_once(self, msg, *a, **k):
+        self.log(logging.DEBUG, msg, *a)
+
+
+def init_logger(name: str) -> logging.LoggerAdapter:
+    """An engine's `init_logger`: the standard logger `name`, with its `*_once` methods."""
+    return _OnceLogger(logging.getLogger(name), {})
 
 
 def max_shared_memory_bytes(device_id: int | None = 0) -> int:

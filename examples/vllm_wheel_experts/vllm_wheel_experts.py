@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import math
 import os
 import sys
@@ -36,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.harness.source_ops import (single_rank, source_package,
+from moe_lora_harness.harness.source_ops import (init_logger, no_registration, single_rank, source_package,
                                                    max_shared_memory_bytes, set_triton_allocator, stand_in_module,
                                                    tensor_h2d)
 
@@ -76,20 +75,6 @@ class _Absent(types.ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         return _Missing(f"{self.__name__}.{name}")
-
-
-class _Logger(logging.LoggerAdapter):
-    def _once(self, level, msg, *a, **k):
-        self.log(level, msg, *a)
-
-    def warning_once(self, msg, *a, **k):
-        self._once(logging.WARNING, msg, *a)
-
-    def info_once(self, msg, *a, **k):
-        self._once(logging.INFO, msg, *a)
-
-    def debug_once(self, msg, *a, **k):
-        self._once(logging.DEBUG, msg, *a)
 
 
 class _Platform:
@@ -313,7 +298,7 @@ def _stand_ins() -> dict:
     """Module name -> attributes of the small stand-ins (vLLM's helpers the loaded files import)."""
     return {
         "vllm.envs": _envs(),
-        "vllm.logger": {"init_logger": lambda name: _Logger(logging.getLogger(name), {})},
+        "vllm.logger": {"init_logger": init_logger},
         "vllm.platforms": {"current_platform": _Platform(), "vllm_version_matches_substr": lambda s: False,
                            "CpuArchEnum": _Absent("vllm.platforms.CpuArchEnum")},
         "vllm.distributed": {"tensor_model_parallel_all_gather": single_rank,
@@ -321,7 +306,7 @@ def _stand_ins() -> dict:
         "vllm.triton_utils": {"tl": tl, "triton": triton, "HAS_TRITON": True},
         "vllm.triton_utils.allocation": {"set_triton_allocator": set_triton_allocator},
         "vllm.utils.mem_utils": {"get_max_shared_memory_bytes": max_shared_memory_bytes},
-        "vllm.utils.torch_utils": {"async_tensor_h2d": tensor_h2d, "direct_register_custom_op": _no_registration,
+        "vllm.utils.torch_utils": {"async_tensor_h2d": tensor_h2d, "direct_register_custom_op": no_registration,
                                    "PIN_MEMORY": False},
         "vllm.utils.math_utils": {"next_power_of_2": lambda n: 1 << max(int(n) - 1, 0).bit_length(),
                                   "cdiv": lambda a, b: -(a // -b), "round_up": lambda x, y: -(x // -y) * y},
@@ -341,10 +326,6 @@ def _stand_ins() -> dict:
                              "moe_lora_align_block_size": _moe_lora_align_block_size, "moe_sum": _moe_sum},
         "vllm.model_executor.layers.quantization.utils.fp8_utils": {"is_deep_gemm_e8m0_used": lambda: False},
     }
-
-
-def _no_registration(*args, **kwargs):
-    """A custom-op registrar that registers nothing: the op modules then export their Python functions."""
 
 
 # vLLM modules imported by the loaded files for names this path never uses (engine config, distributed state,

@@ -16,32 +16,17 @@ its dots in TF32 (Triton's default for fp32 `tl.dot`): the judge fails them unle
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.harness.source_ops import (load_op_module, no_registration, single_rank,
+from moe_lora_harness.harness.source_ops import (init_logger, load_op_module, no_registration, single_rank,
                                                    max_shared_memory_bytes, set_triton_allocator, tensor_h2d)
 from moe_lora_harness.op_contract.validate import SIGNATURE
 
 ENV_VAR = "VLLM_SOURCE"
 OP_PACKAGE = "vllm.lora.ops.triton_ops"
-
-
-class _Logger(logging.LoggerAdapter):
-    def _once(self, level, msg, *a, **k):
-        self.log(level, msg)
-
-    def warning_once(self, msg, *a, **k):
-        self._once(logging.WARNING, msg)
-
-    def info_once(self, msg, *a, **k):
-        self._once(logging.INFO, msg)
-
-    def debug_once(self, msg, *a, **k):
-        self._once(logging.DEBUG, msg)
 
 
 class _Platform:
@@ -76,7 +61,7 @@ def _stand_ins() -> dict:
     envs = dict(VLLM_BATCH_INVARIANT=False, VLLM_TUNED_CONFIG_FOLDER=None, VLLM_LORA_DISABLE_PDL=False)
     return {
         "vllm.envs": envs,
-        "vllm.logger": {"init_logger": lambda name: _Logger(logging.getLogger(name), {})},
+        "vllm.logger": {"init_logger": init_logger},
         "vllm.platforms": {"current_platform": _Platform(), "vllm_version_matches_substr": lambda s: False},
         "vllm.distributed": {"tensor_model_parallel_all_gather": single_rank,
                              "tensor_model_parallel_all_reduce": single_rank},
