@@ -264,6 +264,8 @@ AXES = {a.name: a for a in (
     Axis("bias", ("bias",), lambda c: c.bias, _reset("bias"), _EXPERT),
     Axis("quant", ("quant",), lambda c: c.quant, _reset("quant"), _EXPERT),
     Axis("tp", ("tp_size",), lambda c: c.tp_size, _reset("tp_size", "tp_rank", "fully_sharded"), _EXPERT),
+    Axis("calls", ("call_tokens",), lambda c: c.calls > 1, _reset("call_tokens"), _EXPERT,
+         note="the tokens handed over in several calls of one layer (decode steps)"),
     Axis("router_weight_on_input", ("apply_router_weight_on_input",), lambda c: c.apply_router_weight_on_input,
          _reset("apply_router_weight_on_input"), _EXPERT),
     Axis("H", ("H",), lambda c: dim_class(c.H, SIGNATURE_DIMS), _reset("H"), _EXPERT, SIGNATURE_DIMS),

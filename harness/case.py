@@ -115,6 +115,10 @@ class Case:
     # (`ranks` gives each slot's rank, the file's; slots past them stay empty), their decoder layer `adapter_layer`
     adapters: tuple = ()
     adapter_layer: int = 0
+    # expert level: the T tokens handed to the backend in consecutive calls of `call_tokens` each (decode steps of
+    # one layer, the same weights; 0 = one call). The judge sees all T rows at once: rule 4 pools the calls' rows,
+    # so a decode-sized call is judged with a served batch's power (docs/error-model.md, "Decode calls")
+    call_tokens: int = 0
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -244,6 +248,15 @@ class Case:
             need(self.T >= 2, f"view={self.view!r} needs T >= 2 tokens (a view of one token is the token)")
             if self.view == "slots_rotated":
                 need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")
+        ct = self.call_tokens
+        need(isinstance(ct, int) and not isinstance(ct, bool) and ct >= 0,
+             f"call_tokens (tokens per backend call) must be an int >= 0, got {ct!r}")
+        if isinstance(ct, int) and ct > 0:
+            need(self.level == "expert" and not self.dispatched and self.tp_size == 1 and not self.view,
+                 "call_tokens is an expert-level setting of one rank (no dispatched EP, tp_size 1, no view)")
+            need(self.T >= ct and self.T % ct == 0,
+                 f"call_tokens={ct} must divide T={self.T} (every call the same size, so one rounding model "
+                 f"holds for all of them)")
         m = self.magnitude
         m_ok = isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and 0 < m <= MAX_MAGNITUDE
         need(m_ok, f"magnitude (the hidden states' scale) must be a number in (0, {MAX_MAGNITUDE:g}], got {m!r}")
@@ -290,6 +303,16 @@ class Case:
         return dataclasses.replace(self, **kw)
 
     @property
+    def calls(self) -> int:
+        """How many backend calls the case's tokens are handed over in (1 unless call_tokens splits them)."""
+        return self.T // self.call_tokens if self.call_tokens else 1
+
+    def per_call(self) -> "Case":
+        """The case as one backend call sees it (T = call_tokens): what declarations and rounding models are asked
+        about, since the backend picks its path from the call it is given."""
+        return dataclasses.replace(self, T=self.call_tokens, call_tokens=0) if self.call_tokens else self
+
+    @property
     def id(self) -> str:
         """Short stable identifier for test ids (readable fields, then a digest of the full JSON)."""
         import hashlib
@@ -297,4 +320,6 @@ class Case:
         head = f"{self.level}-{self.which if self.level == 'op' else self.activation}-{self.dtype}-T{self.T}"
         if self.dispatched:
             head += f"-ep{self.ep_size}{'p' if self.ep_comm == 'processes' else ''}"
+        if self.call_tokens:
+            head += f"-calls{self.calls}x{self.call_tokens}"
         return f"{head}-{h}"

@@ -461,6 +461,16 @@ def _rank_list(text: str) -> tuple:
     return ranks
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
+    return n
+
+
 def _token_list(text: str) -> tuple:
     """--tokens: comma-separated token counts, each an int >= 0 or a sum like 4096+17."""
     try:
@@ -909,7 +919,7 @@ def _power(args, device: str) -> int:
         raise UsageError(f"--only {name!r}: no such backend")
     cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
                               dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=args.rank,
-                              quant=args.quant)
+                              quant=args.quant, calls=args.calls)
     problems = next((p for p in (c.problems() for c in cases) if p), None)
     if problems:
         raise UsageError(f"--quant {args.quant!r}: {problems[0]}")
@@ -1091,6 +1101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--power's LoRA ranks, e.g. 16,32,64 (default 64)")
     t.add_argument("--quant", default="none", metavar="SCHEME",
                    help="--power's weight scheme (e.g. fp8_w8a8; default none)")
+    t.add_argument("--calls", type=_positive_int, default=1, metavar="N",
+                   help="--power: each token count is one call's, judged over N such calls of the same layer "
+                        "(decode steps; Case.call_tokens; default 1)")
     palette_option(t)
     t.set_defaults(fn=cmd_selftest)
     from moe_lora_harness.harness import cli_adapter

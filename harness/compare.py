@@ -25,7 +25,7 @@ Error model (docs/error-model.md): over the elements the contract writes,
      + ACC_SHARE acc_var (one more rounding of every value the emulation rounds, the output included, and the
      fp32 accumulation's expected square); a correct kernel's D has mean <= 0, a slip's is its squared size; the
      rows' self-normalised sum sum D / sqrt(sum D^2) must stay below EXCESS_SIGMAS (it cannot exceed sqrt(rows):
-     silent below 83 rows).
+     silent below EXCESS_MIN_ROWS = 83 rows; a decode batch pools the rows of many calls, Case.call_tokens).
 Elements the contract does not write are compared bit for bit with what the buffer held.
 """
 from __future__ import annotations
@@ -60,6 +60,9 @@ def excess_sigmas(tests: int = 1) -> float:
 
 
 EXCESS_SIGMAS = excess_sigmas(1)
+# rule 4's statistic is at most sqrt(rows): below this many rows it cannot fail (a decode call's rows; Case.call_tokens
+# pools calls until it can)
+EXCESS_MIN_ROWS = math.ceil(EXCESS_SIGMAS ** 2)
 
 
 def sigmas(n: int) -> float:

@@ -176,7 +176,9 @@ class BackendSpec:
     cpu_rows_in_full_tier: str = ""
 
     def precision_for(self, case: Case, device: str) -> str:
-        """The rounding model of the path this backend takes for `case` on `device`."""
+        """The rounding model of the path this backend takes for `case` on `device` (for each of its calls: a
+        case of several calls is asked about as one call sees it, Case.per_call)."""
+        case = case.per_call()
         p = self.precision
         if isinstance(p, Mapping):
             kind = device_kind(device)
@@ -226,8 +228,10 @@ def must_reject(case: Case) -> Rejection | None:
 def support_for(spec: BackendSpec, case: Case, device: str, *, layer: bool = False) -> tuple[bool, str]:
     """(ok, reason): whether `spec` claims `case` on `device`, judged only from its declarations.
 
-    A configuration the contract rejects is claimed when the nearest valid one is (it must be refused).
+    A configuration the contract rejects is claimed when the nearest valid one is (it must be refused). A case of
+    several calls is claimed when one call is (Case.per_call: the backend sees one call at a time).
     `layer`: `case` is the expert-level description of a layer's batch (harness.layer_runner.layer_support)."""
+    case = case.per_call()
     rejection = must_reject(case)
     if rejection is not None:
         case = rejection.nearest
@@ -298,6 +302,6 @@ def known_bug_for(spec: BackendSpec, case: Case, before=None, written=None) -> K
     """The ledger entry expected to make this case fail, if any (`before`, `written`: the judge's draw, for the
     entries that look at it)."""
     for bug in spec.known_bugs:
-        if bug.applies(case) and (bug.shows is None or bug.shows(case, before, written)):
+        if bug.applies(case.per_call()) and (bug.shows is None or bug.shows(case, before, written)):
             return bug
     return None

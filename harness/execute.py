@@ -166,10 +166,10 @@ def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, l
     elif case.tp_size > 1:
         output = run_tp_ranks(spec, built, case, device, watch)
     else:
+        from moe_lora_harness.harness.expert_runner import run_calls
         call = built.call(device)
         watch.add("", call)
-        spec.experts(call)
-        output = call.output
+        output = run_calls(spec, call, case)
     _sync(device)
     return digest, output
 

@@ -82,6 +82,25 @@ def expert_expectations(case: Case, backend_precision: str, emulation_only: bool
     return inp, truth, emu
 
 
+def run_calls(spec: BackendSpec, call, case: Case) -> torch.Tensor:
+    """`call` handed to the backend whole, or (case.call_tokens) in consecutive calls of that many tokens, as a
+    layer is called at each decode step: the same weights, each call its own tokens, mapping and rows of the
+    NaN-poisoned output. Returns the (T, H) output, each call's rows as it left them."""
+    if not case.call_tokens:
+        spec.experts(call)
+        return call.output
+    pieces = []
+    for lo in range(0, case.T, case.call_tokens):
+        s = slice(lo, lo + case.call_tokens)
+        part = dataclasses.replace(
+            call, output=call.output[s], hidden_states=call.hidden_states[s], topk_weights=call.topk_weights[s],
+            topk_ids=call.topk_ids[s],
+            token_lora_mapping=None if call.token_lora_mapping is None else call.token_lora_mapping[s])
+        spec.experts(part)
+        pieces.append(part.output)
+    return torch.cat(pieces)
+
+
 class SimulatedTPGroup:
     """The fully-sharded LoRA joins of `size` TP ranks that run one after another, by replay.
 

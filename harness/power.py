@@ -166,7 +166,7 @@ def _oracle_fails(out: torch.Tensor, truth: torch.Tensor) -> bool:
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
     """Thresholds of the judge and the oracle for each slip on one expert-level case, `spec` (an expert backend
     that claims the case) computing the slipped inputs in this process."""
-    from moe_lora_harness.harness.expert_runner import expert_expectations
+    from moe_lora_harness.harness.expert_runner import expert_expectations, run_calls
     t0 = time.time()
     precision = spec.precision_for(case, device)
     inp, truth, emu = expert_expectations(case, precision, device=device)
@@ -174,9 +174,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
     dt = torch_dtype(case)
 
     def run(i: ExpertInputs) -> torch.Tensor:
-        call = i.call(device)
-        spec.experts(call)
-        return call.output
+        return run_calls(spec, i.call(device), case)
 
     def judge(out):
         return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=dt, k_plus_r=k_plus_r,
@@ -241,7 +239,7 @@ def power_table(reports) -> str:
              "on this case)"]
     for r in reports:
         c = r.case
-        label = f"{c.dtype} T{c.T} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}" + (
+        label = f"{c.dtype} T{c.per_call().T}{f'x{c.calls}calls' if c.call_tokens else ''} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}" + (
             f" {c.quant}" if c.quant != "none" else "")
         lines.append(f"{label:<44} {'(correct kernel)':<20} ratio {r.kernel_ratio:.3g} err {r.kernel_rel_error:.2e}"
                      f" judge {'pass' if r.kernel_ok else 'FAIL'} oracle {'pass' if r.oracle_ok else 'FAIL'}")
@@ -264,11 +262,13 @@ def to_json(reports) -> list:
             for r in reports]
 
 
-def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0, quant: str = "none") -> list:
+def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0, quant: str = "none",
+                calls: int = 1) -> list:
     """The cases of a power table: each catalogued layer's (harness.models.MoELayer; TP 1, EP 1) at each token count,
     dtype and rank, every slot at that rank; without layers, one of H 1024, I 512, E 8, top-k 2 (what a CPU computes
     in seconds), at 16 tokens. `quant`: the weights' scheme (an FP8 one quantizes the activations too; the base-GEMM
-    slips rewrite the dequantized weights a quantized backend does not read, so they are no-ops there)."""
+    slips rewrite the dequantized weights a quantized backend does not read, so they are no-ops there). `calls` > 1:
+    each token count is one call's, the case `calls` such calls (Case.call_tokens), judged together."""
     from moe_lora_harness.harness.models import case_fields
     shapes = [case_fields(m) for m in layers] if layers else [
         dict(H=1024, I=512, E=8, top_k=2, activation="silu", bias=False)]
@@ -277,6 +277,7 @@ def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed:
         for T in tokens or (16,):
             for dt in dtypes or (("bfloat16", "float16") if device != "cpu" else ("float16", "float32")):
                 for r in ranks:
-                    out.append(Case(level="expert", T=T, dtype=dt, max_rank=r, seed=seed, quant=quant,
+                    split = dict(T=T * calls, call_tokens=T) if calls > 1 else dict(T=T)
+                    out.append(Case(level="expert", **split, dtype=dt, max_rank=r, seed=seed, quant=quant,
                                     **{k: v for k, v in fields.items() if k not in ("tp_size", "ep_size", "ep_rank")}))
     return out
