@@ -15,12 +15,21 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_lora_harness.harness.axes import split_tokens
+from moe_lora_harness.harness.compare import EXCESS_MIN_ROWS
 from moe_lora_harness.harness.case import (CLAMP_MAGNITUDE, FP16_MASSIVE_MAGNITUDE, MASSIVE_OUTLIER_SCALE,
                                            OUTLIER_SCALE, OUTLIER_TOKENS, SUBNORMAL_EXPERT_MAGNITUDE,
                                            SUBNORMAL_OP_MAGNITUDE, Case)
 from moe_lora_harness.harness.covering import design
 from moe_lora_harness.harness.profiles import Shapes, shapes_for
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
+
+
+DECODE_ROW = "experts: decode calls (the batch in calls of 1 token, then 2; the same layer)"
+# the decode row's tokens beyond the small profile, and a served decode's pooled rows (harness.model_plan): twice
+# the rows rule 4 needs before it can fail at all
+DECODE_ROWS = 2 * EXCESS_MIN_ROWS
+# with --model, token counts up to this are decode calls (a larger batch is a prefill: its own rows suffice)
+DECODE_MOST_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -207,6 +216,11 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
             note="pre-activations ~ N(0, 8^2): about half pass swigluoai's limit 7"),
     Feature(f"experts: outlier tokens ({OUTLIER_TOKENS} tokens x{OUTLIER_SCALE:g})", "expert",
             lambda s: dict(outliers=OUTLIER_TOKENS), small_cases=1),
+    Feature(DECODE_ROW, "expert", lambda s: dict(mapping="mixed", T=max(4, s.T // 2 * 2) if s.small else DECODE_ROWS),
+            per_case=lambda s, i: dict(call_tokens=1 + i % 2), small_cases=1,
+            note=f"one call per decode step: each call its own tokens and mapping (tokens without an adapter "
+                 f"among them), all judged together (rule 4 pools their rows: {DECODE_ROWS} on a GPU, where one call's "
+                 f"{EXCESS_MIN_ROWS - 1} or fewer could never fail it); with --model each token count is one call's"),
     Feature("experts: subnormal activations (float16, hidden states times 2^-10)", "expert",
             lambda s: dict(dtype="float16", magnitude=SUBNORMAL_EXPERT_MAGNITUDE), small_cases=1,
             note="a gated activation multiplies two pre-activations near 1e-3: products below float16's smallest "

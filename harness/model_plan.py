@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from moe_lora_harness.harness.case import Case
 from moe_lora_harness.harness.case_memory import free_bytes, gib, memory_need
+from moe_lora_harness.harness.features import DECODE_MOST_TOKENS, DECODE_ROWS
 from moe_lora_harness.harness.models import MoELayer, case_fields
 from moe_lora_harness.harness.profiles import Shapes, shapes_for
 
@@ -136,7 +137,14 @@ def plan_model(layer: MoELayer, specs: dict, device: str, features, *, tp: int =
         dtypes = (made["dtype"],) if "dtype" in made else shapes.dtypes
         cases = []
         for j, (T, dt) in enumerate((T, dt) for T in tokens for dt in dtypes):
-            case = Case(**dict(base, T=T, dtype=dt, seed=base["seed"] + j))
+            fields = dict(base, T=T, dtype=dt, seed=base["seed"] + j)
+            if base.get("call_tokens"):     # the decode row: each token count is one call's, pooled over calls
+                if not 0 < T <= DECODE_MOST_TOKENS:
+                    plan.dropped.append((feat.name, Case(**fields).to_json(),
+                                         f"decode calls hold 1 to {DECODE_MOST_TOKENS} tokens"))
+                    continue
+                fields.update(T=T * max(2, -(-DECODE_ROWS // T)), call_tokens=T)
+            case = Case(**fields)
             problems = case.problems()
             if problems:
                 plan.dropped.append((feat.name, case.to_json(), "; ".join(problems)))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moe_lora_harness.harness.campaign import Campaign
-from moe_lora_harness.harness.features import FEATURES, Feature, feature_cases
+from moe_lora_harness.harness.features import DECODE_ROW, FEATURES, Feature, feature_cases
 from moe_lora_harness.harness.profiles import selftest_draw_sizes
 from moe_lora_harness.harness.registry import load_attr, load_ref
 from moe_lora_harness.harness.runner import run_case
@@ -56,7 +56,7 @@ CORPORA = (
            mechanisms="moe_lora_harness.harness.mutants:MECHANISMS"),
     Corpus("semantics", "moe_lora_harness.suites.experts.semantic_mutants:BACKENDS", ("semantics-control",), "expert",
            lambda f: f.name in ("experts: silu", "experts: tokens without adapter (-1)", "experts: disabled slot",
-                                "experts: router weight on input"),
+                                "experts: router weight on input", DECODE_ROW),
            mechanisms="moe_lora_harness.suites.experts.semantic_mutants:MECHANISMS"),
     Corpus("ep", "moe_lora_harness.suites.experts.ep_mutants:MUTANTS", ("ep-control",), "expert",
            lambda f: f.name.startswith("experts: EP") and "processes" not in f.name, fuzz_level="ep"),

@@ -259,6 +259,21 @@ def _act_dtype(draw, activations, dtypes, shape=None):
     return draw(st.sampled_from(tuple(itertools.product(tuple(activations), tuple(dtypes)))))
 
 
+# decode calls (Case.call_tokens): one expert case in DECODE_CALLS_ONE_IN handed over in calls of fewer tokens, at
+# most DECODE_MOST_CALLS of them (each call is a kernel launch: the interpreter's time)
+DECODE_CALLS_ONE_IN = 8
+DECODE_MOST_CALLS = 8
+
+
+def _call_tokens(draw, T: int) -> int:
+    """0 (one call), or one in DECODE_CALLS_ONE_IN: tokens per call dividing T into 2..DECODE_MOST_CALLS calls; it
+    shrinks toward one call, then toward the fewest calls."""
+    sizes = [d for d in range(T - 1, 0, -1) if T % d == 0 and T // d <= DECODE_MOST_CALLS]
+    if not sizes or draw(st.integers(0, DECODE_CALLS_ONE_IN - 1)) != DECODE_CALLS_ONE_IN - 1:
+        return 0
+    return draw(st.sampled_from(sizes))
+
+
 @st.composite
 def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max_dim=CPU_DRAWS["expert"].max_dim,
                  activations=EXPERT_ACTIVATIONS,
@@ -308,7 +323,7 @@ def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max
         activation=activation, bias=shape.pick("bias", st.booleans()), lora=shape.pick("lora", st.booleans()),
         apply_router_weight_on_input=on_input, quant=quant,
         ep_size=ep, ep_rank=draw(st.integers(0, ep - 1)), tp_size=tp, fully_sharded=fully_sharded,
-        **_input_scale(draw, T, dtype == "float16"))
+        **_input_scale(draw, T, dtype == "float16"), call_tokens=_call_tokens(draw, T) if tp == 1 else 0)
 
 
 # FP8 draws (harness.case.FP8_QUANTS): made only for a backend that claims an FP8 scheme (claimed_cases), so no

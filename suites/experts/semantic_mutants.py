@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 
 import torch
 
@@ -123,6 +124,17 @@ def _router_weight_on_input_and_output(call):
          lora_reads_original if call.w13_lora_a is not None else None)
 
 
+_KEPT_MAPPINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # layer (its w13) -> batch size -> mapping
+
+
+def _mapping_kept_across_calls(call):
+    """The layer keeps the token -> slot mapping it prepared for the first batch of each size and hands it to every
+    later call of that size (a metadata cache keyed by the batch size, never refreshed)."""
+    kept = _KEPT_MAPPINGS.setdefault(call.w13, {})
+    mapping = kept.setdefault(int(call.hidden_states.shape[0]), call.token_lora_mapping.clone())
+    return _with(call, token_lora_mapping=mapping)
+
+
 # backend name -> (what it does, the run, the semantic alternative (reference.semantics) it commits)
 _PLANTED = {
     "semantics-control": ("No mistake: the eager experts wired right.", run_eager, None),
@@ -161,6 +173,9 @@ _PLANTED = {
                             _router_weight_on_input_and_output, "router-weight-on-input-and-output"),
     "w13-lora-weighted-input": ("Feeds the w13 LoRA the router-weighted input.",
                                 lambda c: run_eager(c, _w13_reads_weighted_input), "w13-lora-weighted-input"),
+    "mapping-kept-across-calls": ("Keeps the first call's token -> slot mapping for later calls of its batch size "
+                                  "(one layer's decode steps).",
+                                  _lora(_mapping_kept_across_calls), None),
     "peft-b-layout": ("Repacks B through PEFT's (out, r*E) layout and reads it as (out, E*r).",
                       _lora(lambda c: _with(c, w13_lora_b=[_peft_layout_misread(b) for b in c.w13_lora_b],
                                             w2_lora_b=[_peft_layout_misread(b) for b in c.w2_lora_b])),
