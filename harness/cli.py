@@ -461,16 +461,6 @@ def _rank_list(text: str) -> tuple:
     return ranks
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
-    return n
-
-
 def _token_list(text: str) -> tuple:
     """--tokens: comma-separated token counts, each an int >= 0 or a sum like 4096+17."""
     try:
@@ -1101,7 +1091,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--power's LoRA ranks, e.g. 16,32,64 (default 64)")
     t.add_argument("--quant", default="none", metavar="SCHEME",
                    help="--power's weight scheme (e.g. fp8_w8a8; default none)")
-    t.add_argument("--calls", type=_positive_int, default=1, metavar="N",
+    t.add_argument("--calls", type=_positive(int), default=1, metavar="N",
                    help="--power: each token count is one call's, judged over N such calls of the same layer "
                         "(decode steps; Case.call_tokens; default 1)")
     palette_option(t)
