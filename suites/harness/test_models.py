@@ -181,7 +181,7 @@ def test_the_plan_keeps_the_shape_and_gives_every_feature_a_row():
     by_feature = {}
     for _, _, feat, case in plan.runs:
         assert all(getattr(case, k) == v for k, v in fixed.items()), (feat, case)
-        assert case.T in tokens
+        assert case.per_call().T in tokens               # a decode row's calls hold one token count each
         by_feature.setdefault(feat, set()).add((case.T, case.dtype))
     assert by_feature["experts: silu"] == {(T, dt) for T in tokens for dt in dtypes}      # T x the profile's dtypes
     assert by_feature["experts: bf16"] == {(T, "bfloat16") for T in tokens}              # or the feature's dtype
