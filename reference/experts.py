@@ -8,6 +8,7 @@ magnitude (`scale`) that the comparison uses for its per-element ulp bound.
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import math
 from collections.abc import Callable, Generator
@@ -337,27 +338,40 @@ def _activation_change(c: Tensor, e: Tensor, spec) -> Tensor:
     return worst
 
 
+GRAM_BLOCK = 64     # rows of a Gram block in _slack_flips (whole pairs; a pair's rows only meet its own)
+
+
 def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: Tensor, k: int, spec,
                  w_base: Tensor, w2_lora=None, rows_per_chunk: int = 1024) -> Tensor:
-    """The GEMM1 flips a kernel's fp32 scale arithmetic may take: (P,) the sum over the pair's flippable input elements
-    j of the norm of the pair's output change, for the worse sign of d_j = +-(one e4m3 step x s) x column j of w13[e]:
-    w_base w2[e] (h(c + d_j) - h(c)) plus, where the pair has a w2 LoRA, w_lora B (A (h(c + d_j) - h(c))) (the LoRA
-    reads the unquantized activation, so a flip reaches it too), each flip's change computed exactly. c: the pair's
-    activation input (cache1, exact); step (T, H): `flip_step` of GEMM1's input with no error of its own; w_base (P,):
-    the base GEMM2's factor (|w|, or 1 with the weight on the input); `w2_lora`: (slot (P,) -1 for none, A (L, E, R, I),
-    B (L, E or 1, H', R), column offset, w_lora (P,)) or None. Few elements are flippable (exact ties, values within
-    FP32_SLACK of a boundary): the work is per flippable element."""
+    """The GEMM1 flips a kernel's fp32 scale arithmetic may take: (P,) a bound on the norm of the pair's output
+    change for any subset of its flippable input elements j, each flipped either way. Flip j alone changes the row by
+    D_j = w_base w2[e] (h(c + d_j) - h(c)) plus, where the pair has a w2 LoRA, w_lora B (A (h(c + d_j) - h(c))) (the
+    LoRA reads the unquantized activation, so a flip reaches it too), d_j = +-(one e4m3 step x s) x column j of w13[e],
+    each computed exactly; flips combine linearly, so ||sum_{j in S} D_j^{s_j}||^2 <= sum_{j,l} max over the signs
+    |<D_j^s, D_l^s'>| (the Gram bound: nearly orthogonal changes add in quadrature, where a sum of norms took them all
+    in line). c: the pair's activation input (cache1, exact); step (T, H): `flip_step` of GEMM1's input with no error
+    of its own; w_base (P,): the base GEMM2's factor (|w|, or 1 with the weight on the input); `w2_lora`: (slot (P,)
+    -1 for none, A (L, E, R, I), B (L, E or 1, H', R), column offset, w_lora (P,)) or None. Few elements are
+    flippable (exact ties, values within FP32_SLACK of a boundary): the work is per flippable element, a chunk of at
+    most about `rows_per_chunk` of them at a time (whole pairs: a pair's Gram is never split)."""
     P = cache1.shape[0]
-    base = torch.zeros(P, dtype=_F64, device=cache1.device)
-    tj = step.nonzero()                                              # (n, 2): token, input element
-    pairs = (tj[:, :1] * k + torch.arange(k, device=tj.device)).reshape(-1)
-    cols, d = tj[:, 1].repeat_interleave(k), step[tj[:, 0], tj[:, 1]].repeat_interleave(k)
+    square = torch.zeros(P, dtype=_F64, device=cache1.device)
+    tj = step.nonzero()                                              # (n, 2): token, input element (token-major)
+    pairs = (tj[:, :1] * k + torch.arange(k, device=tj.device)).T.reshape(-1)   # slot-major: a pair's rows adjacent
+    cols, d = tj[:, 1].repeat(k), step[tj[:, 0], tj[:, 1]].repeat(k)
     experts = e_flat[pairs]
     for e in torch.unique(experts[experts >= 0]).tolist():
         sel = (experts == e).nonzero().flatten()
+        sel = sel[torch.argsort(pairs[sel], stable=True)]          # each pair's rows together
         w13e, w2e = W13[e].to(_F64), W2[e].to(_F64)
-        for lo in range(0, sel.numel(), rows_per_chunk):
-            part = sel[lo:lo + rows_per_chunk]
+        p_all = pairs[sel]
+        bounds = torch.ones_like(p_all, dtype=torch.bool)
+        bounds[1:] = p_all[1:] != p_all[:-1]                       # where a pair's rows start
+        starts = bounds.nonzero().flatten().tolist() + [sel.numel()]
+        lo = 0
+        while lo < sel.numel():
+            hi = starts[min(bisect.bisect_left(starts, lo + rows_per_chunk), len(starts) - 1)]
+            part = sel[lo:hi]
             p = pairs[part]
             c = cache1[p]
             shift = d[part, None] * w13e[:, cols[part]].T                # (n, N1)
@@ -374,9 +388,18 @@ def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: 
                     b = b2[l, 0 if b2.shape[1] == 1 else e].to(_F64)        # (H', R)
                     delta = ((dh[:, rows] @ a.T) @ b.T) * w_lora[p[rows]][None, :, None]
                     change[:, rows, offset:offset + b.shape[0]] += delta
-            base.index_add_(0, p, torch.linalg.vector_norm(change, dim=2).amax(dim=0))
+            b0 = lo
+            while b0 < hi:     # the Gram in blocks of whole pairs (a pair's rows only meet its own)
+                b1 = min(starts[min(bisect.bisect_left(starts, b0 + GRAM_BLOCK), len(starts) - 1)], hi)
+                blk, pb = change[:, b0 - lo:b1 - lo], p[b0 - lo:b1 - lo]
+                gram = (blk[0] @ blk[0].T).abs()
+                for s_, t_ in ((0, 1), (1, 0), (1, 1)):
+                    gram = torch.maximum(gram, (blk[s_] @ blk[t_].T).abs())
+                square.index_add_(0, pb, (gram * (pb[:, None] == pb[None, :])).sum(dim=1))
+                b0 = b1
+            lo = hi
         del w13e, w2e
-    return base
+    return square.sqrt()
 
 
 def _interleave(split: Tensor, I: int) -> Tensor:

@@ -303,6 +303,50 @@ def test_gemm1_flips_of_another_scale_arithmetic_pass_thanks_to_slack_flip(case)
     assert _verdict(case, call.output, truth, emu, slack_flip=None).kind == "aggregate"
 
 
+@pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_no_mul"])
+def test_slack_flips_bound_any_subset_and_signs_and_beats_the_sum_of_norms(activation):
+    """`experts._slack_flips`' Gram bound, both ways: the exact change of a pair's output row when any subset of its
+    flippable GEMM1 input elements flips together, in any directions (the activation taken whole, not to first order;
+    every element aligned with the largest change, random subsets and signs), stays under it; and for many
+    flippable elements it is far below the sum of the single flips' norms that it replaced (their changes, through
+    random weights, are nearly orthogonal)."""
+    from moe_lora_harness.reference.activations import apply_activation, is_gated, lookup_activation
+    from moe_lora_harness.reference.experts import _slack_flips
+    g = torch.Generator().manual_seed(7)
+    T, H, I, E, k, m = 3, 512, 256, 2, 2, 24
+    N1 = 2 * I if is_gated(activation) else I
+    W13 = torch.randn(E, N1, H, generator=g, dtype=F64) / math.sqrt(H)
+    W2 = torch.randn(E, H, I, generator=g, dtype=F64) / math.sqrt(I)
+    x = torch.randn(T, H, generator=g, dtype=F64) * 3
+    step = torch.zeros(T, H, dtype=F64)
+    for t in range(T):                                   # m flippable elements a token, one e4m3 step (1/8) of x_j
+        j = torch.randperm(H, generator=g)[:m]
+        step[t, j] = x[t, j].abs() / 8
+    e_flat = torch.tensor([0, 1, 1, 0, 0, 1])           # (T * k,) the pairs' experts
+    cache1 = torch.stack([W13[e_flat[p]] @ x[p // k] for p in range(T * k)])
+    w_base = torch.rand(T * k, generator=g, dtype=F64) + 0.2
+    spec = lookup_activation(activation)
+    bound = _slack_flips(step, cache1, W13, W2, e_flat, k, spec, w_base, rows_per_chunk=7)  # chunks split tokens
+    for p in range(T * k):
+        t, e = p // k, int(e_flat[p])
+        j = step[t].nonzero().flatten()
+        cols = step[t, j, None] * W13[e][:, j].T              # (m, N1): each flip's shift of the activation input
+        h0 = apply_activation(cache1[p], spec.name)
+
+        def change(signs):
+            return w_base[p] * (W2[e] @ (apply_activation(cache1[p] + signs @ cols, spec.name) - h0))
+
+        singles = torch.stack([torch.maximum(change(torch.eye(m, dtype=F64)[i]).norm(),
+                                             change(-torch.eye(m, dtype=F64)[i]).norm()) for i in range(m)])
+        patterns = [torch.ones(m, dtype=F64), -torch.ones(m, dtype=F64)]
+        patterns += [torch.randint(-1, 2, (m,), generator=g).to(F64) for _ in range(40)]    # subsets and signs
+        worst = max(float(change(s).norm()) for s in patterns)
+        assert worst <= float(bound[p]), (p, worst, float(bound[p]))
+        # the sum of norms it replaced: m in line, where m changes whose inner products are about 1/sqrt(I) of their
+        # norms' product give about sqrt(m (1 + m / sqrt(I))), 0.3 of it here
+        assert float(bound[p]) < 0.5 * float(singles.sum())
+
+
 # a correct kernel (the eager experts) whose activation differs from the emulation's in one element's last bit,
 # which flips that element's e4m3 rounding: a small case, where the emulation itself flips none
 ONE_FLIP_CASE = Case.from_json('{"E":1,"H":2,"I":43,"T":3,"activation":"gelu_no_mul","apply_router_weight_on_input":'
