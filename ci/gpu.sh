@@ -19,7 +19,8 @@
 #             bench/bench_layer.py (state handling and graph replay against a plain forward)
 #   models    `check --model` for every catalogued model (judge on the GPU; triton_experts, bf16, 1 to 16384 tokens), the
 #             property rows at prefill, and the production-size planted bugs (suites/kernels/test_production_mutants.py)
-#   fp8       FP8 experts (issue 22): the e4m3 MMA probe (bench/probe_fp8_mma.py), the FP8 suites on CUDA, the FP8
+#   fp8       FP8 experts (issue 22): the e4m3 MMA probe (bench/probe_fp8_mma.py), the FP8 floor probe
+#             (bench/probe_fp8_floor.py), the FP8 suites on CUDA, the FP8
 #             check rows for every Triton experts backend, and bench/bench_fp8.py (FP8 vs bf16, with LoRA)
 #   thirdparty vLLM 0.33.0's own op (examples/vllm_wheel_op; VLLM_SOURCE names an unpacked vLLM wheel, kept out of
 #             the repository): every check row, `check --model` at served shapes, and `fuzz --jobs 8` over it and
@@ -195,6 +196,11 @@ for t in "${targets[@]}"; do
     fp8)
       timeout 120 python3 bench/probe_fp8_mma.py --out "$OUT/probe_fp8_mma.json" > "$OUT/probe_fp8_mma.txt" 2>&1 || rc=1
       tail -12 "$OUT/probe_fp8_mma.txt" | cut -c1-300
+      # where the FP8 kernels' error sits against the FP8 floor's terms, per row (the worst-case accumulation term's
+      # replacement needs this measured): an instrument, its rc not the lane's verdict
+      timeout ${FP8_FLOOR_TIMEOUT:-180} python3 bench/probe_fp8_floor.py --device cuda --model qwen3-30b-a3b \
+        --tokens 16,256,4113 --out "$OUT/probe_fp8_floor.json" > "$OUT/probe_fp8_floor.txt" 2>&1 || true
+      tail -3 "$OUT/probe_fp8_floor.txt" | cut -c1-300
       timeout ${FP8_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider --moe-lora-device cuda -n 4 -rfE \
         src/moe_lora_harness/suites/experts/test_fp8_triton.py src/moe_lora_harness/suites/experts/test_fp8.py ${FP8_PYTEST_ARGS:-} \
         > "$OUT/fp8_suites.log" 2>&1 || rc=1
