@@ -16,7 +16,7 @@ Error model (docs/error-model.md): over the elements the contract writes,
      floor = 0.5 eps_dt ||truth|| + accumulation + 0.5 tiny_dt ||underflow|| + max(one_flip) + ||slack_flip||.
      accumulation = ACC_SIGMAS sqrt(sum acc_var): the statistical model of fp32 accumulation (the reference's
      variance bound, reference.accumulation: it grows like the values, sqrt(K), where the worst case grows like K);
-     without `acc_var` (FP8 activations: the e4m3 MMA accumulates in a 13-bit window, biased) the worst-case
+     without `acc_var` (FP8 activations on a GPU: the e4m3 MMA accumulates in a 13-bit window, biased) the worst-case
      sqrt(K+R) eps_fp32 ||scale||. `one_flip` (FP8 only) a row's output change from its costliest single flip (the
      emulation's own flips stand for a correct kernel's, except where it has next to none: a small case),
      `slack_flip` (FP8) a row's from the GEMM1 flips only a kernel's fp32 scale arithmetic takes.

@@ -28,12 +28,27 @@ def op_expectations(case: Case, backend_precision: str, device="cpu"):
     return inputs, op_reference(case, inputs), op_reference(case, inputs, backend_precision)
 
 
-def allowances(truth) -> dict:
+def fp8_accumulation_modelled(device) -> bool:
+    """Whether the statistical model's fp32 accumulation holds for FP8 products on `device` (the backend's): on a CPU
+    (no e4m3 MMA there: the exact products are summed in fp32), not on a GPU, whose e4m3 MMA truncates in a 13-bit
+    window (docs/error-model.md): there the FP8 floor keeps its worst-case term until that truncation is measured in
+    aggregate (bench/probe_fp8_floor.py)."""
+    from moe_lora_harness.harness.contract import device_kind
+    return device is not None and device_kind(device) == "cpu"
+
+
+def allowances(truth, device=None) -> dict:
     """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
     (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip; the op level quantizes no activation) and the
-    statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`; None with FP8
-    activations: the worst-case terms)."""
-    return {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
+    statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8 activations
+    (`one_flip` set) `round_var` is None (rules 2's statistical form and 4 off) and `acc_var` is kept only where
+    `fp8_accumulation_modelled(device)` (`device`: where the backend ran; None: unknown, the worst-case term)."""
+    got = {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
+    if got["one_flip"] is not None:
+        got["round_var"] = None
+        if not fp8_accumulation_modelled(device):
+            got["acc_var"] = None
+    return got
 
 
 def row_groups(inputs, truth) -> dict | None:

@@ -180,7 +180,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
         return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=dt, k_plus_r=k_plus_r,
                                names=names, underflow=truth.underflow, work_dtype=dt,
                                row_groups=row_groups(inp, truth), model_points_only=spec.model_points_only_for(device),
-                               **allowances(truth))
+                               **allowances(truth, device))
 
     out0 = run(inp)
     v0 = judge(out0)

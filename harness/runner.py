@@ -115,6 +115,7 @@ class Expectation:
     device: str = "cpu"                        # where the inputs are (re)built
     groups: dict | None = None                 # rule 4's row labellings (expectation.row_groups), kept past a release
     points_only: bool = False                  # the backend rounds only where its model does (rule 4's allowance)
+    run_device: str | None = None              # where the backend runs (what the FP8 accumulation term follows)
 
     @property
     def inputs(self):
@@ -143,6 +144,7 @@ def expectations(spec: BackendSpec, case: Case, device: str) -> Expectation:
     exp = _expectations(case, precision, at)
     exp.precision, exp.case, exp.device = precision, case, at
     exp.points_only = spec.model_points_only_for(device)
+    exp.run_device = device
     if exp.truth is not None:
         from moe_lora_harness.reference.precision import bound_dtype
         exp.bound_dtype = bound_dtype(precision, torch_dtype(case))
@@ -218,7 +220,8 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
                               dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=k_plus_r,
                               before=exp.before, names=names,
                               underflow=exp.truth.underflow, work_dtype=torch_dtype(case),
-                              row_groups=exp.groups, model_points_only=exp.points_only, **allowances(exp.truth))
+                              row_groups=exp.groups, model_points_only=exp.points_only,
+                              **allowances(exp.truth, exp.run_device))
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict

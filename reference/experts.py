@@ -525,7 +525,10 @@ def forward_steps(
     # FP8: the base GEMM reads the quantized input (per token / per group of 128, dynamic), the LoRA below x
     xr = (fake_quantize_activation(x_in, fp8) if fp8 is not None else x_in)[tok]
     scale1 = under1 = flip1 = slack_step = var1 = rnd1 = None
-    track_var = magnitudes and fp8 is None     # FP8's e4m3 MMA accumulation: the worst-case term (error model)
+    # FP8 too: the fp32 accumulation of the exact e4m3 products and the scale multiplies (IEEE on a CPU; where an e4m3
+    # MMA truncates the harness keeps the worst-case term: harness.expectation.allowances); its round_var is not
+    # carried (e4m3 roundings are the flip terms' to allow)
+    track_var = magnitudes
     jobs = {"c1": (xr, None)}                  # every GEMM over w13 in one pass over the experts
     if track_var:   # GEMM1's fp32 accumulation over H (its input exact: the hidden states or their rounded product)
         jobs["var1"] = ((U32 * U32 * H) * xr * xr, "square")
@@ -547,7 +550,11 @@ def forward_steps(
         c1 = c1 + _per_expert_rows(b13, e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
     if track_var:
-        var1 = (got.pop("var1") + (U32 * U32 * (H + 1)) * c1 * c1).reshape(T, k, N1)
+        v1 = got.pop("var1")
+        if fp8 is not None:   # the two scale multiplies of each product block (per channel: of the sum), sum p^2 from v1
+            v1 = v1 * (1.0 + 2.0 / H) + (2.0 * U32 * U32) * c1 * c1
+        var1 = (v1 + (U32 * U32 * (H + 1)) * c1 * c1).reshape(T, k, N1)
+        del v1
         rnd1 = cache1 * cache1            # cache1's rounding
         if apply_router_weight_on_input:
             rnd1 = rnd1 + got.pop("rin1").reshape(T, k, N1)
@@ -637,8 +644,9 @@ def forward_steps(
     # the quantized activation, the w2 LoRA below the unquantized `a`
     aq = fake_quantize_activation(a, fp8) if fp8 is not None else a
     jobs = {"c3": (aq, None)}                  # every GEMM over w2 in one pass over the experts
-    if track_var:   # GEMM2's accumulation over I, and the activation's variance carried by w2^2
-        jobs["var3"] = (var2 + (U32 * U32 * I) * a * a, "square")
+    if track_var:   # GEMM2's accumulation over I, and the activation's variance carried by w2^2 (FP8: the quantized
+        # activation absorbs it, but where it flips, which the flip terms allow)
+        jobs["var3"] = ((var2 + (U32 * U32 * I) * a * a) if fp8 is None else (U32 * U32 * I) * aq * aq, "square")
         jobs["rnd3"] = (rnd2, "square")
     if magnitudes:
         jobs["s3"] = (s2 if fp8 is None else torch.maximum(s2, aq.abs()), "abs")
@@ -657,6 +665,8 @@ def forward_steps(
     var3 = rnd3 = None
     if track_var:
         var3 = got.pop("var3") + (U32 * U32 * (I + 1)) * c3 * c3
+        if fp8 is not None:   # the scale multiplies, as at GEMM1
+            var3 = var3 * (1.0 + 2.0 / I) + (2.0 * U32 * U32) * c3 * c3
         rnd3 = got.pop("rnd3")
     weight_out = not apply_router_weight_on_input or semantics.weight_on_output_too
     power = semantics.w2_lora_weight_power     # the w2 LoRA's routing weight (the contract: w, once)
@@ -731,7 +741,8 @@ def forward_steps(
     if var3 is not None:   # moe_sum's own fp32 accumulation over the k pairs
         flips["acc_var"] = ((var3 * keep).sum(dim=1)
                             + dot_variance(out, (cache3 * cache3 * keep).sum(dim=1), k))
-        flips["round_var"] = (rnd3 * keep).sum(dim=1)     # the output's own rounding is the judge's to add
+        # the output's own rounding is the judge's to add; FP8: not carried (rules 2's statistical form and 4 stay off)
+        flips["round_var"] = (rnd3 * keep).sum(dim=1) if fp8 is None else None
     if flip3 is not None:   # slack_flip: the exact flips' norms (base GEMM2 and w2 LoRA together) add up
         flips.update(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
                      slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1))

@@ -29,7 +29,7 @@ for c in cases:
         v = compare_written(call.output, truth.value, emu.value, truth.scale, written, dtype=torch_dtype(c),
                             k_plus_r=kpr, names=names, underflow=truth.underflow, work_dtype=torch_dtype(c),
                             row_groups=row_groups(inp, truth), model_points_only=BACKEND.model_points_only_for("cpu"),
-                            **allowances(truth))
+                            **allowances(truth, "cpu"))
         judged += 1
         worst = max(worst, v.ratio)
         if not v.ok:
