@@ -18,8 +18,8 @@ from moe_lora_harness.backends.experts import (
 import dataclasses
 
 from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Rule
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Rule
 
 try:
     import triton  # noqa: F401

@@ -1,5 +1,5 @@
 """The pure-PyTorch eager backend: torch ops in the working dtype, no Triton, every device and dtype."""
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.kernels import eager, eager_experts, eager_fp8
 
 

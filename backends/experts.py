@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
-from moe_lora_harness.harness.case import FP8_QUANTS, Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, ExpertCall, Rule
+from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, ExpertCall, Rule
 from moe_lora_harness.kernels.dtypes import DTYPES
 
 try:
@@ -134,7 +134,7 @@ def precision_for(cls):
     return precision
 
 
-# the classes that take no FP8 scheme say why (harness.contract's `reasons`)
+# the classes that take no FP8 scheme say why (harness.spec.contract's `reasons`)
 FP8_DECLINE = ("FP8 runs in the fused-MoE Triton experts (triton_experts and its subclasses); this kernel takes no "
                "e4m3 operands")
 FP8_REASONS = {("quant", q): FP8_DECLINE for q in FP8_QUANTS}

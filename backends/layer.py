@@ -1,5 +1,5 @@
 """Layer-level backends: our StatefulMoELoRALayer (kernels/layer) behind the harness's layer contract
-(harness.layer_contract), one BackendSpec per experts class it runs.
+(harness.spec.layer_contract), one BackendSpec per experts class it runs.
 
 `ContractLayer` is the adapter: it loads a checkpoint-layout ExpertAdapter the way vLLM's set_lora does (cast
 to the layer dtype, then `B *= scaling` in that dtype; non-gated layers keep the gate factors only), pads to
@@ -14,10 +14,10 @@ import torch
 
 from moe_lora_harness.backends.experts import capabilities_of, precision_for, unavailable
 from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Rule
-from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
-from moe_lora_harness.harness.layer_judge import layer_case
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Rule
+from moe_lora_harness.harness.spec.layer_contract import LayerBatch, LayerConfig, LayerWeights
+from moe_lora_harness.harness.layer.layer_judge import layer_case
 from moe_lora_harness.reference import activations as ref_act
 from moe_lora_harness.reference.adapters import ExpertAdapter
 
@@ -120,7 +120,7 @@ def base_tensors(config: LayerConfig, w: LayerWeights):
 
 
 class ContractLayer:
-    """A StatefulMoELoRALayer behind harness.layer_contract's methods."""
+    """A StatefulMoELoRALayer behind harness.spec.layer_contract's methods."""
 
     def __init__(self, layer: "StatefulMoELoRALayer", config: LayerConfig):
         self.layer, self.config = layer, config

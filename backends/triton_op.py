@@ -6,8 +6,8 @@ On a machine without CUDA the kernels run in the Triton interpreter, which canno
 from __future__ import annotations
 
 from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, Rule
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, Rule
 from moe_lora_harness.kernels.dtypes import TRITON_DTYPE_REASONS, TRITON_DTYPES
 
 try:

@@ -101,7 +101,7 @@ def source_meta() -> dict:
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
-    files = ["kernels/experts/ep_prepare_finalize.py", "harness/communicator.py"]
+    files = ["kernels/experts/ep_prepare_finalize.py", "harness/execution/communicator.py"]
     return dict(commit=git("rev-parse", "HEAD"),
                 uncommitted_changes={f: bool(git("status", "--porcelain", "--", f)) for f in files})
 
@@ -180,7 +180,7 @@ class _CountingGroup:
 
 def count_collectives(comm, fn) -> tuple[object, dict]:
     """(fn(), {calls, bytes}): the collective calls this rank made in fn and the bytes it fed them."""
-    from moe_lora_harness.harness.communicator import SimulatedCommunicator
+    from moe_lora_harness.harness.execution.communicator import SimulatedCommunicator
 
     if isinstance(comm, SimulatedCommunicator):
         attr, proxy = "group", _CountingGroup(comm.group)
@@ -303,7 +303,7 @@ def sweep(comm, barrier, agree_int, device, dtype, cfg: dict) -> list[dict]:
 def _dist_worker(rank: int, world: int, backend: str, port: int, cfg: dict, result_path: str) -> None:
     import torch.distributed as dist
 
-    from moe_lora_harness.harness.communicator import TorchDistributedCommunicator
+    from moe_lora_harness.harness.execution.communicator import TorchDistributedCommunicator
 
     torch.set_num_threads(cfg["threads"])
     if backend == "nccl":
@@ -364,7 +364,7 @@ def run_distributed(backend: str, world: int, cfg: dict) -> dict:
 
 
 def run_simulated(world: int, cfg: dict) -> dict:
-    from moe_lora_harness.harness.communicator import SimulatedGroup
+    from moe_lora_harness.harness.execution.communicator import SimulatedGroup
 
     torch.set_num_threads(cfg["threads"])
     group = SimulatedGroup(world, timeout_s=600.0)

@@ -1,6 +1,6 @@
 """FP8 experts with LoRA against bf16 experts with LoRA on a GPU (issue 22 item 5; a benchmark, not a test).
 
-Per catalogued model (harness/models.py: one TP-1 rank's H, I, E, top_k, activation, biases) and token count T:
+Per catalogued model (harness/served/models.py: one TP-1 rank's H, I, E, top_k, activation, biases) and token count T:
 our TritonExperts forward in bf16, fp8_w8a8 and fp8_block (where H, I % 128 == 0), each without and with LoRA
 (rank 16 on w13 and w2, 4 slots, tokens spread over them), CUDA-graph replay medians (bench_experts.time_graph).
 Beside each: the memory floor (the experts the batch touches, their weights once at the scheme's byte width, plus
@@ -138,7 +138,7 @@ def floor_ms(lw: dict, scheme: str, b: dict, bw: float) -> float:
 
 def rows_for(models, Ts, rank: int, loras: int, deadline: float, bw: float, anchors: list) -> list:
     """One row per (model, T, scheme): ms without and with LoRA, the floor, the ratio to bf16 with LoRA."""
-    from moe_lora_harness.harness.models import model_named
+    from moe_lora_harness.harness.served.models import model_named
     rows = []
     for name in models:
         layer = model_named(name)
@@ -189,7 +189,7 @@ COLUMNS = ["model", "T", "scheme", "ms_base", "ms_lora", "floor_ms", "vs_bf16_lo
 
 
 def main(argv=None) -> int:
-    from moe_lora_harness.harness.models import MODELS
+    from moe_lora_harness.harness.served.models import MODELS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(m.name for m in MODELS))
     p.add_argument("--T", default=",".join(map(str, T_DEFAULT)))

@@ -1,13 +1,13 @@
 """Fuzz throughput and time to detection (a benchmark, not a test): free shapes against compile classes.
 
-Two measurements, each palette ("free": every size drawn; "classes": harness.compile_classes) in its own
+Two measurements, each palette ("free": every size drawn; "classes": harness.draw.compile_classes) in its own
 process with an empty Triton cache (TRITON_CACHE_DIR), so neither inherits the other's compiled kernels:
 
   reach       the fraction of drawn cases in which each planted bug's shape class shows (no kernel runs).
   throughput  a campaign against a correct backend (in-process, no reruns, no shrink) for --budget seconds:
               examples per minute, Triton compiles counted by Triton's own JIT hooks (count and seconds
               inside the compiler; none under the CPU interpreter), median call with and without a compile.
-  detection   (--mutants) each planted shape-class bug of harness.reach_mutants (our Triton op, wrong on one
+  detection   (--mutants) each planted shape-class bug of harness.selftest.reach_mutants (our Triton op, wrong on one
               class of shapes) under a campaign that stops at its first failure: seconds and examples to
               detection, over --seeds seeds. This is the bug-finding power the palette must keep.
   layer       (--level layer) the layer search `fuzz --level layer` runs (supervised worker, every dtype the
@@ -78,7 +78,7 @@ class TimedExecutor:
     supervised = False
 
     def __init__(self, counter: CompileCounter):
-        from moe_lora_harness.harness.execute import InProcess
+        from moe_lora_harness.harness.execution.execute import InProcess
         self.inner, self.counter, self.rows = InProcess(), counter, []
         self.start = time.perf_counter()
 
@@ -114,13 +114,13 @@ def timeline(rows: list, wall: float) -> list:
 
 
 def _strategy(spec, device, level, palette):
-    from moe_lora_harness.harness.profiles import draw_sizes
-    from moe_lora_harness.harness.strategies import claimed_cases
+    from moe_lora_harness.harness.draw.profiles import draw_sizes
+    from moe_lora_harness.harness.draw.strategies import claimed_cases
     return claimed_cases(spec, device, level, compile_classes=palette == "classes", **draw_sizes(device, level))
 
 
 def throughput(spec, device, level, palette, budget_s, seed, log=False):
-    from moe_lora_harness.harness.campaign import Campaign
+    from moe_lora_harness.harness.search.campaign import Campaign
     counter = CompileCounter(log)
     ex = TimedExecutor(counter)
     strategy = _strategy(spec, device, level, palette)
@@ -145,8 +145,8 @@ def throughput(spec, device, level, palette, budget_s, seed, log=False):
 
 
 def detection(mutant, device, palette, budget_s, seed):
-    from moe_lora_harness.harness.campaign import Campaign
-    from moe_lora_harness.harness.reach_mutants import REACH_MUTANTS
+    from moe_lora_harness.harness.search.campaign import Campaign
+    from moe_lora_harness.harness.selftest.reach_mutants import REACH_MUTANTS
     spec = next(s for s in REACH_MUTANTS if s.name == mutant)
     counter = CompileCounter()
     ex = TimedExecutor(counter)
@@ -163,8 +163,8 @@ def detection(mutant, device, palette, budget_s, seed):
 def reach_rates(device, palette, n: int, seed: int) -> dict:
     """Of n drawn op cases of the `triton` backend's claim, the fraction in which each planted bug's shape class
     shows (no kernel runs): the per-example chance a palette gives each bug, beside its examples per minute."""
-    from moe_lora_harness.harness.reach_mutants import BASE, DEFECTS, REACH_MUTANTS
-    from moe_lora_harness.harness.strategies import examples
+    from moe_lora_harness.harness.selftest.reach_mutants import BASE, DEFECTS, REACH_MUTANTS
+    from moe_lora_harness.harness.draw.strategies import examples
     spec = next(s for s in REACH_MUTANTS if s.name == "reach-control")
     cases = examples(_strategy(spec, device, "op", palette), n, seed=seed)
     return {"job": "reach", "palette": palette, "base": BASE, "cases": len(cases),
@@ -172,8 +172,8 @@ def reach_rates(device, palette, n: int, seed: int) -> dict:
 
 
 def _child(a) -> None:
-    from moe_lora_harness.harness.device import prepare_device
-    from moe_lora_harness.harness.registry import available_backends, select
+    from moe_lora_harness.harness.execution.device import prepare_device
+    from moe_lora_harness.harness.spec.registry import available_backends, select
     device = prepare_device(a.device)
     if a.job == "reach":
         row = reach_rates(device, a.palette, 1000, a.seed)
@@ -215,7 +215,7 @@ def _spawn(a, job: str, palette: str, seed: int, mutant: str = "", cache: str | 
 LAYER_BEFORE = {"scenarios": 39, "seconds": 47.0}
 LAYER_TARGET_PER_S = 2.0
 # issue 32: `fuzz --jobs 8` over vLLM 0.33.0's op on one H200, before and after the round of work that cost 40 %
-# and restored (2026-12-04: small cases drawn and judged on the CPU, harness.builders.draw_device; the same day's code
+# and restored (2026-12-04: small cases drawn and judged on the CPU, harness.build.builders.draw_device; the same day's code
 # before that change ran 2244 in 72 s)
 CLI_BEFORE = ({"examples": 4257, "seconds": 60.0, "when": "before"}, {"examples": 2538, "seconds": 75.0, "when": "after"},
               {"examples": 5924, "seconds": 76.0, "when": "restored"})
@@ -250,8 +250,8 @@ def _cli_summary(rows: list, doc: dict) -> list[str]:
 def layer_throughput(spec, device, budget_s, seed):
     """A layer search against a correct layer for `budget_s`, as `fuzz --level layer` runs it (a supervised worker,
     every dtype the layer claims, no shrink needed: nothing fails): scenarios per second."""
-    from moe_lora_harness.harness.layer_machine import fuzz_configs, search_layers
-    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT, executor_for
+    from moe_lora_harness.harness.layer.layer_machine import fuzz_configs, search_layers
+    from moe_lora_harness.harness.execution.worker import DEFAULT_TIMEOUT, executor_for
     configs = fuzz_configs(spec, device)
     executor = executor_for(False, DEFAULT_TIMEOUT)
     try:
@@ -316,7 +316,7 @@ def _summary(rows: list, doc: dict) -> list[str]:
             lines.append(f"| {m} | " + " | ".join(str(r["rates"][m]) for r in reach.values()) + " |")
     det = [x for x in rows if x.get("job") == "detection"]
     if det:
-        lines += ["", f"Time to detection of the planted shape-class bugs (harness/reach_mutants.py), "
+        lines += ["", f"Time to detection of the planted shape-class bugs (harness/selftest/reach_mutants.py), "
                       f"{doc['detect_budget_s']:g} s budget each, seeds {doc['seeds']}: median seconds "
                       f"(median examples), caught / runs", "", "| mutant | free | classes |", "|---|---|---|"]
         for m in sorted({x["mutant"] for x in det}):
@@ -369,7 +369,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.child:
         return _child(a)
-    from moe_lora_harness.harness.device import prepare_device
+    from moe_lora_harness.harness.execution.device import prepare_device
     device = prepare_device(a.device)
     palettes = PALETTES if a.palette == "both" else (a.palette,)
     t0 = time.time()
@@ -385,7 +385,7 @@ def main(argv=None):
         return lines
 
     if a.level == "layer":
-        from moe_lora_harness.harness.registry import available_backends, select
+        from moe_lora_harness.harness.spec.registry import available_backends, select
         spec = select(available_backends(extra_refs=a.backend), [a.only])[a.only]
         rows.append(layer_throughput(spec, device, a.budget, a.seed))
         print("\n".join(write()))
@@ -405,7 +405,7 @@ def main(argv=None):
         rows.append(cli_throughput(a, device))
         write()
     if a.mutants:
-        from moe_lora_harness.harness.reach_mutants import DEFECTS
+        from moe_lora_harness.harness.selftest.reach_mutants import DEFECTS
         jobs = [(pal, seed, f"reach-{m}") for m in DEFECTS for seed in range(a.seeds) for pal in palettes]
         with ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
             rows += list(pool.map(lambda j: _spawn(a, "detection", j[0], j[1], j[2]), jobs))

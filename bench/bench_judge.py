@@ -1,13 +1,13 @@
 """Benchmark the judge (not a test): its time per expert-level case, on the host or on a GPU, at the catalogue's
-shapes (harness.models: MODELS, case_fields), at decode (T = 1, 64) and prefill (T = 4096, 16384) sizes.
+shapes (harness.served.models: MODELS, case_fields), at decode (T = 1, 64) and prefill (T = 4096, 16384) sizes.
 
 Per case (bf16, 4 LoRA slots of rank 16, every token with an adapter), median seconds of the judge's phases as
-the runner runs them (harness.runner.expectations, then the comparison of harness.runner._judge_execution):
-  build      harness.builders.build_expert_inputs on the device (a CUDA device draws there, expert by expert)
-  digest     harness.execute.inputs_digest of those inputs (on a GPU: harness.tensor_digest, where they lie)
+the runner runs them (harness.execution.runner.expectations, then the comparison of harness.execution.runner._judge_execution):
+  build      harness.build.builders.build_expert_inputs on the device (a CUDA device draws there, expert by expert)
+  digest     harness.execution.execute.inputs_digest of those inputs (on a GPU: harness.judge.tensor_digest, where they lie)
   truth      the float64 reference with its magnitudes (reference.experts, one expert's weights at a time)
   emulation  the declared model's value (one_shot)
-  compare    harness.compare.compare_written of an output (the emulation in bf16, standing in for the backend's)
+  compare    harness.judge.compare.compare_written of an output (the emulation in bf16, standing in for the backend's)
 and on a GPU the peak memory the judge allocated (torch.cuda.max_memory_allocated). A host case whose estimate
 (the host's measured float64 GEMM, randn and conversion rates; the case's FLOPs, weights and memory) passes
 --host-limit-s or the free memory is skipped, with its estimate printed.
@@ -29,13 +29,13 @@ import time
 
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness.execute import inputs_digest, release_device_memory
-from moe_lora_harness.harness.expectation import allowances, judging
-from moe_lora_harness.harness.expert_runner import expert_forward
-from moe_lora_harness.harness.models import MODELS, case_fields, model_named
+from moe_lora_harness.harness.build.builders import build_expert_inputs, torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.execution.execute import inputs_digest, release_device_memory
+from moe_lora_harness.harness.judge.expectation import allowances, judging
+from moe_lora_harness.harness.build.expert_runner import expert_forward
+from moe_lora_harness.harness.served.models import MODELS, case_fields, model_named
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.precision import bound_dtype, precision
 

@@ -77,7 +77,7 @@ def _h200_device_info():
 
 def _launch(spec, case):
     """The backend's host code on `case`'s inputs (CPU tensors; kernel launches are intercepted)."""
-    from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs
+    from moe_lora_harness.harness.build.builders import build_expert_inputs, build_op_inputs
     if case.level == "op":
         spec.op(**build_op_inputs(case, "cpu").call_kwargs())
     else:
@@ -85,8 +85,8 @@ def _launch(spec, case):
 
 
 def count(spec, palette: str, n: int, seed: int, level: str = "op") -> dict:
-    from moe_lora_harness.harness.profiles import draw_sizes
-    from moe_lora_harness.harness.strategies import claimed_cases, examples
+    from moe_lora_harness.harness.draw.profiles import draw_sizes
+    from moe_lora_harness.harness.draw.strategies import claimed_cases, examples
     strategy = claimed_cases(spec, "cuda", level, compile_classes=palette == "classes", **draw_sizes("cuda", level))
     cases = examples(strategy, n, seed=seed)
     rec = KeyRecorder()
@@ -122,7 +122,7 @@ def main(argv=None):
     p.add_argument("--palette", choices=("free", "classes", "both"), default="both")
     p.add_argument("--level", choices=("op", "expert"), default="op")
     a = p.parse_args(argv)
-    from moe_lora_harness.harness.registry import available_backends
+    from moe_lora_harness.harness.spec.registry import available_backends
     _h200_device_info()
     spec = available_backends()[a.only]
     for pal in (("free", "classes") if a.palette == "both" else (a.palette,)):

@@ -17,15 +17,15 @@ import sys
 from hypothesis.errors import Unsatisfiable
 from hypothesis.internal.conjecture.providers import _get_local_constants
 
-from moe_lora_harness.harness import compile_classes as CC
-from moe_lora_harness.harness import covering as C
-from moe_lora_harness.harness import features as F
-from moe_lora_harness.harness import profiles as P
-from moe_lora_harness.harness import strategies as S
-from moe_lora_harness.harness.axes import AXES
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.registry import available_backends
-from moe_lora_harness.harness.signatures import PLAIN, axes_of
+from moe_lora_harness.harness.draw import compile_classes as CC
+from moe_lora_harness.harness.draw import covering as C
+from moe_lora_harness.harness.check import features as F
+from moe_lora_harness.harness.draw import profiles as P
+from moe_lora_harness.harness.draw import strategies as S
+from moe_lora_harness.harness.draw.axes import AXES
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.registry import available_backends
+from moe_lora_harness.harness.search.signatures import PLAIN, axes_of
 
 
 def _draws(strategy, n: int, seed: int = 0):

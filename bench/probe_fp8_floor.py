@@ -21,13 +21,13 @@ import sys
 
 import torch
 
-from moe_lora_harness.harness.builders import torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import EPS32
-from moe_lora_harness.harness.expectation import judging
-from moe_lora_harness.harness.expert_runner import expert_expectations, run_calls
-from moe_lora_harness.harness.models import case_fields, model_named
-from moe_lora_harness.harness.registry import BUILTIN_REF, load_ref
+from moe_lora_harness.harness.build.builders import torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import EPS32
+from moe_lora_harness.harness.judge.expectation import judging
+from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
+from moe_lora_harness.harness.served.models import case_fields, model_named
+from moe_lora_harness.harness.spec.registry import BUILTIN_REF, load_ref
 
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
 

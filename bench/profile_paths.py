@@ -4,7 +4,7 @@ Python line that launched it.
 
   judge   one judged expert case of the catalogue (bench_judge.judge_once), after an untimed warm-up case
   layer   the layer search against a correct layer (as `fuzz --level layer` runs it), supervised (the worker's
-          own side profiled through harness.worker.PROFILE_VAR) and then in-process, --budget seconds each
+          own side profiled through harness.execution.worker.PROFILE_VAR) and then in-process, --budget seconds each
 
   python bench/profile_paths.py judge --model deepseek-v3 --tokens 16384 --out DIR
   python bench/profile_paths.py layer --only layer_triton --budget 30 --out DIR
@@ -41,8 +41,8 @@ def _stats_text(sources, title: str) -> str:
 def judge(a) -> str:
     import torch
     from bench_judge import bench_case, judge_once
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.models import model_named
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.served.models import model_named
     judge_once(Case(level="expert", T=8, dtype="bfloat16", seed=1), a.device)      # context, cuBLAS: not profiled
     out = []
     for T in (int(t) for t in a.tokens.split(",")):
@@ -59,9 +59,9 @@ def judge(a) -> str:
 
 
 def layer(a) -> str:
-    from moe_lora_harness.harness.layer_machine import fuzz_configs, search_layers
-    from moe_lora_harness.harness.registry import available_backends
-    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT, PROFILE_VAR, executor_for
+    from moe_lora_harness.harness.layer.layer_machine import fuzz_configs, search_layers
+    from moe_lora_harness.harness.spec.registry import available_backends
+    from moe_lora_harness.harness.execution.worker import DEFAULT_TIMEOUT, PROFILE_VAR, executor_for
     spec = available_backends()[a.only]
     configs = fuzz_configs(spec, a.device)
     out = []

@@ -67,7 +67,7 @@ def gemm_inputs(layer, T: int, which: str, scheme: str):
 
 
 def main(argv=None) -> int:
-    from moe_lora_harness.harness.models import model_named
+    from moe_lora_harness.harness.served.models import model_named
     from moe_lora_harness.kernels.triton.fused_moe_gemm import GemmConfig
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b")

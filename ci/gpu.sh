@@ -111,7 +111,7 @@ for t in "${targets[@]}"; do
         --no-reach --no-throughput --out "$OUT/fuzz_cli" > "$OUT/fuzz_cli.txt" 2>&1 || rc=1
       tail -1 "$OUT/fuzz_cli.txt" ;;
     served)
-      for m in ${SERVED_MODELS:-$(python3 -c "from moe_lora_harness.harness.models import MODELS; print(' '.join(m.name for m in MODELS))")}; do
+      for m in ${SERVED_MODELS:-$(python3 -c "from moe_lora_harness.harness.served.models import MODELS; print(' '.join(m.name for m in MODELS))")}; do
         timeout 400 python3 -m moe_lora_harness fuzz --device cuda --model "$m" --only triton_experts --jobs 8 \
           --budget ${SERVED_BUDGET:-60s} -q --no-db --out "$OUT/served_$m" > "$OUT/served_$m.txt" 2>&1 || rc=1
         echo "$m: $(tail -1 "$OUT/served_$m.txt" | cut -c1-160)"
@@ -176,7 +176,7 @@ for t in "${targets[@]}"; do
     models)
       # every catalogued model's layer through `check --model` with the judge on the GPU (triton_experts, bf16, decode
       # to prefill), the property rows at prefill for the smaller ones, and the production-size planted bugs
-      for m in $(python3 -c "from moe_lora_harness.harness.models import MODELS; print(' '.join(m.name for m in MODELS))"); do
+      for m in $(python3 -c "from moe_lora_harness.harness.served.models import MODELS; print(' '.join(m.name for m in MODELS))"); do
         s0=$(date +%s)
         timeout ${MODEL_TIMEOUT:-150} python3 -m moe_lora_harness check --device cuda --model "$m" --only triton_experts \
           --tokens ${MODEL_TOKENS:-1,64,4096+17,16384} --feature "experts: bf16" --json "$OUT/check_model_$m.json" \
@@ -214,7 +214,7 @@ for t in "${targets[@]}"; do
         --out "$OUT/bench_fp8.json" --md "$OUT/bench_fp8.md" > "$OUT/bench_fp8.txt" 2>&1 || rc=1
       grep -c '"error"' "$OUT/bench_fp8.txt" | sed 's/^/fp8 bench rows with an error: /' ;;
     check)
-      timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.cli check --device cuda --json "$OUT/check_cuda.json" \
+      timeout ${CHECK_TIMEOUT:-500} python3 -m moe_lora_harness.harness.front.cli check --device cuda --json "$OUT/check_cuda.json" \
         --markdown "$OUT/check_cuda.md" > "$OUT/check_cuda.txt" 2>&1 || rc=1
       tail -5 "$OUT/check_cuda.txt" ;;
   esac

@@ -526,7 +526,7 @@ def forward_steps(
     xr = (fake_quantize_activation(x_in, fp8) if fp8 is not None else x_in)[tok]
     scale1 = under1 = flip1 = slack_step = var1 = rnd1 = None
     # FP8 too: the fp32 accumulation of the exact e4m3 products and the scale multiplies (IEEE on a CPU; where an e4m3
-    # MMA truncates the harness keeps the worst-case term: harness.expectation.allowances); its round_var is not
+    # MMA truncates the harness keeps the worst-case term: harness.judge.expectation.allowances); its round_var is not
     # carried (e4m3 roundings are the flip terms' to allow)
     track_var = magnitudes
     jobs = {"c1": (xr, None)}                  # every GEMM over w13 in one pass over the experts

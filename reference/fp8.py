@@ -26,7 +26,7 @@ AMAX_FLOOR = 1e-10
 # relative difference, in the e4m3 operand x / s, that two correct fp32 implementations of the scale arithmetic
 # may show: amax / 448 rounded once or as amax * fp32(1/448) (1 ulp), x / s or x * fp32(1/s) (2 ulps): 4 fp32 ulps
 FP32_SLACK = 4 * 2.0 ** -23
-# the per-element bound's ulps of the working dtype (harness.compare.ULPS; equality is tested): the error model's
+# the per-element bound's ulps of the working dtype (harness.judge.compare.ULPS; equality is tested): the error model's
 # claim on how far a correct kernel's activation may lie from the truth's, which sets the window of GEMM2 flips
 A_BOUND_ULPS = 4.0
 _F64, _F32 = torch.float64, torch.float32

@@ -130,14 +130,14 @@ def eps(dtype: torch.dtype) -> float:
 
 def tiny(dtype: torch.dtype) -> float:
     """The smallest positive subnormal of `dtype` (float16 2^-24, bfloat16 2^-133): the unit of the error model's
-    underflow exposure (harness.compare's rule 4), in which the FP8 flip allowance is carried too."""
+    underflow exposure (harness.judge.compare's rule 4), in which the FP8 flip allowance is carried too."""
     f = torch.finfo(dtype)
     return f.smallest_normal * f.eps
 
 
 # Alternative rounding models (variants), composable with a path preset as "<path>_<variant>[_<variant>]",
 # e.g. "one_shot_tf32" (an fp32 kernel whose tl.dot uses TF32). Each is computed in float64 with roundings at
-# the stated points; harness/diagnose.py re-judges a failing case against them.
+# the stated points; harness/judge/diagnose.py re-judges a failing case against them.
 VARIANTS = {
     "tf32": "GEMM operands rounded to TF32 (10 explicit mantissa bits, nearest-even: cuBLAS, cvt.rna)",
     "tf32rz": "GEMM operands truncated to TF32 (low 13 bits dropped: Triton's default tl.dot on fp32, NVIDIA)",

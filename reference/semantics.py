@@ -2,7 +2,7 @@
 
 Beside the rounding models (reference.precision), each entry of ALTERNATIVES says what a wrong integration
 computes instead of the contract, so the judge can name the mistake a grossly failing output follows
-(harness.semantic_diagnosis). At the expert level an alternative is a rewrite of the LoRA
+(harness.judge.semantic_diagnosis). At the expert level an alternative is a rewrite of the LoRA
 inputs, a change of one of the forward's `Semantics` switches, or both; at the op level, a rewrite of the op
 call's arguments. Adding one is one entry (docs/error-model.md, "Semantic diagnosis").
 """

@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from moe_lora_harness.harness.cache import CACHE_ENV
-from moe_lora_harness.harness.device import interpret_without_cuda, interpreter_switch_kept
-from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
-from moe_lora_harness.harness.worker import share_cores
+from moe_lora_harness.harness.draw.cache import CACHE_ENV
+from moe_lora_harness.harness.execution.device import interpret_without_cuda, interpreter_switch_kept
+from moe_lora_harness.harness.front.pytest_plugin import selected_backends, selected_device
+from moe_lora_harness.harness.execution.worker import share_cores
 
 interpret_without_cuda()   # before any suite module imports our Triton kernels (even one module run alone)
 
@@ -29,7 +29,7 @@ _share_cores_among_xdist_workers()
 
 @pytest.fixture(autouse=True)
 def _interpreter_switch_kept():
-    """No test leaves the interpreter switched for the next one in its process (harness.device.interpreter_switch_kept:
+    """No test leaves the interpreter switched for the next one in its process (harness.execution.device.interpreter_switch_kept:
     on the H200 a test's in-process `--device cpu` left it on, and planted mutants jitted later raised there)."""
     with interpreter_switch_kept():
         yield
@@ -48,8 +48,8 @@ def backends(request):
 @pytest.fixture(scope="session")
 def executor(request):
     """The supervised worker of this test process (or in-process calls with --moe-lora-in-process)."""
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT, Supervisor
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.worker import DEFAULT_TIMEOUT, Supervisor
     if request.config.getoption("moe_lora_in_process"):
         yield InProcess()
         return
@@ -66,5 +66,5 @@ def probe_unsupported(request) -> bool:
 def private_cache(tmp_path_factory):
     """Our tests neither read nor write the user's cache (fuzz corpus, example database): one of their own."""
     os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("moe-lora-harness-cache"))
-    from moe_lora_harness.harness.cache import keep_hypothesis_files_here
+    from moe_lora_harness.harness.draw.cache import keep_hypothesis_files_here
     keep_hypothesis_files_here()     # hypothesis' own files too (set at import, before this cache existed)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.harness.pytest_plugin import selected_backends, selected_device
-from moe_lora_harness.harness.builders import build_op_inputs
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.front.pytest_plugin import selected_backends, selected_device
+from moe_lora_harness.harness.build.builders import build_op_inputs
+from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.reference.lora_op import fused_moe_lora as reference_op
 
 BASE = Case(T=4, H=32, I=24, E=4, top_k=2, max_loras=2, max_rank=8, dtype="float16", seed=3)
@@ -88,7 +88,7 @@ def pytest_generate_tests(metafunc):
 def test_valid_baseline_runs(backends, device):
     """The unmutated inputs are accepted by every claiming backend (so the errors below are the mutation's);
     it fails if no selected op backend claims any of them (every bad-input test would then be a skip)."""
-    from moe_lora_harness.harness.contract import support_for
+    from moe_lora_harness.harness.spec.contract import support_for
     ran, declined = [], []
     for name, spec in backends.items():
         if spec.op is None:
@@ -110,7 +110,7 @@ def test_bad_input_is_named(target, mutation, backends, device):
             pytest.skip("a kernel-only requirement (see KERNEL_ONLY)")
         fn, dev = reference_op, "cpu"
     else:
-        from moe_lora_harness.harness.contract import support_for
+        from moe_lora_harness.harness.spec.contract import support_for
         spec = backends[target]
         ok, why = support_for(spec, case, device)
         if not ok:

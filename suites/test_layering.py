@@ -81,7 +81,70 @@ def test_no_bare_generic_imports(package):
 
 def test_layering_check_detects_a_violation(tmp_path):
     p = tmp_path / "m.py"
-    p.write_text("import moe_lora_harness.harness.case\nfrom moe_lora_harness.kernels.triton import x\nimport torch\n"
+    p.write_text("import moe_lora_harness.harness.spec.case\nfrom moe_lora_harness.kernels.triton import x\nimport torch\n"
                  "from kernels import y\n")
     assert imported_parts(p) == {"harness", "kernels", "torch"}
     assert bare_generic_imports(p) == {"kernels"}
+
+
+def imported_rooms(path: pathlib.Path) -> set[str]:
+    """The harness rooms (moe_lora_harness.harness.<room>...) a module imports, lazily or not."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rooms = set()
+    for node in ast.walk(tree):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        for m in mods:
+            parts = m.split(".")
+            if parts[:2] == [PKG, "harness"] and len(parts) > 2:
+                rooms.add(parts[2])
+            elif parts[:2] == [PKG, "harness"] and isinstance(node, ast.ImportFrom):   # from ...harness import room
+                rooms |= {a.name for a in node.names}
+    return rooms
+
+
+def room_violations(room: str, files) -> dict:
+    """Each module of `room` that imports a room after it in ROOMS (or a name that is no room), and which."""
+    from moe_lora_harness.harness import ROOMS
+    allowed = set(ROOMS[:ROOMS.index(room) + 1])
+    bad = {str(f): sorted(imported_rooms(f) - allowed) for f in files}
+    return {k: v for k, v in bad.items() if v}
+
+
+def test_every_harness_module_lives_in_a_room():
+    """harness/ holds its rooms and nothing else; every room is in ROOMS, and every name in ROOMS is a room."""
+    from moe_lora_harness.harness import ROOMS
+    top = part_dir("harness")
+    assert sorted(p.name for p in top.glob("*.py")) == ["__init__.py"]
+    folders = {p.name for p in top.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(ROOMS), folders ^ set(ROOMS)
+    for room in ROOMS:
+        assert (top / room / "__init__.py").read_text().startswith('"""'), f"harness/{room}/ says what it holds"
+
+
+@pytest.mark.parametrize("room", __import__(f"{PKG}.harness", fromlist=["ROOMS"]).ROOMS)
+def test_rooms_import_only_rooms_before_them(room):
+    """The direction of the pipeline: the front may import the search, the search the judge and the execution,
+    never the reverse (the order: moe_lora_harness.harness.ROOMS)."""
+    bad = room_violations(room, sorted((part_dir("harness") / room).rglob("*.py")))
+    assert not bad, f"a room imports a later one (module -> rooms): {bad}"
+
+
+def test_room_check_detects_a_backward_import(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("from moe_lora_harness.harness.spec.case import Case\n"
+                 "def f():\n    from moe_lora_harness.harness.front.cli import main\n")   # lazy: still an import
+    assert imported_rooms(p) == {"spec", "front"}
+    assert room_violations("judge", [p]) == {str(p): ["front"]}
+    assert room_violations("front", [p]) == {}
+    q = tmp_path / "n.py"
+    q.write_text("from moe_lora_harness.harness import search\n")
+    assert room_violations("search", [q]) == {} and room_violations("draw", [q]) == {str(q): ["search"]}
+
+
+def test_paths_a_room_computes_from_its_own_file_land_where_they_did():
+    """A module two folders deep (harness/<room>/) that finds the suites or the checkout from its own file."""
+    from moe_lora_harness.harness.front import pytest_plugin
+    assert pytest_plugin.SUITES_DIR == part_dir("suites").resolve()
+    from moe_lora_harness.harness.served import hf_moe_block
+    assert hf_moe_block._ROOT == part_dir("harness").resolve().parent          # the checkout (or the installed package)

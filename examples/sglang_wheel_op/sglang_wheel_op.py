@@ -21,8 +21,8 @@ import functools
 
 import torch
 
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug, Rule
-from moe_lora_harness.harness.source_ops import load_op_module, no_registration, single_rank
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, KnownBug, Rule
+from moe_lora_harness.harness.spec.source_ops import load_op_module, no_registration, single_rank
 from moe_lora_harness.op_contract.validate import SIGNATURE
 
 ENV_VAR = "SGLANG_SOURCE"

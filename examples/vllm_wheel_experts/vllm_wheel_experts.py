@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.harness.source_ops import (init_logger, no_registration, single_rank, source_package,
+from moe_lora_harness.harness.spec.source_ops import (init_logger, no_registration, single_rank, source_package,
                                                    max_shared_memory_bytes, set_triton_allocator, stand_in_module,
                                                    tensor_h2d)
 
@@ -502,7 +502,7 @@ def vllm_experts(call) -> None:
 
 
 # --- declared as a user who has read vLLM's source would (imports of the harness's public contract) -------------
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, Rule  # noqa: E402
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, Rule  # noqa: E402
 from moe_lora_harness.reference.precision import vllm_dispatch_path  # noqa: E402
 
 SPARSITY_FACTOR = 8     # punica_gpu.add_lora_w13's naive-block rule

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lora_harness.harness.source_ops import (init_logger, load_op_module, no_registration, single_rank,
+from moe_lora_harness.harness.spec.source_ops import (init_logger, load_op_module, no_registration, single_rank,
                                                    max_shared_memory_bytes, set_triton_allocator, tensor_h2d)
 from moe_lora_harness.op_contract.validate import SIGNATURE
 
@@ -93,8 +93,8 @@ fused_moe_lora.__signature__ = SIGNATURE      # vLLM's parameters, which the reg
 
 
 # --- the same op declared as a user who has read vLLM's source would (imports of the harness's public contract) --
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug  # noqa: E402
-from moe_lora_harness.harness.registry import vllm_dispatch_precision  # noqa: E402
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, KnownBug  # noqa: E402
+from moe_lora_harness.harness.spec.registry import vllm_dispatch_precision  # noqa: E402
 
 
 def _path(case) -> str:

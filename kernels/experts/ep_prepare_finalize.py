@@ -14,7 +14,7 @@ rank raise ValueError there, so no rank is left waiting for a failed one in a la
 
 `comm` is any object with `rank`, `size`, `all_gather(list of tensors)` (concatenate along dim 0 over the
 ranks, uneven first dims allowed) and `reduce_scatter(t, sizes)` (fp32 sum over the ranks, one rounding to
-t.dtype, this rank's rows); the harness's `harness.communicator` has a torch.distributed one and a simulated
+t.dtype, this rank's rows); the harness's `harness.execution.communicator` has a torch.distributed one and a simulated
 one. `slice_lora_to_local` cuts a rank's local experts out of LoRA factors that hold the global experts.
 """
 from __future__ import annotations

@@ -14,9 +14,9 @@ so an editable install is one static path entry (docs/architecture.md, "Layout")
 """
 from __future__ import annotations
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, ExpertCall, KnownBug, Rule
-from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, ExpertCall, KnownBug, Rule
+from moe_lora_harness.harness.spec.layer_contract import LayerBatch, LayerConfig, LayerWeights
 from moe_lora_harness.reference.adapters import ExpertAdapter
 
 __version__ = "0.2.0"

@@ -10,14 +10,14 @@ import torch
 
 from moe_lora_harness.backends.eager import BACKEND as EAGER
 from moe_lora_harness.backends.eager import run_experts
-from moe_lora_harness.harness.builders import build_expert_inputs
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.cli import main
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.model_plan import adapter_fields
-from moe_lora_harness.harness.models import layer_from_config
-from moe_lora_harness.harness.peft_adapters import read_adapter
-from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.build.builders import build_expert_inputs
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.front.cli import main
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.check.model_plan import adapter_fields
+from moe_lora_harness.harness.served.models import layer_from_config
+from moe_lora_harness.harness.served.peft_adapters import read_adapter
+from moe_lora_harness.harness.execution.runner import run_case
 
 from . import tiny_models as tm
 

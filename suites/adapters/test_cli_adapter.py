@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from moe_lora_harness.harness.cli import main
-from moe_lora_harness.harness.hf_moe_block import _ROOT, hf_session
+from moe_lora_harness.harness.front.cli import main
+from moe_lora_harness.harness.served.hf_moe_block import _ROOT, hf_session
 
 from . import tiny_models as tm
 
@@ -65,15 +65,15 @@ def test_hf_session_hides_the_checkout_root_and_restores_it():
 
 def test_missing_hf_packages_name_the_extra(monkeypatch):
     """Without peft (or transformers) the command says which extra installs them."""
-    from moe_lora_harness.harness.hf_moe_block import hf
+    from moe_lora_harness.harness.served.hf_moe_block import hf
     monkeypatch.setitem(sys.modules, "peft", None)         # `import peft` now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'moe-lora-harness\[hf\]'"):
         hf()
 
 
 def test_adapter_verify_names_the_config_file_in_its_errors(tmp_path):
-    from moe_lora_harness.harness.hf_moe_block import model_config
-    from moe_lora_harness.harness.models import ConfigError
+    from moe_lora_harness.harness.served.hf_moe_block import model_config
+    from moe_lora_harness.harness.served.models import ConfigError
     f = tmp_path / "config.json"
     f.write_text('{"model_type": "qwen3_moe", "hidden_size": 32}')
     with pytest.raises(ConfigError, match=re.escape(f"model config '{f}': missing key 'moe_intermediate_size'")):

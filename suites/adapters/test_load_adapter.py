@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from moe_lora_harness.harness.layer_contract import LayerConfig
-from moe_lora_harness.harness.layer_scenario import Scenario, base_weights
-from moe_lora_harness.harness.layer_scenario import batch as scenario_batch
+from moe_lora_harness.harness.spec.layer_contract import LayerConfig
+from moe_lora_harness.harness.build.layer_scenario import Scenario, base_weights
+from moe_lora_harness.harness.build.layer_scenario import batch as scenario_batch
 from moe_lora_harness.reference.adapters import ExpertAdapter
 
 CONFIG = LayerConfig(H=16, I=16, E=4, top_k=2, dtype="float32", max_loras=2, max_rank=8, max_tokens=8)

@@ -1,4 +1,4 @@
-"""harness.peft_adapters against the PEFT model that saved the file: per-expert factors (as delta weights), ranks
+"""harness.served.peft_adapters against the PEFT model that saved the file: per-expert factors (as delta weights), ranks
 and scalings (rank_pattern, alpha_pattern, rsLoRA, per-expert files converted as PEFT loads them), and the errors a
 wrong file gets (key, shape, the shapes expected, the layout the shape matches)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from moe_lora_harness.harness.peft_adapters import AdapterFileError, adapter_layers, read_adapter, read_adapter_layers
+from moe_lora_harness.harness.served.peft_adapters import AdapterFileError, adapter_layers, read_adapter, read_adapter_layers
 
 from . import tiny_models as tm
 

@@ -1,4 +1,4 @@
-"""`adapter verify` (harness.adapter_verify) on PEFT's own files: every family x every layout passes, several
+"""`adapter verify` (harness.served.adapter_verify) on PEFT's own files: every family x every layout passes, several
 adapters of different ranks in several slots at once; mis-laid-out files and planted reader mistakes fail, the
 line naming the tensor key and the layout its data matches; an adapter that changes nothing is not a pass."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.harness.adapter_verify import Line, verify
+from moe_lora_harness.harness.served.adapter_verify import Line, verify
 
 from . import tiny_models as tm
 

@@ -7,7 +7,7 @@ import pathlib
 
 import torch
 
-from moe_lora_harness.harness.hf_moe_block import hf_session   # transformers first imported with the checkout's
+from moe_lora_harness.harness.served.hf_moe_block import hf_session   # transformers first imported with the checkout's
                                                               # root off sys.path (its kernels/ folder shadows a hub
                                                               # package transformers probes for)
 

@@ -16,13 +16,13 @@ from hypothesis import given, note
 from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import support_for
-from moe_lora_harness.harness.features import FEATURES, feature_cases
-from moe_lora_harness.harness.profiles import draw_sizes
-from moe_lora_harness.harness.pytest_plugin import full_tier_marks, selected_backends, selected_device, tier
-from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.strategies import claimed_cases, suite_settings
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import support_for
+from moe_lora_harness.harness.check.features import FEATURES, feature_cases
+from moe_lora_harness.harness.draw.profiles import draw_sizes
+from moe_lora_harness.harness.front.pytest_plugin import full_tier_marks, selected_backends, selected_device, tier
+from moe_lora_harness.harness.execution.runner import run_case
+from moe_lora_harness.harness.draw.strategies import claimed_cases, suite_settings
 
 
 class UnclaimedCapabilityWarning(UserWarning):

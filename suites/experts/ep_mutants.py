@@ -13,8 +13,8 @@ import torch
 
 from moe_lora_harness.backends.experts import (
     apply_experts, capabilities_of, config_from_call, context_from_call, precision_for)
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec
 from moe_lora_harness.kernels.experts.ep_prepare_finalize import NaiveEPPrepareAndFinalize, slice_lora_to_local
 from moe_lora_harness.kernels.experts.lora_mixin import build_lora_alignment
 from moe_lora_harness.kernels.experts.triton_experts import TritonExperts

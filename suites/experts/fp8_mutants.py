@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from moe_lora_harness.backends.eager import run_experts
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.kernels import eager_experts, eager_fp8
 
 FP8 = frozenset(eager_fp8.GROUPS)

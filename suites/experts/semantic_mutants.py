@@ -15,8 +15,8 @@ import weakref
 import torch
 
 from moe_lora_harness.backends.eager import run_experts
-from moe_lora_harness.harness.builders import ADAPTER_SCALING
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.build.builders import ADAPTER_SCALING
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.kernels import eager_experts
 
 

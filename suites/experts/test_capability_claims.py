@@ -12,8 +12,8 @@ import warnings
 import pytest
 
 from moe_lora_harness.backends import experts as B
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.execution.runner import run_case
 from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
 
 

@@ -1,4 +1,4 @@
-"""The harness's dispatched expert-parallel runner (harness/ep_ranks.py) under both drivers: simulated ranks
+"""The harness's dispatched expert-parallel runner (harness/execution/ep_ranks.py) under both drivers: simulated ranks
 (threads taking turns) and real processes (gloo on the CPU, NCCL with a GPU per rank).
 
 Every planted EP bug (suites/experts/ep_mutants.py) must fail under each driver and the control must pass;
@@ -17,17 +17,17 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from moe_lora_harness.harness.builders import build_expert_inputs
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import must_reject, support_for
-from moe_lora_harness.harness.ep_ranks import TIMEOUT_ENV, driver_problem, rank_call
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.profiles import draw_sizes
-from moe_lora_harness.harness.registry import load_ref
-from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.strategies import (
+from moe_lora_harness.harness.build.builders import build_expert_inputs
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import must_reject, support_for
+from moe_lora_harness.harness.execution.ep_ranks import TIMEOUT_ENV, driver_problem, rank_call
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.draw.profiles import draw_sizes
+from moe_lora_harness.harness.spec.registry import load_ref
+from moe_lora_harness.harness.execution.runner import run_case
+from moe_lora_harness.harness.draw.strategies import (
     MAX_EXAMPLES_ENV, claimed_cases, profile, suite_settings)
-from moe_lora_harness.harness.worker import Supervisor
+from moe_lora_harness.harness.execution.worker import Supervisor
 from moe_lora_harness.suites.experts.ep_mutants import CASES, MUTANTS
 
 REF = "moe_lora_harness.suites.experts.ep_mutants"

@@ -29,12 +29,12 @@ import torch
 
 from moe_lora_harness.backends.dual_stream import dual_stream_precision
 from moe_lora_harness.backends.experts import precision_for
-from moe_lora_harness.harness.builders import build_expert_inputs
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness import fork_server
-from moe_lora_harness.harness.communicator import CollectiveError, SimulatedGroup, TorchDistributedCommunicator
-from moe_lora_harness.harness.worker import child_env
+from moe_lora_harness.harness.build.builders import build_expert_inputs
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.execution import fork_server
+from moe_lora_harness.harness.execution.communicator import CollectiveError, SimulatedGroup, TorchDistributedCommunicator
+from moe_lora_harness.harness.execution.worker import child_env
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
 from moe_lora_harness.kernels.experts.ep_prepare_finalize import (

@@ -11,10 +11,10 @@ import torch
 
 import moe_lora_harness.kernels.experts.marlin_experts as marlin_mod
 from moe_lora_harness.backends.experts import config_from_call, context_from_call
-from moe_lora_harness.harness.builders import build_expert_inputs
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.harness.build.builders import build_expert_inputs
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.build.expert_runner import expert_expectations
 from moe_lora_harness.kernels.experts.lora_mixin import build_lora_alignment
 from moe_lora_harness.kernels.experts.marlin_experts import MarlinExperts
 from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
@@ -302,7 +302,7 @@ def test_sparse_batch_takes_the_naive_small_batch_path_and_conforms(device, acti
     """T*k*8 <= E*L: naive block assignment, hence the small-batch kernel's single rounding (declared
     as this backend's precision for the case, so the harness compares against that rounding model)."""
     from moe_lora_harness.backends.experts import TRITON_EXPERTS
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.execution.runner import run_case
     case = _case(device, T=1, E=16, activation=activation, mapping="uniform")
     assert TRITON_EXPERTS.precision_for(case, "cpu") == "small_batch"
     out = run_case(TRITON_EXPERTS, case, device)
@@ -313,7 +313,7 @@ def test_sparse_batch_takes_the_naive_small_batch_path_and_conforms(device, acti
 def test_fully_sharded_single_rank_takes_the_two_kernel_path(device, activation):
     """One TP rank with fully sharded LoRA: the two-kernel op (its collectives are identities on one rank)."""
     from moe_lora_harness.backends.experts import TRITON_EXPERTS
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.execution.runner import run_case
     case = _case(device, activation=activation, fully_sharded=True)
     assert TRITON_EXPERTS.precision_for(case, "cpu") == "two_kernel"
     out = run_case(TRITON_EXPERTS, case, device)

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from moe_lora_harness.harness import compare
-from moe_lora_harness.harness.builders import outlier_tokens, torch_dtype
-from moe_lora_harness.harness.case import (FP16_MASSIVE_MAGNITUDE, FP16_MAX_PEAK, FP8_QUANTS, MASSIVE_OUTLIER_SCALE,
+from moe_lora_harness.harness.judge import compare
+from moe_lora_harness.harness.build.builders import outlier_tokens, torch_dtype
+from moe_lora_harness.harness.spec.case import (FP16_MASSIVE_MAGNITUDE, FP16_MAX_PEAK, FP8_QUANTS, MASSIVE_OUTLIER_SCALE,
                                            Case)
-from moe_lora_harness.harness.expectation import allowances
-from moe_lora_harness.harness.expert_runner import expert_expectations, expert_forward
-from moe_lora_harness.harness.features import FEATURES, feature_cases
+from moe_lora_harness.harness.judge.expectation import allowances
+from moe_lora_harness.harness.build.expert_runner import expert_expectations, expert_forward
+from moe_lora_harness.harness.check.features import FEATURES, feature_cases
 from moe_lora_harness.kernels import eager_fp8
 from moe_lora_harness.reference import fp8
 from moe_lora_harness.reference.precision import precision
@@ -112,7 +112,7 @@ def test_flip_allowance_is_zero_far_from_boundaries_and_one_step_at_them():
 
 @functools.lru_cache(maxsize=None)
 def _expectations(case: Case):
-    """The judge's own expectations (harness.expert_runner hands the case's scheme to the reference)."""
+    """The judge's own expectations (harness.build.expert_runner hands the case's scheme to the reference)."""
     return expert_expectations(case, "one_shot")
 
 
@@ -155,10 +155,10 @@ def test_reference_rule_both_ways():
 @pytest.mark.parametrize("case", ROWS, ids=lambda c: c.quant)
 def test_eager_passes_the_fp8_rows_through_the_judge(case):
     """The eager experts claim both schemes and pass check's FP8 rows (the judge hands the case's scheme to the
-    reference: harness.expert_runner)."""
+    reference: harness.build.expert_runner)."""
     from moe_lora_harness.backends.eager import BACKEND
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.runner import run_case
     o = run_case(BACKEND, case, "cpu", executor=InProcess(), reruns=0)
     assert o.status == "pass", o.detail
 
@@ -393,7 +393,7 @@ def test_fuzz_draws_fp8_only_for_a_backend_that_claims_it():
     import dataclasses
 
     from moe_lora_harness.backends.eager import BACKEND
-    from moe_lora_harness.harness.strategies import claimed_cases, examples
+    from moe_lora_harness.harness.draw.strategies import claimed_cases, examples
     no_fp8 = dataclasses.replace(BACKEND, capabilities=dataclasses.replace(BACKEND.capabilities,
                                                                            quant=frozenset({"none"})))
     only_fp8 = {s.name: s for s in BACKENDS}["fp8-control"]
@@ -412,8 +412,8 @@ def test_fuzz_draws_fp8_only_for_a_backend_that_claims_it():
 
 def test_selftest_kills_every_fp8_mutant_under_check_and_fuzz():
     """`selftest --corpus fp8` in its bounded form: each planted bug caught by each detector, the control passing."""
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.selftest import kill_matrix_text, run_selftest
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.selftest.selftest import kill_matrix_text, run_selftest
     res = run_selftest("cpu", InProcess(), corpora=("fp8",), detectors=("check", "fuzz"), fuzz_budget_s=300,
                        fuzz_max_examples=120)
     text = kill_matrix_text(res, ("check", "fuzz"))
@@ -423,7 +423,7 @@ def test_selftest_kills_every_fp8_mutant_under_check_and_fuzz():
 
 def test_marlin_experts_decline_fp8_with_the_reason():
     from moe_lora_harness.backends import experts
-    from moe_lora_harness.harness.contract import support_for
+    from moe_lora_harness.harness.spec.contract import support_for
     specs = [experts.MARLIN_EXPERTS]
     for spec in specs:
         for case, device in [(c, "cuda") for c in ROWS] + [(c.replace(dtype="float16"), "cpu") for c in ROWS]:
@@ -439,8 +439,8 @@ def test_a_row_computed_from_another_tokens_input_fails_the_fp8_judge():
     (twenty-fourth session); each flip's change through the LoRA computed exactly, with the base's, it is 0.05, and
     the row fails, as at seed 1 (no ties)."""
     from moe_lora_harness.backends.eager import BACKEND as EAGER
-    from moe_lora_harness.harness.expectation import judging, row_groups
-    from moe_lora_harness.harness.power import SLIPS
+    from moe_lora_harness.harness.judge.expectation import judging, row_groups
+    from moe_lora_harness.harness.selftest.power import SLIPS
     slip = next(s for s in SLIPS if s.name == "one-token")
     verdicts = []
     for seed in (1, 0):

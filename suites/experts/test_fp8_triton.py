@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moe_lora_harness.backends import dual_stream, experts
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.execution.runner import run_case
 from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
 from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 from moe_lora_harness.kernels.fp8_schemes import FP8_SCHEMES
@@ -154,7 +154,7 @@ def test_dual_stream_passes_under_fp8(scheme):
 
 
 def test_classes_without_e4m3_operands_decline_fp8_with_the_reason():
-    from moe_lora_harness.harness.contract import support_for
+    from moe_lora_harness.harness.spec.contract import support_for
     case = _case("fp8_w8a8", "one_shot", "float16", seed=13)
     for spec, c in ((experts.MARLIN_EXPERTS, case), (experts.OAI_EXPERTS, case.replace(activation="swigluoai"))):
         ok, why = support_for(spec, c, DEVICE)

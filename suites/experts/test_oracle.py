@@ -8,7 +8,7 @@ import torch
 from hypothesis import find, given
 from hypothesis import strategies as st
 
-from moe_lora_harness.harness.strategies import suite_settings
+from moe_lora_harness.harness.draw.strategies import suite_settings
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.gated_fast_experts import GatedFastExperts
 from moe_lora_harness.kernels.experts.oracle import BACKEND_PRIORITY, NoBackendError, explain, select_experts

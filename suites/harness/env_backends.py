@@ -5,7 +5,7 @@ group, and then runs the reference op; `init_group` is the setup that provides i
 """
 from __future__ import annotations
 
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.reference.lora_op import fused_moe_lora as _ref_op
 
 STATE = {"group": False, "setups": 0}

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.reference.lora_op import fused_moe_lora as _ref_op
 
 _calls = {"n": 0}

@@ -12,7 +12,7 @@ import pathlib
 
 import torch
 
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.spec.case import Case
 
 EMULATIONS = ("one_shot", "small_batch")   # two rounding models: one rounds the rank intermediate, one not
 
@@ -42,7 +42,7 @@ CASES = [Case.from_json(js) for js in (
 
 
 def _sha(tensors) -> str:
-    """sha1 over (name, shape, dtype, bytes) of (name, tensor) pairs, written independently of harness.execute."""
+    """sha1 over (name, shape, dtype, bytes) of (name, tensor) pairs, written independently of harness.execution.execute."""
     h = hashlib.sha1()
     for name, t in tensors:
         if t is None:
@@ -105,21 +105,21 @@ def fingerprint(case: Case) -> dict:
 
 def _fingerprint(case: Case) -> dict:
     from moe_lora_harness.backends.eager import BACKEND as EAGER
-    from moe_lora_harness.harness.execute import InProcess, inputs_digest
-    from moe_lora_harness.harness.runner import expectations, run_case
+    from moe_lora_harness.harness.execution.execute import InProcess, inputs_digest
+    from moe_lora_harness.harness.execution.runner import expectations, run_case
     out: dict = {}
     exp = expectations(EAGER, case, "cpu")
     out["tensors"] = _sha(_fields(exp.inputs))
     out["digest"] = exp.digest
     out["truth"] = _expected(exp.truth)
     if case.level == "op":
-        from moe_lora_harness.harness.expectation import op_expectations
+        from moe_lora_harness.harness.judge.expectation import op_expectations
         for name in EMULATIONS:
             cpu, _, emu = op_expectations(case, name)
             out[f"emulation:{name}"] = _expected(emu)
             assert inputs_digest(cpu) == exp.digest
     else:
-        from moe_lora_harness.harness.expert_runner import expert_expectations
+        from moe_lora_harness.harness.build.expert_runner import expert_expectations
         for name in EMULATIONS:
             out[f"emulation:{name}"] = _expected(expert_expectations(case, name, emulation_only=True)[2])
     ex = InProcess()

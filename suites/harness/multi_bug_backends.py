@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.reference.lora_op import fused_moe_lora as _ref_op
 
 

@@ -1,4 +1,4 @@
-"""The axis and profile tables (harness/axes.py, harness/profiles.py): the size classes hold their members, every
+"""The axis and profile tables (harness/draw/axes.py, harness/draw/profiles.py): the size classes hold their members, every
 axis sets a case back to Case's defaults, the activation turns cover the registry, the statuses are listed once."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from moe_lora_harness.harness import axes as A
-from moe_lora_harness.harness.case import MAPPINGS, Case
-from moe_lora_harness.harness.profiles import CPU_DRAWS, GPU_DRAWS, LARGE, SMALL, draw_sizes, selftest_draw_sizes
-from moe_lora_harness.harness.runner import STATUSES
-from moe_lora_harness.harness.signatures import PLAIN, axes_of
+from moe_lora_harness.harness.draw import axes as A
+from moe_lora_harness.harness.spec.case import MAPPINGS, Case
+from moe_lora_harness.harness.draw.profiles import CPU_DRAWS, GPU_DRAWS, LARGE, SMALL, draw_sizes, selftest_draw_sizes
+from moe_lora_harness.harness.execution.runner import STATUSES
+from moe_lora_harness.harness.search.signatures import PLAIN, axes_of
 from moe_lora_harness.reference.activations import SUPPORTED_ACTIVATIONS
 
 

@@ -1,21 +1,21 @@
-"""Fuzz campaigns (harness/campaign.py, `moe-lora-harness fuzz --budget`): one run reports every distinct
+"""Fuzz campaigns (harness/search/campaign.py, `moe-lora-harness fuzz --budget`): one run reports every distinct
 failure of a backend with several independent bugs, each with a minimal case and its REPRO; a crash or a
 hang is one more distinct failure and the campaign goes on; a known failure is replayed first from the
-corpus; signatures (harness/signatures.py); reports (harness/fuzz_report.py: JSON, JUnit) are written."""
+corpus; signatures (harness/search/signatures.py); reports (harness/search/fuzz_report.py: JSON, JUnit) are written."""
 from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
 
-from moe_lora_harness.harness.campaign import Campaign
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.fuzz_report import FailureRecord
-from moe_lora_harness.harness.registry import harness_command, load_ref
-from moe_lora_harness.harness.signatures import Signature, axes_of, failure_class
-from moe_lora_harness.harness.strategies import claimed_cases
-from moe_lora_harness.harness.worker import Supervisor
+from moe_lora_harness.harness.search.campaign import Campaign
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.search.fuzz_report import FailureRecord
+from moe_lora_harness.harness.spec.registry import harness_command, load_ref
+from moe_lora_harness.harness.search.signatures import Signature, axes_of, failure_class
+from moe_lora_harness.harness.draw.strategies import claimed_cases
+from moe_lora_harness.harness.execution.worker import Supervisor
 from moe_lora_harness.reference.lora_op import fused_moe_lora as ref_op
 
 SIZES = dict(max_T=12, max_dim=48)
@@ -55,7 +55,7 @@ def test_one_campaign_reports_each_independent_bug():
 
 
 def test_a_crash_and_a_hang_are_failures_and_the_campaign_goes_on(monkeypatch):
-    from moe_lora_harness.harness import campaign
+    from moe_lora_harness.harness.search import campaign
     monkeypatch.setattr(campaign, "MAX_SLOW_SHRINK_STEPS", 3)   # each step costs a timeout or a worker start
     spec = {s.name: s for s in load_ref("moe_lora_harness.suites.harness.multi_bug_backends:BACKENDS")}["crash-and-hang"]
     # bounded by examples, not time: the same search on any machine; a normal call takes under 0.1 s and each
@@ -85,9 +85,9 @@ def test_signature_matching():
 
 
 def test_fuzz_cli_writes_json_junit_and_exits_1(tmp_path, monkeypatch):
-    from moe_lora_harness.harness import cli
+    from moe_lora_harness.harness.front import cli
     monkeypatch.chdir(tmp_path)
-    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.selftest.mutants:MUTANTS", "--only", "mutant-drops-slice",
                    "--max-examples", "40", "--seed", "2", "--in-process", "--reruns", "0", "--out", "out",
                    "--junit", "f.xml", "--no-db", "-q"])
     assert rc == 1
@@ -101,7 +101,7 @@ def test_fuzz_cli_writes_json_junit_and_exits_1(tmp_path, monkeypatch):
 
 
 def test_failure_class_names_the_exception():
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.execution.runner import run_case
     o = run_case(THREE_BUGS, Case(max_rank=128, T=2), "cpu", executor=InProcess(), reruns=0)
     assert failure_class(o) == "raised: ValueError: rank too large"
 
@@ -109,9 +109,9 @@ def test_failure_class_names_the_exception():
 def test_fuzz_jobs_run_campaigns_at_once_and_merge_them(tmp_path, monkeypatch):
     """`fuzz --jobs 2`: two processes with their own seeds, one report: examples summed, each distinct failure
     once (both jobs find the planted bug), renumbered failure files, one JUnit, exit 1."""
-    from moe_lora_harness.harness import cli
+    from moe_lora_harness.harness.front import cli
     monkeypatch.chdir(tmp_path)
-    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.selftest.mutants:MUTANTS", "--only", "mutant-drops-slice",
                    "--max-examples", "15", "--seed", "2", "--in-process", "--reruns", "0", "--out", "out",
                    "--junit", "f.xml", "--no-db", "-q", "--jobs", "2"])
     assert rc == 1
@@ -133,7 +133,7 @@ def _record(klass: str, needs: dict, case: Case, seconds: float, shrunk: bool = 
 def test_merged_jobs_keep_one_record_per_signature():
     """A job's partly shrunk find of a bug another job shrank (its case matches that signature) is dropped;
     a failure of another class is kept; the fully shrunk record wins even when found later."""
-    from moe_lora_harness.harness.fuzz_jobs import distinct
+    from moe_lora_harness.harness.search.fuzz_jobs import distinct
     crash_case = Case(mapping="none", T=5, top_k=3, E=7)
     shrunk = _record("crash: exited with code 3", {"mapping": "none"}, Case(mapping="none"), 30.0)
     partial = _record("crash: exited with code 3", axes_of(crash_case), crash_case, 12.0, shrunk=False)
@@ -158,9 +158,9 @@ def test_a_failure_record_round_trips_through_its_json_file():
 def test_a_routed_weight_bug_met_on_w2_or_on_w13_gets_one_signature():
     """The planted wrong-x-row bug (mul_routed_weight reads the token's row) fails every w2 case and the w13
     cases that multiply: shrunk to either, its signature is the same, so a campaign reports it once."""
-    from moe_lora_harness.harness.runner import run_case
-    from moe_lora_harness.harness.selftest import CORPORA
-    from moe_lora_harness.harness.signatures import needed_axes
+    from moe_lora_harness.harness.execution.runner import run_case
+    from moe_lora_harness.harness.selftest.selftest import CORPORA
+    from moe_lora_harness.harness.search.signatures import needed_axes
     corpus = next(c for c in CORPORA if c.name == "op")
     spec = next(s for s in load_ref(corpus.ref) if s.name == "mutant-wrong-x-row")
     w2 = Case(T=5, H=32, I=24, E=4, top_k=2, which="w2", num_slices=1, mul_routed_weight=True, seed=3)
@@ -177,7 +177,7 @@ def test_a_routed_weight_bug_met_on_w2_or_on_w13_gets_one_signature():
 def test_a_record_whose_case_fits_another_signature_says_so(tmp_path):
     """Two records that may be one bug met in two forms (the first's case matches the second's signature) are
     both kept and the table and failure file name the overlap; unrelated records name none."""
-    from moe_lora_harness.harness.fuzz_report import also_fits, records_table, write_reports
+    from moe_lora_harness.harness.search.fuzz_report import also_fits, records_table, write_reports
     narrow = _record("per-element bound", {"which": "w2"}, Case(which="w2", num_slices=1, mul_routed_weight=True),
                      5.0, repro="r1")
     wide = _record("per-element bound", {"mul_routed_weight": "True"}, Case(mul_routed_weight=True), 9.0, repro="r2")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from hypothesis import given
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities, KnownBug, support_for
-from moe_lora_harness.harness.registry import BackendLoadError, available_backends, load_ref, takes_fused_moe_lora_args
-from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.strategies import op_cases, suite_settings
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, KnownBug, support_for
+from moe_lora_harness.harness.spec.registry import BackendLoadError, available_backends, load_ref, takes_fused_moe_lora_args
+from moe_lora_harness.harness.execution.runner import run_case
+from moe_lora_harness.harness.draw.strategies import op_cases, suite_settings
 
 
 @suite_settings()
@@ -53,8 +53,8 @@ def test_plain_function_is_wrapped_as_op_backend():
 @pytest.mark.parametrize("ref, msg", [
     ("no_colon_here", "expected 'module:attr'"),
     ("does.not.exist:x", "cannot import"),
-    ("moe_lora_harness.harness.case:NOPE", "has no attribute"),
-    ("moe_lora_harness.harness.case:LEVELS", "expected a BackendSpec"),
+    ("moe_lora_harness.harness.spec.case:NOPE", "has no attribute"),
+    ("moe_lora_harness.harness.spec.case:LEVELS", "expected a BackendSpec"),
 ])
 def test_bad_backend_refs_say_why(ref, msg):
     with pytest.raises(BackendLoadError, match=msg):
@@ -81,7 +81,7 @@ def _spec_with(op, **cap):
 
 
 def test_claims_are_checked_both_ways():
-    from moe_lora_harness.harness.mutants import MUTANTS
+    from moe_lora_harness.harness.selftest.mutants import MUTANTS
     good = next(m for m in MUTANTS if m.name == "mutant-control")
     bad = next(m for m in MUTANTS if m.name == "mutant-drops-slice")
     case = Case(T=3, max_rank=16)
@@ -96,7 +96,7 @@ def test_claims_are_checked_both_ways():
 
 
 def test_known_bug_ledger_expects_failure_and_flags_unexpected_pass():
-    from moe_lora_harness.harness.mutants import MUTANTS
+    from moe_lora_harness.harness.selftest.mutants import MUTANTS
     ops = {m.name: m.op for m in MUTANTS}
     bug = KnownBug("example#1", "drops slice 1", lambda c: c.num_slices > 1)
     buggy = BackendSpec("b", "t", Capabilities(levels=frozenset({"op"})), op=ops["mutant-drops-slice"],
@@ -119,15 +119,15 @@ def test_known_bug_ledger_expects_failure_and_flags_unexpected_pass():
 
 
 def test_cli_replay_and_list():
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     assert main(["replay", "--only", "eager", "--case", '{"T":3,"layout":"naive"}']) == 0
     assert main(["list", "--only", "eager"]) == 0
-    assert main(["replay", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+    assert main(["replay", "--backend", "moe_lora_harness.harness.selftest.mutants:MUTANTS", "--only", "mutant-drops-slice",
                  "--case", '{"T":3}']) == 1
 
 
 def test_cli_replay_reads_a_case_file_and_names_a_bad_case(tmp_path, capsys):
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     f = tmp_path / "case.json"
     f.write_text('{"T": 3, "layout": "naive"}')
     assert main(["replay", "--only", "eager", "--case", str(f)]) == 0
@@ -152,7 +152,7 @@ def test_console_script_check_runs(tmp_path):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_routing_weights_are_distinct_and_never_trivial(k):
     """A weight of exactly 1.0 everywhere (softmax over one slot) would hide a missing or doubled weight."""
-    from moe_lora_harness.harness.builders import make_routing, _gen
+    from moe_lora_harness.harness.build.builders import make_routing, _gen
     c = Case(T=16, E=8, top_k=k, seed=3)
     w, ids = make_routing(c, _gen(c, 1))
     assert not torch.any(w == 1.0) and torch.unique(w).numel() > w.numel() // 2

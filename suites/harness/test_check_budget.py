@@ -1,4 +1,4 @@
-"""Issue 32, item 2: `check --budget` runs the rows that kill the most planted bugs first (harness/check_order_data.py,
+"""Issue 32, item 2: `check --budget` runs the rows that kill the most planted bugs first (harness/check/check_order_data.py,
 from selftest's kill data), stops at the budget and reports the rows it did not reach (text, JSON, JUnit)."""
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from moe_lora_harness.harness import check_order, cli
-from moe_lora_harness.harness.check_order_data import ORDER
+from moe_lora_harness.harness.check import check_order
+
+from moe_lora_harness.harness.front import cli
+from moe_lora_harness.harness.check.check_order_data import ORDER
 
 
 def test_rank_rows_is_a_greedy_cover_of_the_planted_bugs():
@@ -35,8 +37,8 @@ def test_every_planted_bugs_first_killer_comes_before_the_rows_that_kill_nothing
 
 
 def test_the_order_data_knows_every_planted_bug_of_the_cpu_corpora_and_names_real_rows():
-    from moe_lora_harness.harness.registry import load_ref
-    from moe_lora_harness.harness.selftest import CORPORA
+    from moe_lora_harness.harness.spec.registry import load_ref
+    from moe_lora_harness.harness.selftest.selftest import CORPORA
     data = ORDER["cpu"]
     planted = {f"{c.name}/{s.name}" for c in CORPORA if "cpu" in c.devices for s in load_ref(c.ref)
                if c.select(s) and s.name not in c.controls}
@@ -55,7 +57,7 @@ def test_write_order_replaces_a_rerun_corpus_and_keeps_the_others(tmp_path):
 
 
 def test_a_budget_runs_the_killing_row_first_and_lists_what_it_did_not_reach(tmp_path, monkeypatch, capsys):
-    from moe_lora_harness.harness import runner
+    from moe_lora_harness.harness.execution import runner
     clock, real = [0.0], runner.run_case
 
     class Clock:          # each run takes 100 s of this clock: a 1 s budget admits exactly one

@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.registry import BackendLoadError, harness_command, load_ref, select
-from moe_lora_harness.harness.runner import repro_command, run_case
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.registry import BackendLoadError, harness_command, load_ref, select
+from moe_lora_harness.harness.execution.runner import repro_command, run_case
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 IN_SOURCE_TREE = (ROOT / "pyproject.toml").is_file()
@@ -52,7 +52,7 @@ def _cli(*args, cwd=None, timeout=600):
     (["fuzz", "--only", "triton_experts", "--level", "op"], "provides no op-level entry point"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, text, capsys):
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     assert main(argv) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -162,11 +162,11 @@ def test_one_registration_list_and_one_namespace():
     listed by hand."""
     import tomllib
 
-    from moe_lora_harness.harness import registry
+    from moe_lora_harness.harness.spec import registry
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     eps = meta["project"]["entry-points"]
     assert eps["moe_lora_harness.backends"] == {"builtin": registry.BUILTIN_REF}
-    assert eps["pytest11"] == {"moe_lora_harness": "moe_lora_harness.harness.pytest_plugin"}
+    assert eps["pytest11"] == {"moe_lora_harness": "moe_lora_harness.harness.front.pytest_plugin"}
     setup = meta["tool"]["setuptools"]
     assert setup["packages"] == {"find": {"where": ["src"]}}, "packages are discovered under src/, not listed"
     assert "package-dir" not in setup

@@ -1,4 +1,4 @@
-"""Compile classes (harness/compile_classes.py) and the planted shape-class bugs (harness/reach_mutants.py):
+"""Compile classes (harness/draw/compile_classes.py) and the planted shape-class bugs (harness/selftest/reach_mutants.py):
 a palette meets every pair of values its backend can claim and says which it cannot; its classes are
 claimed, well formed and balanced; a classed draw stays inside its class (so a GPU campaign reuses the
 kernel cache) yet still reaches block edges, wide routing, many experts and large inputs; free draws are
@@ -10,13 +10,13 @@ import itertools
 
 import pytest
 
-from moe_lora_harness.harness import compile_classes as CC
-from moe_lora_harness.harness import strategies as S
-from moe_lora_harness.harness.case import FP8_QUANTS, Case
-from moe_lora_harness.harness.contract import support_for
-from moe_lora_harness.harness.covering import _pairs
-from moe_lora_harness.harness.profiles import draw_sizes
-from moe_lora_harness.harness.registry import available_backends
+from moe_lora_harness.harness.draw import compile_classes as CC
+from moe_lora_harness.harness.draw import strategies as S
+from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
+from moe_lora_harness.harness.spec.contract import support_for
+from moe_lora_harness.harness.draw.covering import _pairs
+from moe_lora_harness.harness.draw.profiles import draw_sizes
+from moe_lora_harness.harness.spec.registry import available_backends
 
 PROFILES = {device: draw_sizes(device, "op") for device in ("cpu", "cuda")}   # the op palettes' size profiles
 BACKENDS = [("triton", "op"), ("triton_small_batch", "op"), ("eager", "expert"), ("gated_fast_experts", "expert"),
@@ -120,7 +120,7 @@ def test_free_draws_are_the_default_and_the_palette_choice_is_checked():
 
 
 def test_fuzz_cli_runs_with_compile_classes_on_cpu(tmp_path):
-    from moe_lora_harness.harness import cli
+    from moe_lora_harness.harness.front import cli
     rc = cli.main(["fuzz", "--only", "eager", "--level", "op", "--device", "cpu", "--palette", "classes",
                    "--max-examples", "4", "--in-process", "--no-db", "-q", "--out", str(tmp_path)])
     assert rc == 0
@@ -151,15 +151,15 @@ SHOWS = {
 
 @pytest.fixture(scope="module")
 def reach():
-    from moe_lora_harness.harness.reach_mutants import DEFECTS, REACH_MUTANTS
+    from moe_lora_harness.harness.selftest.reach_mutants import DEFECTS, REACH_MUTANTS
     assert set(SHOWS) == set(DEFECTS)
     return {s.name: s for s in REACH_MUTANTS}, DEFECTS
 
 
 @pytest.mark.parametrize("name", sorted(SHOWS))
 def test_each_planted_shape_bug_fails_in_its_class_and_only_there(reach, name, device):
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.runner import run_case
     specs, defects = reach
     inside, outside = SHOWS[name]
     shows = defects[name][1]

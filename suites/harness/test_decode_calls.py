@@ -10,10 +10,10 @@ import pytest
 
 from moe_lora_harness.backends.eager import BACKEND as EAGER
 from moe_lora_harness.backends.eager import run_experts
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import Rule, support_for
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.runner import repro_command, run_case
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import Rule, support_for
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.execution.runner import repro_command, run_case
 
 CASE = Case(level="expert", T=6, H=32, I=24, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed", seed=11,
             dtype="float32", call_tokens=1)
@@ -58,7 +58,7 @@ def test_a_stale_mapping_across_calls_fails_only_when_called_per_token():
     split = run_case(_stale_spec(), CASE, "cpu", executor=InProcess())
     assert split.status == "fail", split.detail
     assert "call_tokens" in split.repro and "call_tokens" in repro_command(EAGER, CASE, "cpu")
-    from moe_lora_harness.harness.signatures import needed_axes
+    from moe_lora_harness.harness.search.signatures import needed_axes
     assert ("calls", "True") in needed_axes(_stale_spec(), split, "cpu", InProcess())
 
 
@@ -78,7 +78,7 @@ def test_pooled_calls_give_a_decode_batch_rule_4s_power(dtype):
     """The scaling slip (every B off by 1 - alpha) at 4 tokens: one call of them cannot fail rule 4 (4 rows), 32
     calls of 4 can: the single call needs rule 3's sqrt(3^2 - 1) = 2.83 times the kernel's own error (measured 2.9), the
     pooled ones fail well below it (measured 1.6 at 128 rows; more rows, less); the correct kernel passes both."""
-    from moe_lora_harness.harness import power
+    from moe_lora_harness.harness.selftest import power
     slips = [s for s in power.SLIPS if s.name == "scaling"]
     base = Case(level="expert", T=4, H=256, I=128, E=4, top_k=2, max_rank=16, dtype=dtype, seed=3)
     one = power.measure(EAGER, base, "cpu", slips=slips, steps=8)
@@ -94,10 +94,10 @@ def test_pooled_calls_give_a_decode_batch_rule_4s_power(dtype):
 def test_the_check_matrix_decode_row_pools_enough_rows_for_rule_4():
     """On the GPU profile the decode row holds twice the rows rule 4 needs before it can fail; with --model each
     token count up to DECODE_MOST_TOKENS is one call's, pooled to as many rows, and a prefill count is dropped."""
-    from moe_lora_harness.harness.compare import EXCESS_MIN_ROWS, EXCESS_SIGMAS
-    from moe_lora_harness.harness.features import DECODE_MOST_TOKENS, DECODE_ROW, DECODE_ROWS, FEATURES
-    from moe_lora_harness.harness.model_plan import plan_model
-    from moe_lora_harness.harness.models import model_named
+    from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, EXCESS_SIGMAS
+    from moe_lora_harness.harness.check.features import DECODE_MOST_TOKENS, DECODE_ROW, DECODE_ROWS, FEATURES
+    from moe_lora_harness.harness.check.model_plan import plan_model
+    from moe_lora_harness.harness.served.models import model_named
     assert EXCESS_MIN_ROWS ** 0.5 >= EXCESS_SIGMAS > (EXCESS_MIN_ROWS - 1) ** 0.5
     row = next(f for f in FEATURES if f.name == DECODE_ROW)
     gpu = row.cases("cuda", 2)

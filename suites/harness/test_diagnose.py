@@ -1,4 +1,4 @@
-"""Precision diagnosis (harness/diagnose.py) and the alternative rounding models (reference.precision.VARIANTS).
+"""Precision diagnosis (harness/judge/diagnose.py) and the alternative rounding models (reference.precision.VARIANTS).
 
 A backend that rounds like another model than it declares fails its bound and is told which model it follows;
 declaring that model makes it pass honestly; a gross or unexplained error gets no precision diagnosis.
@@ -10,15 +10,15 @@ import inspect
 import pytest
 import torch
 
-from moe_lora_harness.harness import runner
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
-from moe_lora_harness.harness.diagnose import GROSS_REL, alternatives, diagnose, worst_relative_error
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.mutants import MUTANTS
-from moe_lora_harness.harness.expectation import op_expectations
-from moe_lora_harness.harness.runner import expectations, run_case
+from moe_lora_harness.harness.execution import runner
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.judge.diagnose import GROSS_REL, alternatives, diagnose, worst_relative_error
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.selftest.mutants import MUTANTS
+from moe_lora_harness.harness.judge.expectation import op_expectations
+from moe_lora_harness.harness.execution.runner import expectations, run_case
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
 from moe_lora_harness.reference.lora_op import fused_moe_lora
@@ -179,7 +179,7 @@ def test_backend_declaring_tf32_passes_its_judge_and_gets_no_diagnosis():
 
 
 @pytest.mark.xfail("bound_dtype" not in inspect.getsource(runner), strict=True,
-                   reason="harness.runner._judge_execution still judges at the case dtype: it must pass "
+                   reason="harness.execution.runner._judge_execution still judges at the case dtype: it must pass "
                           "dtype=reference.precision.bound_dtype(spec.precision_for(case, device), torch_dtype(case))")
 def test_backend_declaring_tf32_passes_run_case():
     spec = _op_backend("tf32-declared", "one_shot_tf32", inputs=_tf32_bits)
@@ -235,7 +235,7 @@ def test_the_runners_inputs_and_emulation_give_the_same_diagnosis(level):
 
 def test_a_gross_error_computes_no_rounding_model():
     """The gross test reads the truth only: no model's emulation is computed for an output it rules out."""
-    from moe_lora_harness.harness.diagnose import name_model
+    from moe_lora_harness.harness.judge.diagnose import name_model
     _, _, (ex, exp) = _run_and_diagnose(BY_NAME["mutant-drops-slice"], BASE)
     asked = []
     d = name_model(ex.output.to(torch.float64), exp.truth, exp.truth.written, torch.float16, BASE.K + BASE.max_rank,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_op_inputs, torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.expert_runner import expert_expectations
-from moe_lora_harness.harness.expectation import op_reference
-from moe_lora_harness.harness.strategies import ep_cases, examples, expert_cases, op_cases
+from moe_lora_harness.harness.build.builders import build_op_inputs, torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.build.expert_runner import expert_expectations
+from moe_lora_harness.harness.judge.expectation import op_reference
+from moe_lora_harness.harness.draw.strategies import ep_cases, examples, expert_cases, op_cases
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.experts import moe_experts_forward
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
@@ -39,7 +39,7 @@ def test_op_emulation_value_equals_the_full_computation(path):
 
 def _full_emulation_expert(case, name):
     """What expert_expectations' emulation was before it skipped the magnitudes: the same forward, full."""
-    import moe_lora_harness.harness.expert_runner as er
+    import moe_lora_harness.harness.build.expert_runner as er
     real = {"moe": er.moe_experts_forward, "sharded": er.sharded_experts_forward}
     er.moe_experts_forward = lambda *a, magnitudes=True, **k: moe_experts_forward(*a, **k)
     er.sharded_experts_forward = lambda *a, magnitudes=True, **k: sharded_experts_forward(*a, **k)

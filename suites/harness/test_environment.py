@@ -6,11 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.registry import load_ref
-from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.worker import Supervisor
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.spec.registry import load_ref
+from moe_lora_harness.harness.execution.runner import run_case
+from moe_lora_harness.harness.execution.worker import Supervisor
 from moe_lora_harness.suites.harness import env_backends
 
 REF = "moe_lora_harness.suites.harness.env_backends:BACKENDS"
@@ -53,8 +53,8 @@ def test_cli_setup_reaches_the_supervised_worker_and_the_repro():
 
 
 def test_a_campaign_goes_on_past_an_environment_failure():
-    from moe_lora_harness.harness.campaign import Campaign
-    from moe_lora_harness.harness.strategies import claimed_cases
+    from moe_lora_harness.harness.search.campaign import Campaign
+    from moe_lora_harness.harness.draw.strategies import claimed_cases
     _reset()
     spec = SPECS["needs-group"]
     c = Campaign(spec, "cpu", "op", InProcess(), max_examples=30, seed=1, reruns=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_lora_harness.harness.cli import main
+from moe_lora_harness.harness.front.cli import main
 
 RAISER = '''
 def fused_moe_lora(*args, **kwargs):
@@ -39,9 +39,9 @@ def test_repeated_failures_print_once_with_a_count_and_how_to_declare_a_limit(tm
 def test_a_failure_file_that_fuzz_writes_replays_as_it_is(tmp_path, capsys):
     import json
 
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.fuzz_report import FailureRecord
-    from moe_lora_harness.harness.signatures import Signature
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.search.fuzz_report import FailureRecord
+    from moe_lora_harness.harness.search.signatures import Signature
     case = Case.from_json('{"T":3,"layout":"naive"}')
     record = FailureRecord(Signature("element bound", (), ""), case, "element", "fail", 1.0, repro="REPRO", detail="x")
     f = tmp_path / "failure-01.json"
@@ -54,11 +54,11 @@ def test_a_failure_file_that_fuzz_writes_replays_as_it_is(tmp_path, capsys):
 def test_a_layer_failure_file_replays_its_scenario_under_either_option(tmp_path):
     import json
 
-    from moe_lora_harness.harness import cli
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.fuzz_report import FailureRecord
-    from moe_lora_harness.harness.layer_scenarios import layer_scenarios
-    from moe_lora_harness.harness.signatures import Signature
+    from moe_lora_harness.harness.front import cli
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.search.fuzz_report import FailureRecord
+    from moe_lora_harness.harness.layer.layer_scenarios import layer_scenarios
+    from moe_lora_harness.harness.search.signatures import Signature
     scenario = layer_scenarios("cpu")[0][1]
     record = FailureRecord(Signature("neutrality", (), ""), Case(), "untouched", "fail", 1.0, repro="R",
                            detail="x", scenario=scenario.to_json())
@@ -81,10 +81,10 @@ def fused_moe_lora(*args, **kwargs):
 
 @pytest.mark.parametrize("changes_a_value", [False, True])
 def test_an_op_that_only_flips_untouched_zeros_is_named_so(tmp_path, changes_a_value):
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.registry import load_ref
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.spec.registry import load_ref
+    from moe_lora_harness.harness.execution.runner import run_case
     f = tmp_path / "zero_sign_op.py"
     f.write_text(ZERO_SIGN_OP.format(changes_a_value=changes_a_value))
     [spec] = load_ref(f"{f}:fused_moe_lora")
@@ -98,7 +98,7 @@ def test_an_op_that_only_flips_untouched_zeros_is_named_so(tmp_path, changes_a_v
 def test_the_tp_degrees_listed_are_every_one_that_runs_and_docs_models_agrees():
     import pathlib
 
-    from moe_lora_harness.harness.models import MODELS, case_fields, model_named
+    from moe_lora_harness.harness.served.models import MODELS, case_fields, model_named
     qwen = model_named("qwen3-30b-a3b")
     assert case_fields(qwen, tp=3)["I"] == 256                      # --tp 3 runs ...
     with pytest.raises(ValueError, match=r"TP degrees that do: 1, 2, 3, 4, 6, 8, 12, 16$"):
@@ -131,7 +131,7 @@ def test_a_closed_pipe_ends_the_listing_quietly(monkeypatch):
 
 
 def test_the_fuzz_corpus_of_another_file_with_the_same_name_is_its_own():
-    from moe_lora_harness.harness.cache import fuzz_corpus_dir
+    from moe_lora_harness.harness.draw.cache import fuzz_corpus_dir
     a = fuzz_corpus_dir("fused_moe_lora", "/home/a/op.py:fused_moe_lora", "op")
     b = fuzz_corpus_dir("fused_moe_lora", "/home/b/op.py:fused_moe_lora", "op")
     assert a != b and a.name.startswith("fused_moe_lora-op-") and a == fuzz_corpus_dir(
@@ -139,27 +139,27 @@ def test_the_fuzz_corpus_of_another_file_with_the_same_name_is_its_own():
 
 
 def test_junit_records_each_cells_time():
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.report import build_matrix, matrix_junit_cases, to_junit
-    from moe_lora_harness.harness.runner import Outcome
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.check.report import build_matrix, matrix_junit_cases, to_junit
+    from moe_lora_harness.harness.execution.runner import Outcome
     outcomes = [Outcome("b", Case(), "cpu", "pass", seconds=0.25), Outcome("b", Case(T=4), "cpu", "pass", seconds=0.5)]
     xml = to_junit("check", matrix_junit_cases(build_matrix(outcomes, lambda o: "fp16")))
     assert 'name="fp16" time="0.750"' in xml, xml
 
 
 def test_the_top_level_help_names_every_command_and_level():
-    from moe_lora_harness.harness.cli import build_parser
-    from moe_lora_harness.harness.selftest import CORPORA
+    from moe_lora_harness.harness.front.cli import build_parser
+    from moe_lora_harness.harness.selftest.selftest import CORPORA
     text = build_parser().format_help()
     assert "adapter verify" in text and "--level op|expert|layer" in text, text
     assert all(c.name in text.split("--corpus ", 1)[1].split("]", 1)[0].split("|") for c in CORPORA), text
 
 
 def test_a_replay_keeps_the_runs_timeout():
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.registry import available_backends
-    from moe_lora_harness.harness.runner import repro_command
-    from moe_lora_harness.harness.worker import DEFAULT_TIMEOUT
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.spec.registry import available_backends
+    from moe_lora_harness.harness.execution.runner import repro_command
+    from moe_lora_harness.harness.execution.worker import DEFAULT_TIMEOUT
     eager = available_backends()["eager"]
     assert " --timeout 2 " in repro_command(eager, Case(), "cpu", 2.0)       # a hang at 2 s replays as one
     assert "--timeout" not in repro_command(eager, Case(), "cpu", DEFAULT_TIMEOUT)
@@ -168,7 +168,7 @@ def test_a_replay_keeps_the_runs_timeout():
 def test_the_readme_lists_every_selftest_corpus_and_what_ci_runs():
     import pathlib
 
-    from moe_lora_harness.harness.selftest import CORPORA
+    from moe_lora_harness.harness.selftest.selftest import CORPORA
     readme = pathlib.Path(__file__).resolve().parents[2] / "README.md"
     if not readme.is_file():
         pytest.skip("README.md is in the source tree, not in an installed package")
@@ -181,8 +181,8 @@ def test_the_readme_lists_every_selftest_corpus_and_what_ci_runs():
 def test_hypothesis_keeps_its_files_in_our_cache_not_the_working_directory(tmp_path, monkeypatch):
     from hypothesis.configuration import storage_directory
 
-    from moe_lora_harness.harness import strategies  # noqa: F401 - configures hypothesis for our runs
-    from moe_lora_harness.harness.cache import CACHE_ENV, keep_hypothesis_files_here
+    from moe_lora_harness.harness.draw import strategies  # noqa: F401 - configures hypothesis for our runs
+    from moe_lora_harness.harness.draw.cache import CACHE_ENV, keep_hypothesis_files_here
     where = storage_directory("constants")
     assert ".hypothesis" not in str(getattr(where, "path", where))        # at import already
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
@@ -206,8 +206,8 @@ def test_check_shows_a_live_line_on_a_terminal_and_each_backends_time_once(capsy
 def test_the_live_line_says_the_time_left():
     import io
 
-    from moe_lora_harness.harness.check_progress import CheckProgress
-    from moe_lora_harness.harness.runner import Outcome
+    from moe_lora_harness.harness.check.check_progress import CheckProgress
+    from moe_lora_harness.harness.execution.runner import Outcome
     out = io.StringIO()
     p = CheckProgress(planned=4, live=True, stream=out, every_s=0.0)
     p.finished(Outcome("eager", None, "cpu", "fail"), 1.0)
@@ -217,7 +217,7 @@ def test_the_live_line_says_the_time_left():
 
 
 def test_the_matrix_fits_the_terminal_and_explains_its_marks():
-    from moe_lora_harness.harness.report import to_text
+    from moe_lora_harness.harness.check.report import to_text
     cell = {"status": "pass", "counts": {"pass": 2}, "reason": "", "probed_failing": {}}
     matrix = {f"backend_number_{i}": ({"fp16": cell} if i % 2 else {"experts: silu": cell}) for i in range(20)}
     text = to_text(matrix, ["fp16", "experts: silu"], width=100)
@@ -227,14 +227,14 @@ def test_the_matrix_fits_the_terminal_and_explains_its_marks():
 
 
 def test_adapter_verify_reads_a_deepseek_v3_config_without_scoring_func():
-    from moe_lora_harness.harness.models import layer_from_config, model_named, to_config
+    from moe_lora_harness.harness.served.models import layer_from_config, model_named, to_config
     d = to_config(model_named("deepseek-v3"))
     del d["scoring_func"]                     # transformers' DeepseekV3Config writes none: its router is a sigmoid
     assert layer_from_config(d).scoring == "sigmoid"
 
 
 def test_adapter_verify_says_when_the_adapter_was_made_for_another_model():
-    from moe_lora_harness.harness.adapter_verify import base_model_note
+    from moe_lora_harness.harness.served.adapter_verify import base_model_note
     gpt_oss = {"auto_mapping": {"base_model_class": "GptOssForCausalLM",
                                 "parent_library": "transformers.models.gpt_oss.modeling_gpt_oss"}}
     assert "GptOssForCausalLM" in base_model_note(gpt_oss, "qwen3_moe")
@@ -246,7 +246,7 @@ def test_a_truncated_adapter_file_is_an_error_naming_it(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from moe_lora_harness.harness.peft_adapters import AdapterFileError, read_folder
+    from moe_lora_harness.harness.served.peft_adapters import AdapterFileError, read_folder
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     w = tmp_path / "adapter_model.safetensors"
     save_file({"x": torch.zeros(64, 64)}, str(w))
@@ -259,8 +259,8 @@ def test_a_run_of_our_suites_alone_keeps_pytests_cache_out_of_the_working_direct
     import pathlib
     from types import SimpleNamespace
 
-    from moe_lora_harness.harness.cache import CACHE_ENV
-    from moe_lora_harness.harness.pytest_plugin import keep_pytest_cache_out_of_the_working_directory
+    from moe_lora_harness.harness.draw.cache import CACHE_ENV
+    from moe_lora_harness.harness.front.pytest_plugin import keep_pytest_cache_out_of_the_working_directory
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
 
     def session(args, inipath=None):
@@ -274,9 +274,9 @@ def test_a_run_of_our_suites_alone_keeps_pytests_cache_out_of_the_working_direct
 
 
 def test_two_named_mistakes_of_one_backend_are_two_groups():
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.failure_groups import group_failures
-    from moe_lora_harness.harness.runner import Outcome
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.check.failure_groups import group_failures
+    from moe_lora_harness.harness.execution.runner import Outcome
 
     def fail(semantics, ratio):
         return Outcome("b", Case(), "cpu", "fail", kind="element", semantics=semantics,
@@ -289,9 +289,9 @@ def test_two_named_mistakes_of_one_backend_are_two_groups():
 def test_a_cell_that_passes_still_says_why_some_of_its_cases_were_not_run():
     """A cell "pass 4/6 (2 not runnable here)" (check --model at DeepSeek-V3 on the H200: fp32 needs more memory than
     the GPU has) says why, and which cases: in the text beside the cell's feature, and in the JSON."""
-    from moe_lora_harness.harness.report import build_matrix, to_text
-    from moe_lora_harness.harness.runner import Outcome
-    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.check.report import build_matrix, to_text
+    from moe_lora_harness.harness.execution.runner import Outcome
+    from moe_lora_harness.harness.spec.case import Case
     ran, big = Case(T=3), Case(T=3, dtype="float32")
     why = "not runnable on this machine: T=3 float32 needs 160 GiB; 139 GiB free GPU memory on cuda"
     matrix = build_matrix([Outcome("b", ran, "cuda", "pass"), Outcome("b", big, "cuda", "not-runnable", why)],

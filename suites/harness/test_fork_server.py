@@ -1,4 +1,4 @@
-"""The fork server (harness/fork_server.py): a forked child is what a new Python would be for the harness, with
+"""The fork server (harness/execution/fork_server.py): a forked child is what a new Python would be for the harness, with
 the exit status, output, environment and working directory it asked for, forked or (without fork) started."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from moe_lora_harness.harness import fork_server
-from moe_lora_harness.harness.worker import child_env
+from moe_lora_harness.harness.execution import fork_server
+from moe_lora_harness.harness.execution.worker import child_env
 
 HERE = "moe_lora_harness.suites.harness.test_fork_server"
 

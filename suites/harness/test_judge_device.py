@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lora_harness.harness import builders
-from moe_lora_harness.harness.builders import build_device, build_expert_inputs, build_op_inputs, expert_weights
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.execute import inputs_digest
-from moe_lora_harness.harness.expert_runner import expert_forward
-from moe_lora_harness.harness.strategies import ep_cases, examples, expert_cases
-from moe_lora_harness.harness.tensor_digest import GOLDEN, SALT, digest, lane_sums
+from moe_lora_harness.harness.build import builders
+from moe_lora_harness.harness.build.builders import build_device, build_expert_inputs, build_op_inputs, expert_weights
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.execution.execute import inputs_digest
+from moe_lora_harness.harness.build.expert_runner import expert_forward
+from moe_lora_harness.harness.draw.strategies import ep_cases, examples, expert_cases
+from moe_lora_harness.harness.judge.tensor_digest import GOLDEN, SALT, digest, lane_sums
 from moe_lora_harness.reference import precision as precision_module
 from moe_lora_harness.reference.experts import moe_experts_forward
 from moe_lora_harness.reference.precision import precision, rnd
@@ -182,7 +182,7 @@ def test_device_lane_sums_are_the_defined_integers(t):
 
 
 def test_device_lane_sums_in_passes(monkeypatch):
-    import moe_lora_harness.harness.tensor_digest as td
+    import moe_lora_harness.harness.judge.tensor_digest as td
     t = torch.randn(37, dtype=torch.float64)
     whole = lane_sums(t).tolist()
     monkeypatch.setattr(td, "CHUNK_WORDS", 5)
@@ -222,8 +222,8 @@ def test_rounding_in_slices_keeps_every_bit(dtype, monkeypatch):
 def test_a_small_cuda_case_is_drawn_and_judged_on_the_cpu():
     """draw_device: a CUDA run draws (and judges) a case within SMALL_ELEMENTS and SMALL_WORK on the CPU, a larger
     one on its GPU; a CPU run always on the CPU. The rule reads the case alone, so the judge and the worker agree."""
-    from moe_lora_harness.harness.builders import SMALL_WORK, draw_device
-    from moe_lora_harness.harness.case_memory import reference_work
+    from moe_lora_harness.harness.build.builders import SMALL_WORK, draw_device
+    from moe_lora_harness.harness.build.case_memory import reference_work
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
     small = Case(level="expert", T=33, H=256, I=128, E=8, top_k=2, max_rank=16, dtype="bfloat16", seed=1)
     wide = small.replace(E=64, H=1024, I=512)                     # the weights alone: 100M elements
@@ -239,7 +239,7 @@ def test_a_small_cuda_case_is_drawn_and_judged_on_the_cpu():
 def test_released_inputs_are_rebuilt_bit_for_bit():
     """A GPU judge drops its inputs after the reference; `inputs` then rebuilds the same tensors from the case."""
     from moe_lora_harness.backends.eager import BACKEND
-    from moe_lora_harness.harness.runner import expectations
+    from moe_lora_harness.harness.execution.runner import expectations
     for case in (CASES[0], CASES[9]):
         exp = expectations(BACKEND, case, "cpu")
         assert exp.built is not None       # the CPU keeps them
@@ -262,7 +262,7 @@ def test_expert_call_moves_a_cpu_build_to_the_run_device():
 def test_token_chunks_compute_the_same_forward():
     """The CUDA judge's forward in pieces of tokens (here run on the CPU, chunks of 3) equals the forward in one
     piece to float64 rounding: value, magnitude and underflow exposure, with LoRA, TP (fully sharded) and EP."""
-    from moe_lora_harness.harness.expert_runner import _in_token_chunks
+    from moe_lora_harness.harness.build.expert_runner import _in_token_chunks
     for case in FIXED[:3] + [FIXED[4], CASES[17]]:
         inp = build_expert_inputs(case)
         forward, args, kw = expert_forward(case, inp)
@@ -276,8 +276,8 @@ def test_token_chunks_compute_the_same_forward():
 def test_only_a_cuda_judge_chunks_and_the_chunk_is_the_cases(monkeypatch):
     """On the CPU expert_forward is one piece whatever T; the chunk is a function of the case (a DeepSeek-V3
     layer: 8 pairs per token of 4096 + 2048 + 7168 float64 values -> 1260 tokens of 2^27 values)."""
-    from moe_lora_harness.harness import expert_runner
-    from moe_lora_harness.harness.expert_runner import token_chunk
+    from moe_lora_harness.harness.build import expert_runner
+    from moe_lora_harness.harness.build.expert_runner import token_chunk
     deepseek = Case(level="expert", T=16384, H=7168, I=2048, E=256, top_k=8, dtype="bfloat16")
     assert token_chunk(deepseek) == (1 << 27) // (8 * (4096 + 2048 + 7168)) == 1260
     monkeypatch.setattr(expert_runner, "PAIR_VALUES_PER_CHUNK", 2000)
@@ -292,8 +292,8 @@ def test_a_released_expectation_judges_without_rebuilding_its_inputs(monkeypatch
     """A GPU judge releases the case's inputs once the reference is computed; rule 4's row groups (each token's slot
     and experts) are taken before that, so judging a pass rebuilds nothing (it rebuilt the whole layer per case)."""
     from moe_lora_harness.backends.eager import BACKEND as EAGER
-    from moe_lora_harness.harness import runner
-    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.harness.execution import runner
+    from moe_lora_harness.harness.execution.execute import InProcess
     case = Case.from_json('{"T":9,"H":64,"max_rank":8,"seed":2}' if level == "op"
                           else '{"level":"expert","T":9,"H":64,"I":32,"E":4,"top_k":2,"max_rank":8,"seed":2}')
     exp = runner.expectations(EAGER, case, "cpu")

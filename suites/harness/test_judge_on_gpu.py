@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs, torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.execute import _tensors, inputs_digest
-from moe_lora_harness.harness.expectation import op_expectations, op_reference
-from moe_lora_harness.harness.expert_runner import expert_expectations, expert_forward
-from moe_lora_harness.harness.tensor_digest import lane_sums
+from moe_lora_harness.harness.build.builders import build_expert_inputs, build_op_inputs, torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.execution.execute import _tensors, inputs_digest
+from moe_lora_harness.harness.judge.expectation import op_expectations, op_reference
+from moe_lora_harness.harness.build.expert_runner import expert_expectations, expert_forward
+from moe_lora_harness.harness.judge.tensor_digest import lane_sums
 from moe_lora_harness.reference.precision import precision
 
 from .judge_golden import CASES
@@ -59,9 +59,9 @@ def test_a_cuda_case_is_drawn_on_the_gpu_and_repeats(case):
 def test_two_processes_draw_the_same_case():
     """A fresh process (the worker's situation) digests a case built on its GPU as this one does."""
     picks = [OP[0], OP[1], EXPERT[0], EXPERT[4]]
-    code = ("import sys\nfrom moe_lora_harness.harness.case import Case\n"
-            "from moe_lora_harness.harness.builders import build_op_inputs, build_expert_inputs\n"
-            "from moe_lora_harness.harness.execute import inputs_digest\n"
+    code = ("import sys\nfrom moe_lora_harness.harness.spec.case import Case\n"
+            "from moe_lora_harness.harness.build.builders import build_op_inputs, build_expert_inputs\n"
+            "from moe_lora_harness.harness.execution.execute import inputs_digest\n"
             "for js in sys.argv[1:]:\n    c = Case.from_json(js)\n"
             "    b = build_op_inputs(c, 'cuda') if c.level == 'op' else build_expert_inputs(c, 'cuda')\n"
             "    print(inputs_digest(b))\n")
@@ -116,10 +116,10 @@ def test_a_supervised_cuda_run_is_judged_where_it_is_drawn():
     """The worker draws the inputs where the judge does (digest match: pass): a small case on the CPU (copied to the
     GPU for the backend; judged on the CPU), a larger one on the GPU; an input write is seen; a GPU judge keeps no
     inputs after its reference."""
-    from moe_lora_harness.harness.builders import draw_device
-    from moe_lora_harness.harness.registry import load_ref
-    from moe_lora_harness.harness.runner import expectations, run_case
-    from moe_lora_harness.harness.worker import Supervisor
+    from moe_lora_harness.harness.build.builders import draw_device
+    from moe_lora_harness.harness.spec.registry import load_ref
+    from moe_lora_harness.harness.execution.runner import expectations, run_case
+    from moe_lora_harness.harness.execution.worker import Supervisor
     eager = {s.name: s for s in load_ref("moe_lora_harness.backends:BUILTINS")}["eager"]
     hostile = {s.name: s for s in load_ref("moe_lora_harness.suites.harness.hostile_backends:HOSTILE")}
     w2 = Case(T=3, H=24, I=16, E=4, top_k=2, max_rank=4, which="w2", num_slices=1, mul_routed_weight=True, seed=7)
@@ -140,8 +140,8 @@ def test_a_supervised_cuda_run_is_judged_where_it_is_drawn():
 
 def test_the_judge_lets_go_of_the_layer():
     """After its reference the judge holds the (T, H) results, not the layer's weights."""
-    from moe_lora_harness.harness.registry import load_ref
-    from moe_lora_harness.harness.runner import expectations
+    from moe_lora_harness.harness.spec.registry import load_ref
+    from moe_lora_harness.harness.execution.runner import expectations
     eager = {s.name: s for s in load_ref("moe_lora_harness.backends:BUILTINS")}["eager"]
     case = Case(level="expert", T=64, H=1024, I=512, E=64, top_k=4, dtype="bfloat16", seed=3)
     torch.cuda.empty_cache()
@@ -168,7 +168,7 @@ def test_rounding_is_the_same_on_the_gpu():
 def test_a_long_case_is_judged_in_token_chunks(monkeypatch):
     """Past token_chunk(case) tokens a CUDA judge computes in pieces: the same truth to float64 rounding, the same
     emulation but where a float64 difference crosses a rounding boundary."""
-    from moe_lora_harness.harness import expert_runner
+    from moe_lora_harness.harness.build import expert_runner
     case = Case(level="expert", T=300, H=256, I=128, E=16, top_k=4, max_loras=3, max_rank=16, mapping="mixed",
                 dtype="bfloat16", bias=True, seed=9)
     inp = build_expert_inputs(case, "cuda")

@@ -1,4 +1,4 @@
-"""`fuzz --model` (harness.model_fuzz): the search at a served layer's shape. Every drawn case carries the fields the
+"""`fuzz --model` (harness.search.model_fuzz): the search at a served layer's shape. Every drawn case carries the fields the
 layer fixes and a token count of the list, the rest drawn; a planted bug is found there, its minimal case at that
 shape and replayable alone."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 
 from hypothesis import given, settings
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.models import layer_from_config
-from moe_lora_harness.harness.registry import available_backends, select
-from moe_lora_harness.harness.strategies import claimed_cases
-from moe_lora_harness.harness.profiles import draw_sizes
-from moe_lora_harness.harness.model_fuzz import served_cases
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.served.models import layer_from_config
+from moe_lora_harness.harness.spec.registry import available_backends, select
+from moe_lora_harness.harness.draw.strategies import claimed_cases
+from moe_lora_harness.harness.draw.profiles import draw_sizes
+from moe_lora_harness.harness.search.model_fuzz import served_cases
 
 TINY = {"model_type": "qwen3_moe", "hidden_size": 32, "moe_intermediate_size": 16, "num_experts": 8,
         "num_experts_per_tok": 2, "norm_topk_prob": True, "hidden_act": "silu", "torch_dtype": "bfloat16"}
@@ -44,10 +44,10 @@ def test_op_draws_take_the_layers_shape_and_its_slice_count(case: Case):
 def test_fuzz_model_finds_a_planted_bug_at_the_layers_shape(tmp_path):
     """A mutant that ignores the routing weights (the w2 pass's mul_routed_weight), searched at the tiny layer's
     shape: found, its minimal case at that shape with a token count of the list."""
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "out"
-    rc = main(["fuzz", "--model-config", str(tmp_path), "--backend", "moe_lora_harness.harness.mutants:MUTANTS",
+    rc = main(["fuzz", "--model-config", str(tmp_path), "--backend", "moe_lora_harness.harness.selftest.mutants:MUTANTS",
                "--only", "mutant-ignores-routed-weight", "--device", "cpu", "--max-examples", "80", "--tokens", "1,17",
                "--no-db", "--out", str(out), "-q", "--seed", "1"])
     assert rc == 1
@@ -61,9 +61,9 @@ def test_jobs_that_fit_runs_as_many_campaigns_as_the_device_holds_at_the_layer(m
     """--jobs N splits the device's free memory N ways and each job draws only what its share holds: at a layer whose
     cases exceed a share, N jobs would test nothing (the served fuzz of DeepSeek-V3 with --jobs 8 on the H200 said
     "NOTHING TESTED ... claimed by its declarations"). Fewer jobs, said why; none fitting at all is an error."""
-    from moe_lora_harness.harness import model_fuzz
-    from moe_lora_harness.harness.case_memory import memory_need
-    from moe_lora_harness.harness.strategies import examples
+    from moe_lora_harness.harness.search import model_fuzz
+    from moe_lora_harness.harness.build.case_memory import memory_need
+    from moe_lora_harness.harness.draw.strategies import examples
     strategy = claimed_cases(EAGER, "cpu", "expert", **draw_sizes("cpu", "expert"))
     needs = sorted(memory_need(c, "cpu").total for c in examples(
         model_fuzz._claimed_at_layer(strategy, LAYER, EAGER, "cpu", 1, 1, (1, 17, 300)), model_fuzz.FIT_SAMPLE))

@@ -16,18 +16,18 @@ import sys
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs, build_op_inputs
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.case_memory import FIXED, INPUT_COPIES, memory_need
-from moe_lora_harness.harness.features import FEATURES
-from moe_lora_harness.harness.model_plan import (
+from moe_lora_harness.harness.build.builders import build_expert_inputs, build_op_inputs
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.build.case_memory import FIXED, INPUT_COPIES, memory_need
+from moe_lora_harness.harness.check.features import FEATURES
+from moe_lora_harness.harness.check.model_plan import (
     NOT_APPLICABLE,
     applicability,
     fixed_fields,
     layer_shapes,
     plan_model,
 )
-from moe_lora_harness.harness.models import (
+from moe_lora_harness.harness.served.models import (
     EP_DEGREES,
     MODELS,
     TP_DEGREES,
@@ -37,8 +37,8 @@ from moe_lora_harness.harness.models import (
     model_named,
     to_config,
 )
-from moe_lora_harness.harness.profiles import shapes_for
-from moe_lora_harness.harness.registry import available_backends, select
+from moe_lora_harness.harness.draw.profiles import shapes_for
+from moe_lora_harness.harness.spec.registry import available_backends, select
 from moe_lora_harness.reference.activations import ACTIVATIONS, SUPPORTED_ACTIVATIONS
 
 NUMBERS = ("H", "I", "E", "top_k", "activation", "bias", "scoring", "renormalize", "correction_bias", "n_group",
@@ -227,14 +227,14 @@ def test_tp_and_ep_slices():
     (["fuzz", "--level", "op", "--model", "nosuch"], "no such model"),
 ])
 def test_model_usage_errors_are_one_line(argv, text, capsys):
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     assert main(argv + ["--only", "eager", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and text in err, err
 
 
 def test_a_broken_model_config_is_a_usage_error_naming_the_key(tmp_path, capsys):
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in TINY.items() if k != "num_experts"}))
     assert main(["check", "--model-config", str(tmp_path), "--only", "eager", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
@@ -242,7 +242,7 @@ def test_a_broken_model_config_is_a_usage_error_naming_the_key(tmp_path, capsys)
 
 
 def test_models_lists_one_line_per_layer(capsys):
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
     for m in MODELS:
@@ -291,8 +291,8 @@ def test_the_estimate_covers_the_judges_measured_peak(case):
     builds the inputs and the expectations of a case whose pairs dominate: not under it, and not 3x over."""
     import ctypes
 
-    from moe_lora_harness.harness.expectation import op_expectations
-    from moe_lora_harness.harness.expert_runner import expert_expectations
+    from moe_lora_harness.harness.judge.expectation import op_expectations
+    from moe_lora_harness.harness.build.expert_runner import expert_expectations
     judge = op_expectations if case.level == "op" else expert_expectations
     judge(case.replace(T=1), "one_shot")            # imports and first-call allocations are not the case's
     ctypes.CDLL("libc.so.6").malloc_trim(0)         # freed heap back to the system: RSS is what is in use
@@ -345,7 +345,7 @@ def test_check_model_config_end_to_end(tmp_path):
     assert meta["tokens"] == [1, 17] and meta["layer"].startswith("H=32 I=16 E=8 top_k=2 silu")
     assert report["matrix"]["eager"]["experts: silu"]["counts"]["pass"] == 4
     # the same run judges: a planted bug at this layer's shape fails it
-    bad = _cli("check", "--model-config", ".", "--backend", "moe_lora_harness.harness.mutants:MUTANTS",
+    bad = _cli("check", "--model-config", ".", "--backend", "moe_lora_harness.harness.selftest.mutants:MUTANTS",
                "--only", "mutant-ignores-routed-weight", "--feature", "w2: mul_routed_weight", "--device", "cpu",
                "--tokens", "5", cwd=tmp_path)
     assert bad.returncode == 1 and "FAIL" in bad.stdout, bad.stdout[-3000:] + bad.stderr[-3000:]

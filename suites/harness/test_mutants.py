@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.registry import harness_command, load_ref
-from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.registry import harness_command, load_ref
+from moe_lora_harness.harness.execution.runner import run_case
 
-MUTANTS = load_ref("moe_lora_harness.harness.mutants:MUTANTS")   # as a user loads them (origin set)
+MUTANTS = load_ref("moe_lora_harness.harness.selftest.mutants:MUTANTS")   # as a user loads them (origin set)
 BY_NAME = {m.name: m for m in MUTANTS}
 BASE = Case(T=6, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=8, seed=7)
 W2 = dict(which="w2", num_slices=1, mul_routed_weight=True)
@@ -71,7 +71,7 @@ def test_every_mutant_has_an_exposing_case():
 def test_repro_line_replays_the_failure_alone():
     """The REPRO command, run as printed, loads the same backend and fails the same way."""
     import shlex
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.front.cli import main
     out = run_case(BY_NAME["mutant-wrong-x-row"], EXPOSING["wrong-x-row"], "cpu")
     line = next(l for l in out.detail.splitlines() if l.startswith("REPRO: "))
     argv = shlex.split(line.removeprefix("REPRO: "))

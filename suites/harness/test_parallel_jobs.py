@@ -1,4 +1,4 @@
-"""`check --jobs N` and `selftest --jobs N` (harness.job_pool): N job processes, one report, the same as one job's.
+"""`check --jobs N` and `selftest --jobs N` (harness.execution.job_pool): N job processes, one report, the same as one job's.
 
 Small selections on the CPU: hostile op backends on two rows (one case each), the FP8 corpus under check's detector.
 The jobs are forked by the fork server, which a test process starts once (a few CPU-seconds) and keeps."""
@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from moe_lora_harness.harness import check_progress, cli
-from moe_lora_harness.harness.job_pool import AUTO_MAX_JOBS, resolve_jobs
+from moe_lora_harness.harness.check import check_progress
+
+from moe_lora_harness.harness.front import cli
+from moe_lora_harness.harness.execution.job_pool import AUTO_MAX_JOBS, resolve_jobs
 
 HOSTILE = "moe_lora_harness.suites.harness.hostile_backends:HOSTILE"
 ROWS = ["--feature", "fp16", "--feature", "w2: mul_routed_weight", "--cases-per-feature", "1"]
@@ -120,7 +122,7 @@ def test_a_budget_hands_out_no_run_past_it_and_lists_the_rest(tmp_path, monkeypa
 
 
 def test_a_job_needs_nothing_of_the_parents_main_module(tmp_path, monkeypatch):
-    """Run as `python -m moe_lora_harness.harness.cli`, the command's function is __main__'s, which no job has."""
+    """Run as `python -m moe_lora_harness.harness.front.cli`, the command's function is __main__'s, which no job has."""
     monkeypatch.setitem(sys.modules, "__main__", cli)
     monkeypatch.setattr(cli.cmd_check, "__module__", "__main__")
     rc, data = _check(tmp_path, "m", "--only", "hostile-control", *ROWS, "--in-process", "--jobs", "2")

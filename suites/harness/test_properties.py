@@ -1,4 +1,4 @@
-"""The property views (harness.properties): what each view does to the inputs, and the judge's claim both ways: a
+"""The property views (harness.build.properties): what each view does to the inputs, and the judge's claim both ways: a
 backend that declares batch invariance and is not fails with kind not-invariant; one that is passes; an undeclared
 backend whose rows happen to match gets a note, never a failure."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch
 
 from moe_lora_harness.backends.eager import BACKEND as EAGER
 from moe_lora_harness.backends.eager import run_experts
-from moe_lora_harness.harness.builders import build_expert_inputs
-from moe_lora_harness.harness.case import VIEWS, Case
-from moe_lora_harness.harness.compare import bit_equal
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.expert_runner import expert_expectations
-from moe_lora_harness.harness.properties import half_tokens, plain_rows
-from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.build.builders import build_expert_inputs
+from moe_lora_harness.harness.spec.case import VIEWS, Case
+from moe_lora_harness.harness.judge.compare import bit_equal
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.build.expert_runner import expert_expectations
+from moe_lora_harness.harness.build.properties import half_tokens, plain_rows
+from moe_lora_harness.harness.execution.runner import run_case
 
 CASE = Case(level="expert", T=7, H=32, I=24, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed", seed=5,
             dtype="float32")

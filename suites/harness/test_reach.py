@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, find, settings
 
-from moe_lora_harness.harness import builders
-from moe_lora_harness.harness import covering as C
-from moe_lora_harness.harness import strategies as S
-from moe_lora_harness.harness.builders import OUTLIER_SCALE, build_expert_inputs, build_op_inputs, outlier_tokens
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.features import (EXPERT_FEATURES, FEATURES, OP_FEATURES, PAIRWISE_EXPERT_FEATURES,
+from moe_lora_harness.harness.build import builders
+from moe_lora_harness.harness.draw import covering as C
+from moe_lora_harness.harness.draw import strategies as S
+from moe_lora_harness.harness.build.builders import OUTLIER_SCALE, build_expert_inputs, build_op_inputs, outlier_tokens
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.check.features import (EXPERT_FEATURES, FEATURES, OP_FEATURES, PAIRWISE_EXPERT_FEATURES,
                                                PAIRWISE_OP_FEATURES)
-from moe_lora_harness.harness.profiles import LARGE, SMALL, draw_sizes
+from moe_lora_harness.harness.draw.profiles import LARGE, SMALL, draw_sizes
 from moe_lora_harness.reference.activations import OAI_LIMIT, SUPPORTED_ACTIVATIONS
 
 _FIND = settings(max_examples=4000, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
@@ -121,7 +121,7 @@ def _digest(ts) -> str:
     return d.hexdigest()[:16]
 
 
-# digests of the tensors harness.builders makes, computed before the input-scale fields existed
+# digests of the tensors harness.build.builders makes, computed before the input-scale fields existed
 _GOLDEN_OP = {
     "{}": "f28e628c117e31e0",
     '{"H":40,"I":24,"T":17,"dtype":"float32","mul_routed_weight":true,"num_slices":1,"seed":5,"which":"w2"}':
@@ -239,7 +239,7 @@ def test_expert_strategy_reaches_every_activation_in_every_dtype():
 
 
 def test_claimed_cases_of_a_triton_backend_reach_past_sixteen_tokens():
-    from moe_lora_harness.harness.registry import available_backends
+    from moe_lora_harness.harness.spec.registry import available_backends
     spec = available_backends()["triton"]
     case = find(S.claimed_cases(spec, "cpu", "op", **draw_sizes("cpu", "op")), lambda c: c.T > 16 and c.top_k >= 1,
                 settings=_FIND)
@@ -267,7 +267,7 @@ def test_check_rows_reach_the_axes():
 
 
 def test_rows_the_pairwise_rows_subsume_run_once_on_the_small_profile_only():
-    from moe_lora_harness.harness.features import SUBSUMED_BY_PAIRWISE
+    from moe_lora_harness.harness.check.features import SUBSUMED_BY_PAIRWISE
     by_name = {f.name: f for f in FEATURES}
     for name in SUBSUMED_BY_PAIRWISE:
         f = by_name[name]

@@ -7,15 +7,17 @@ import io
 import json
 import xml.etree.ElementTree as ET
 
-from moe_lora_harness.harness import cli, selftest
-from moe_lora_harness.harness.execute import InProcess
+from moe_lora_harness.harness.front import cli
+
+from moe_lora_harness.harness.selftest import selftest
+from moe_lora_harness.harness.execution.execute import InProcess
 import pytest
 
-from moe_lora_harness.harness.selftest import Corpus, Kill, SelftestResult, run_selftest
-from moe_lora_harness.harness.selftest_progress import SelftestProgress
+from moe_lora_harness.harness.selftest.selftest import Corpus, Kill, SelftestResult, run_selftest
+from moe_lora_harness.harness.selftest.selftest_progress import SelftestProgress
 
 ARGS = ["selftest", "--corpus", "tiny", "--detectors", "check", "--in-process", "--device", "cpu"]
-TINY = Corpus("tiny", "moe_lora_harness.harness.mutants:MUTANTS", ("mutant-control",), "op",
+TINY = Corpus("tiny", "moe_lora_harness.harness.selftest.mutants:MUTANTS", ("mutant-control",), "op",
               lambda f: f.name in ("T*k < E", "empty batch"),
               select=lambda s: s.name in ("mutant-control", "mutant-drops-slice", "mutant-truncates-rank",
                                           "mutant-clobbers-offset", "mutant-wrong-x-row"))

@@ -1,4 +1,4 @@
-"""Semantic diagnosis (harness/semantic_diagnosis.py, reference/semantics.py): a gross failure is named as the
+"""Semantic diagnosis (harness/judge/semantic_diagnosis.py, reference/semantics.py): a gross failure is named as the
 integration mistake its output follows, by check and by fuzz; a correct backend is never given one; an
 alternative the case cannot tell from the contract is not offered; a partial failure says which rows."""
 from __future__ import annotations
@@ -8,20 +8,20 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lora_harness.harness.campaign import Campaign
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.expert_runner import expert_expectations, expert_forward
-from moe_lora_harness.harness.expectation import op_expectations
-from moe_lora_harness.harness.fuzz_report import FailureRecord, records_table
-from moe_lora_harness.harness.mutants import MUTANTS
-from moe_lora_harness.harness.profiles import selftest_draw_sizes
-from moe_lora_harness.harness.registry import load_attr, load_ref
-from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.selftest import CORPORA
-from moe_lora_harness.harness.semantic_diagnosis import semantic_diagnosis
-from moe_lora_harness.harness.strategies import claimed_cases
+from moe_lora_harness.harness.search.campaign import Campaign
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.build.expert_runner import expert_expectations, expert_forward
+from moe_lora_harness.harness.judge.expectation import op_expectations
+from moe_lora_harness.harness.search.fuzz_report import FailureRecord, records_table
+from moe_lora_harness.harness.selftest.mutants import MUTANTS
+from moe_lora_harness.harness.draw.profiles import selftest_draw_sizes
+from moe_lora_harness.harness.spec.registry import load_attr, load_ref
+from moe_lora_harness.harness.execution.runner import run_case
+from moe_lora_harness.harness.selftest.selftest import CORPORA
+from moe_lora_harness.harness.judge.semantic_diagnosis import semantic_diagnosis
+from moe_lora_harness.harness.draw.strategies import claimed_cases
 from moe_lora_harness.reference.precision import precision
 from moe_lora_harness.reference.semantics import ALTERNATIVES
 from moe_lora_harness.suites.experts.semantic_mutants import BACKENDS, MECHANISMS, run_eager

@@ -1,4 +1,4 @@
-"""Another engine's op module loaded from its unpacked source (harness.source_ops, what examples/vllm_wheel_op and
+"""Another engine's op module loaded from its unpacked source (harness.spec.source_ops, what examples/vllm_wheel_op and
 examples/sglang_wheel_op stand on): the op's own file runs unchanged beside stand-ins for the engine's helpers, its
 package's __init__ never runs, and a missing source is an ImportError naming the variable and the file."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moe_lora_harness.harness.source_ops import load_op_module, no_registration, single_rank
+from moe_lora_harness.harness.spec.source_ops import load_op_module, no_registration, single_rank
 
 OP = '''
 from fakeeng import envs
@@ -67,8 +67,8 @@ WRAPPERS = {"vllm_op": ("vllm_wheel_op/vllm_wheel_op.py:VLLM_OP", "VLLM_SOURCE")
 def test_the_example_wrappers_load_and_name_their_missing_source(name, monkeypatch):
     """The vLLM and SGLang wrappers load through the registry without their engine (the op module is read at the
     first call), declare their precision per device, and a call without the source names the variable to set."""
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.registry import load_ref
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.spec.registry import load_ref
     ref, var = WRAPPERS[name]
     monkeypatch.delenv(var, raising=False)
     engine = name.split("_")[0]
@@ -93,9 +93,9 @@ def test_the_expert_wrappers_load_and_name_their_missing_source(name, monkeypatc
     variable to set."""
     import torch
 
-    from moe_lora_harness.harness.case import Case
-    from moe_lora_harness.harness.contract import ExpertCall
-    from moe_lora_harness.harness.registry import load_ref
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.spec.contract import ExpertCall
+    from moe_lora_harness.harness.spec.registry import load_ref
     ref, var = EXPERT_WRAPPERS[name]
     monkeypatch.delenv(var, raising=False)
     engine = name.split("_")[0]
@@ -118,7 +118,7 @@ def test_the_sglang_wrapper_hands_over_every_listed_slot():
     them: the listed slots first, -1 after (passed as they were, the last active slot was never processed)."""
     import torch
 
-    from moe_lora_harness.harness.registry import load_attr
+    from moe_lora_harness.harness.spec.registry import load_attr
     convert = load_attr(str(_EXAMPLES / "sglang_wheel_op/sglang_wheel_op.py:_sglang_lora_ids"))
     ids = torch.tensor([-1, 0, 1, 2], dtype=torch.int32)
     assert convert(ids, torch.tensor([4]), 3).tolist() == [0, 1, 2]

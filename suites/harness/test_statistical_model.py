@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from moe_lora_harness.backends.eager import BACKEND as EAGER
-from moe_lora_harness.harness import compare
-from moe_lora_harness.harness.builders import torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.expectation import allowances
-from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.harness.judge import compare
+from moe_lora_harness.harness.build.builders import torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.expectation import allowances
+from moe_lora_harness.harness.build.expert_runner import expert_expectations
 from moe_lora_harness.reference.accumulation import U32, dot_variance
 
 F64 = torch.float64
@@ -103,8 +103,8 @@ def test_verdicts_are_scale_invariant(dtype):
     """An op case's inputs and buffer times 2^4 (Case.magnitude; the op is linear): every rounding scales exactly,
     so the verdict's numbers are the same, for the correct op and for one off by 2^-6. (Not float16: values below
     its smallest normal round differently once scaled, gradual underflow, the model's stated exception.)"""
-    from moe_lora_harness.harness.execute import InProcess
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.runner import run_case
     from moe_lora_harness.suites.harness.judge_golden import _off_by_2_pow_6
     got = []
     for spec in (EAGER, _off_by_2_pow_6(EAGER)):
@@ -165,10 +165,10 @@ def test_sigmas_is_a_union_bound_at_one_in_a_billion():
 
 
 def test_the_power_table_on_a_small_layer():
-    """selftest --power's measurement (harness.power) on a small layer: the correct kernel passes both the judge and
+    """selftest --power's measurement (harness.selftest.power) on a small layer: the correct kernel passes both the judge and
     assert_close, no output the oracle fails passes the judge, and the scaling slip fails the judge below 3x the
     kernel's own error while assert_close needs far more."""
-    from moe_lora_harness.harness import power
+    from moe_lora_harness.harness.selftest import power
     case = Case.from_json('{"level":"expert","T":4,"H":128,"I":64,"E":4,"top_k":2,"max_rank":16,"dtype":"float16",'
                           '"seed":5}')
     slips = [s for s in power.SLIPS if s.name in ("scaling", "w2-expand-n-tail")]
@@ -185,7 +185,7 @@ def test_the_power_table_on_a_small_layer():
 def test_the_power_table_leaves_out_an_oracle_that_fails_the_correct_kernel():
     """On an FP8 row in bf16 assert_close(2e-2) fails the correct kernel (e4m3 steps exceed its tolerance), so it
     fails every slip too: its column says n/a and counts no output against the judge (it did: 'POWER FAILED')."""
-    from moe_lora_harness.harness import power
+    from moe_lora_harness.harness.selftest import power
     case = Case(level="expert", T=8, H=256, I=128, E=8, top_k=2, dtype="bfloat16", max_rank=16, quant="fp8_w8a8")
     rep = power.measure(EAGER, case, "cpu", slips=[s for s in power.SLIPS if s.name == "scaling"], steps=3)
     assert rep.kernel_ok and not rep.oracle_ok
@@ -199,8 +199,8 @@ def test_the_power_table_leaves_out_an_oracle_that_fails_the_correct_kernel():
 def test_selftest_power_takes_the_ranks_asked_for(monkeypatch, capsys):
     """`selftest --power --rank 16,32` measures each rank and `--quant` the weight scheme (issue 30 asks ranks 16-64
     and the FP8 rows); a rank that is not a positive integer, or a scheme that is not one, is a usage error."""
-    from moe_lora_harness.harness import power
-    from moe_lora_harness.harness.cli import main
+    from moe_lora_harness.harness.selftest import power
+    from moe_lora_harness.harness.front.cli import main
     seen = []
 
     def measured(spec, case, device, **kw):
@@ -343,7 +343,7 @@ def test_the_excess_rule_holds_per_routed_expert():
     kernel's own error over the whole tensor (one expert's LoRA or weights slightly off): with the routing among the
     row groups (expectation.row_groups) rule 4 fails it over that expert's rows; over every row alone, and over the
     slots alone, it passes. The correct output passes with every group."""
-    from moe_lora_harness.harness.expectation import row_groups
+    from moe_lora_harness.harness.judge.expectation import row_groups
     case = Case.from_json(ROWS).replace(E=8, T=600)      # 150 rows per expert: enough for rule 4 to speak
     inp, truth, emu = expert_expectations(case, "one_shot")
     call = inp.call("cpu")

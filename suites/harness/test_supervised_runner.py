@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.registry import harness_command, load_ref
-from moe_lora_harness.harness.runner import MalformedCase, run_case
-from moe_lora_harness.harness.worker import WORKER_NAME, Supervisor
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.registry import harness_command, load_ref
+from moe_lora_harness.harness.execution.runner import MalformedCase, run_case
+from moe_lora_harness.harness.execution.worker import WORKER_NAME, Supervisor
 
 REF = "moe_lora_harness.suites.harness.hostile_backends:HOSTILE"
 SPECS = {s.name: s for s in load_ref(REF)}
@@ -134,8 +134,8 @@ def _child_env() -> dict:
 def _pytest(*args):
     """pytest from the root directory, with our plugin (by entry point, or named when not installed)."""
     from importlib import metadata
-    registered = any(ep.value == "moe_lora_harness.harness.pytest_plugin" for ep in metadata.entry_points(group="pytest11"))
-    plugin = [] if registered else ["-p", "moe_lora_harness.harness.pytest_plugin"]
+    registered = any(ep.value == "moe_lora_harness.harness.front.pytest_plugin" for ep in metadata.entry_points(group="pytest11"))
+    plugin = [] if registered else ["-p", "moe_lora_harness.harness.front.pytest_plugin"]
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, *args],
                           capture_output=True, text=True, timeout=600, cwd="/", env=_child_env())
 
@@ -274,7 +274,7 @@ def test_pytest_lane_rejects_an_unknown_device():
 def test_a_declaration_that_raises_is_the_backends_failure():
     import dataclasses
 
-    from moe_lora_harness.harness.contract import Capabilities, Rule
+    from moe_lora_harness.harness.spec.contract import Capabilities, Rule
 
     def broken(case):
         raise ZeroDivisionError("rule bug")
@@ -289,7 +289,7 @@ def test_the_gate_tier_deselects_the_full_tier_and_says_so():
     item (ci/gpu.sh's CPU full tier runs `-m slow` with --moe-lora-tier full: a lane that ran none would fail)."""
     from types import SimpleNamespace
 
-    from moe_lora_harness.harness import pytest_plugin
+    from moe_lora_harness.harness.front import pytest_plugin
     gate = _pytest("--co", "-p", "no:xdist", "--pyargs", "moe_lora_harness.suites.layer.test_layer_scenarios",
                    "-k", "planted_layer_bug", "--moe-lora-device", "cpu")
     assert gate.returncode == 0, gate.stdout[-2000:]
@@ -304,7 +304,7 @@ def test_the_gate_tier_deselects_the_full_tier_and_says_so():
 def test_a_worker_profiles_its_requests_where_asked(tmp_path, monkeypatch):
     """MOE_LORA_HARNESS_WORKER_PROFILE=DIR (bench/profile_paths.py): the worker writes a cProfile of its requests
     into DIR, and the case's outcome is the same; unset, it writes none."""
-    from moe_lora_harness.harness.worker import PROFILE_VAR
+    from moe_lora_harness.harness.execution.worker import PROFILE_VAR
     control = SPECS["hostile-control"]
     for asked in (True, False):
         folder = tmp_path / str(asked)

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from moe_lora_harness import BackendSpec, Capabilities, Case
-from moe_lora_harness.harness import cli
-from moe_lora_harness.harness.builders import build_op_inputs
-from moe_lora_harness.harness.contract import support_for
-from moe_lora_harness.harness.device import interpreting
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.features import FEATURES
-from moe_lora_harness.harness.registry import load_ref
-from moe_lora_harness.harness.report import build_matrix, to_text
-from moe_lora_harness.harness.runner import expectations, run_case
+from moe_lora_harness.harness.front import cli
+from moe_lora_harness.harness.build.builders import build_op_inputs
+from moe_lora_harness.harness.spec.contract import support_for
+from moe_lora_harness.harness.execution.device import interpreting
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.check.features import FEATURES
+from moe_lora_harness.harness.spec.registry import load_ref
+from moe_lora_harness.harness.check.report import build_matrix, to_text
+from moe_lora_harness.harness.execution.runner import expectations, run_case
 
 SIG = ("output, qcurr_hidden_states, lora_a_stacked, lora_b_stacked, topk_weights, sorted_token_ids, expert_ids, "
        "num_tokens_post_padded, token_lora_mapping, max_lora_rank, top_k_num, lora_ids, num_active_loras, "
@@ -170,7 +170,7 @@ def test_the_fuzz_corpus_lives_in_the_cache_not_the_working_directory(tmp_path, 
     work.mkdir()
     monkeypatch.chdir(work)
     monkeypatch.setenv("MOE_LORA_HARNESS_CACHE", str(cache))
-    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.mutants:MUTANTS", "--only", "mutant-drops-slice",
+    rc = cli.main(["fuzz", "--backend", "moe_lora_harness.harness.selftest.mutants:MUTANTS", "--only", "mutant-drops-slice",
                    "--max-examples", "20", "--seed", "2", "--in-process", "--reruns", "0", "-q"])
     assert rc == 1
     assert list(work.iterdir()) == [], list(work.iterdir())
@@ -194,7 +194,7 @@ def test_subnormal_sums_row_catches_a_flush_to_zero_op_that_accumulates(device):
     assert case.add_inputs and case.magnitude < 2.0 ** -14
     inp = build_op_inputs(case)
     assert float(inp.output.abs().max()) < 2.0 ** -14            # the prior values are subnormal-scale too
-    mutants = {s.name: s for s in load_ref("moe_lora_harness.harness.reach_mutants:REACH_MUTANTS")}
+    mutants = {s.name: s for s in load_ref("moe_lora_harness.harness.selftest.reach_mutants:REACH_MUTANTS")}
     assert run_case(mutants["reach-subnormal-flush"], case, device, executor=InProcess(), reruns=0).kind == "element"
     assert run_case(mutants["reach-control"], case, device, executor=InProcess()).status == "pass"
 
@@ -209,7 +209,7 @@ def test_a_declared_layout_limit_says_why():
 def test_device_cpu_on_a_cuda_host_runs_triton_in_the_interpreter(monkeypatch):
     """Compiled Triton kernels cannot read CPU tensors: --device cpu on a GPU host interprets them (else every
     correct Triton backend would fail there); --device cuda leaves them compiled."""
-    from moe_lora_harness.harness import device as dev
+    from moe_lora_harness.harness.execution import device as dev
     monkeypatch.setattr(dev, "cuda_present", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")     # recorded, so the switch below is undone after the test
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -221,7 +221,7 @@ def test_device_cpu_on_a_cuda_host_runs_triton_in_the_interpreter(monkeypatch):
 def test_the_interpreter_switch_is_kept_across_a_block_that_turns_it_on(monkeypatch, before):
     """A GPU host (unset) keeps compiled kernels after an in-process --device cpu; a CPU host (set) keeps its
     interpreter after a block that clears it."""
-    from moe_lora_harness.harness import device as dev
+    from moe_lora_harness.harness.execution import device as dev
     monkeypatch.setattr(dev, "cuda_present", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -239,7 +239,7 @@ def test_a_watched_call_interprets_integers_as_compiled_kernels_do():
     if not INTERPRETED:
         pytest.skip("compiled kernels here: the interpreter's options are not used")
     from triton.runtime import interpreter
-    from moe_lora_harness.harness.interpreter import LaunchWatch
+    from moe_lora_harness.harness.execution.interpreter import LaunchWatch
     before = interpreter.interpreter_builder.options
     assert before.sanitize_overflow
     with LaunchWatch():
@@ -254,7 +254,7 @@ def test_a_watched_launch_patches_the_language_once_and_computes_the_same():
     if not INTERPRETED:
         pytest.skip("compiled kernels here: the interpreter does not patch the language")
     from triton.runtime import interpreter
-    from moe_lora_harness.harness.interpreter import LaunchWatch
+    from moe_lora_harness.harness.execution.interpreter import LaunchWatch
     original = interpreter._patch_lang
     calls = []
 
@@ -295,7 +295,7 @@ def test_a_scalar_of_the_interpreter_is_an_index_under_any_numpy():
 
     import numpy as np
 
-    from moe_lora_harness.harness.interpreter import _one_element_index
+    from moe_lora_harness.harness.execution.interpreter import _one_element_index
     assert _one_element_index(types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([43], np.int32)))) == 43
     assert _one_element_index(types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array(7)))) == 7
     with pytest.raises(ValueError):

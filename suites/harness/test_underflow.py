@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written, tiny
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.registry import available_backends
-from moe_lora_harness.harness.expectation import judging
-from moe_lora_harness.harness.runner import expectations, run_case
+from moe_lora_harness.harness.build.builders import torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written, tiny
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.spec.registry import available_backends
+from moe_lora_harness.harness.judge.expectation import judging
+from moe_lora_harness.harness.execution.runner import expectations, run_case
 
 EAGER = available_backends()["eager"]
 # float16 op cases whose deltas are subnormal: hidden states at 2^-20, or a delta written alone
@@ -65,7 +65,7 @@ def test_the_allowance_is_what_passes_them(case, device):
 
 @pytest.mark.parametrize("case", TINY_OP[:2], ids=lambda c: c.id)
 def test_flush_to_zero_still_fails(case, device):
-    from moe_lora_harness.harness.reach_mutants import REACH_MUTANTS
+    from moe_lora_harness.harness.selftest.reach_mutants import REACH_MUTANTS
     ftz = next(s for s in REACH_MUTANTS if s.name == "reach-subnormal-flush")
     out = run_case(ftz, case, device, reruns=0)
     assert out.status == "fail" and out.kind in ("element", "aggregate"), (out.status, out.reason)

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from moe_lora_harness.backends.experts import capabilities_of, precision_for, run_call
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.contract import BackendSpec, ExpertCall
-from moe_lora_harness.harness.models import case_fields, model_named
-from moe_lora_harness.harness.selftest import CORPORA
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.contract import BackendSpec, ExpertCall
+from moe_lora_harness.harness.served.models import case_fields, model_named
+from moe_lora_harness.harness.selftest.selftest import CORPORA
 from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
 from moe_lora_harness.kernels.triton import fused_moe_gemm as gemm
 from moe_lora_harness.kernels.triton.fused_moe_gemm import fused_moe_gemm
 from moe_lora_harness.suites.kernels.source_mutants import Edit, installed, mutated
 
-# why the corpus does not run on the CPU: selftest's production corpus says it (harness.selftest.CORPORA)
+# why the corpus does not run on the CPU: selftest's production corpus says it (harness.selftest.selftest.CORPORA)
 CPU_REASON = dict(next(c for c in CORPORA if c.name == "production").not_here)["cpu"]
 
 CHUNK_TOKENS = 4096     # the chunked mutant's tokens per chunk (vLLM's fused MoE chunks its batch too)
@@ -113,7 +113,7 @@ class _SplitKLostExperts(TritonExperts):
 
 
 def model_case(model: str, **fields) -> Case:
-    """A bf16 expert-level case of the catalogue model's layer (harness.models.case_fields) with `fields`."""
+    """A bf16 expert-level case of the catalogue model's layer (harness.served.models.case_fields) with `fields`."""
     return Case(**dict(dict(level="expert", dtype="bfloat16", seed=21), **case_fields(model_named(model)), **fields))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moe_lora_harness.backends.triton_op import dispatch_precision
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.kernels.triton.lora_op import select_path
 from moe_lora_harness.reference.precision import vllm_dispatch_path
 

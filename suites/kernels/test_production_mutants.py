@@ -18,12 +18,12 @@ import re
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.models import case_fields, model_named
-from moe_lora_harness.harness.registry import BUILTIN_REF, load_ref
-from moe_lora_harness.harness.runner import run_case
-from moe_lora_harness.harness.selftest import run_selftest
+from moe_lora_harness.harness.build.builders import build_expert_inputs
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.served.models import case_fields, model_named
+from moe_lora_harness.harness.spec.registry import BUILTIN_REF, load_ref
+from moe_lora_harness.harness.execution.runner import run_case
+from moe_lora_harness.harness.selftest.selftest import run_selftest
 from moe_lora_harness.kernels.triton import fused_moe_gemm as gemm
 from moe_lora_harness.suites.kernels.production_mutants import MUTANTS, PRODUCTION, check_cases
 from moe_lora_harness.suites.kernels.source_mutants import (

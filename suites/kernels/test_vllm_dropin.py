@@ -8,8 +8,8 @@ import inspect
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_op_inputs
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.build.builders import build_op_inputs
+from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.kernels import eager
 from moe_lora_harness.kernels.triton import lora_op
 from moe_lora_harness.op_contract.call import MoELoRAArgumentError

@@ -1,1 +1,1 @@
-"""Layer-level suites: stateful MoE+LoRA layers driven across calls (harness.layer_contract)."""
+"""Layer-level suites: stateful MoE+LoRA layers driven across calls (harness.spec.layer_contract)."""

@@ -4,7 +4,7 @@ metadata, a base path that changes with LoRA on, events reused across calls; w2 
 a slot's rank fixed at its first load, reloads after an unload, a dummy zero-token replay, padding that reaches
 real rows, factors cast to one dtype whatever the layer's). Each is a layer-level backend the harness must fail; CONTROL holds the same layers without a defect,
 which must pass. MECHANISMS says how each goes wrong and SCENARIOS holds the short scripted scenario
-(harness.layer_scenario's step format) that shows it.
+(harness.build.layer_scenario's step format) that shows it.
 
   moe-lora-harness check --backend moe_lora_harness.suites.layer.layer_mutants:MUTANTS ...
 """
@@ -344,7 +344,7 @@ SCENARIOS = {
     "layer-mutant-factors-in-half": [_load(0, 8, 1), _fwd([0, -1, 0, 0], 2)],     # in a float32 layer
 }
 
-# a named scenario (harness.layer_scenarios, check's layer rows) each planted bug fails, its family's: the suite
+# a named scenario (harness.layer.layer_scenarios, check's layer rows) each planted bug fails, its family's: the suite
 # runs that row alone (check runs them all, so failing it is failing check); selftest runs every row
 FAILS_NAMED = {
     "layer-mutant-stale-mapping": "layer: adapter, then base-model tokens (#42008)",

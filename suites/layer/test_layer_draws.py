@@ -8,10 +8,10 @@ import math
 
 import torch
 
-from moe_lora_harness.harness.builders import build_device
-from moe_lora_harness.harness.layer_scenario import LayerState, Scenario, adapter, base_weights, on_cpu
-from moe_lora_harness.harness.layer_scenarios import layer_config
-from moe_lora_harness.harness.profiles import SMALL_LAYER
+from moe_lora_harness.harness.build.builders import build_device
+from moe_lora_harness.harness.build.layer_scenario import LayerState, Scenario, adapter, base_weights, on_cpu
+from moe_lora_harness.harness.layer.layer_scenarios import layer_config
+from moe_lora_harness.harness.draw.profiles import SMALL_LAYER
 
 CONFIG = layer_config(SMALL_LAYER, "float32")
 LOAD = {"do": "load", "slot": 0, "rank": 4, "seed": 5}

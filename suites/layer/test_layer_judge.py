@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
-from moe_lora_harness.harness.layer_contract import LayerConfig
-from moe_lora_harness.harness.layer_runner import layer_support, run_scenario
-from moe_lora_harness.harness.layer_scenario import ROUTING_MARGIN, Scenario, with_margin
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.spec.layer_contract import LayerConfig
+from moe_lora_harness.harness.layer.layer_runner import layer_support, run_scenario
+from moe_lora_harness.harness.build.layer_scenario import ROUTING_MARGIN, Scenario, with_margin
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.adapters import pack_moe_lora
 from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
@@ -188,7 +188,7 @@ def test_declared_engine_limits_decline_what_it_cannot_express():
     assert layer_support(spec(maps_unloaded_slots=False), Scenario(config(), (*LOAD, FWD)), "cpu")[0]
     ok, why = layer_support(spec(layer_max_ranks=frozenset({1, 16, 32})), Scenario(config()), "cpu")
     assert not ok and "max_rank 8" in why
-    from moe_lora_harness.harness.layer_scenarios import claimed_scenario       # built at the next allowed rank
+    from moe_lora_harness.harness.layer.layer_scenarios import claimed_scenario       # built at the next allowed rank
     got = claimed_scenario(spec(layer_max_ranks=frozenset({1, 16, 32})), Scenario(config(), (*LOAD, FWD)), "cpu")
     assert got.config.max_rank == 16 and got.steps == (*LOAD, FWD)
     assert run_scenario(spec(layer_max_ranks=frozenset({1, 16, 32})), got, "cpu").status == "pass"
@@ -202,9 +202,9 @@ def test_declared_engine_limits_decline_what_it_cannot_express():
 def test_an_engine_that_maps_adapter_ids_runs_every_named_row_but_one():
     """Of the named rows only "unloaded slot still in the mapping" maps a token to an empty slot: an engine that cannot
     name one (maps_unloaded_slots=False, as vLLM's ids) keeps the graph and reload rows."""
-    from moe_lora_harness.harness.layer_runner import _maps_an_unloaded_slot
-    from moe_lora_harness.harness.layer_scenarios import SCENARIOS
-    from moe_lora_harness.harness.profiles import LARGE_LAYER, SMALL_LAYER
+    from moe_lora_harness.harness.layer.layer_runner import _maps_an_unloaded_slot
+    from moe_lora_harness.harness.layer.layer_scenarios import SCENARIOS
+    from moe_lora_harness.harness.draw.profiles import LARGE_LAYER, SMALL_LAYER
     for shapes in (SMALL_LAYER, LARGE_LAYER):
         mapping_empty = {s.name for s in SCENARIOS
                          if _maps_an_unloaded_slot(Scenario(config(), tuple(s.steps(shapes)))) is not None}

@@ -1,5 +1,5 @@
-"""Every selected layer backend through the named scenarios and the state machine (harness.layer_scenarios,
-harness.layer_machine), in the supervised worker; and the planted layer bugs killed by both detectors.
+"""Every selected layer backend through the named scenarios and the state machine (harness.layer.layer_scenarios,
+harness.layer.layer_machine), in the supervised worker; and the planted layer bugs killed by both detectors.
 
 Test ids are `backend/scenario`. A scenario a layer declines is skipped with its declared reason; a failing
 one fails with its scenario JSON and a REPRO that replays it alone. The random test fails if the layer claims
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from moe_lora_harness.harness.layer_machine import fuzz_config, search_layer
-from moe_lora_harness.harness.layer_runner import run_scenario
-from moe_lora_harness.harness.layer_scenarios import claimed_scenario, layer_scenarios
-from moe_lora_harness.harness.pytest_plugin import full_tier_marks, selected_backends, selected_device
-from moe_lora_harness.harness.strategies import profile
+from moe_lora_harness.harness.layer.layer_machine import fuzz_config, search_layer
+from moe_lora_harness.harness.layer.layer_runner import run_scenario
+from moe_lora_harness.harness.layer.layer_scenarios import claimed_scenario, layer_scenarios
+from moe_lora_harness.harness.front.pytest_plugin import full_tier_marks, selected_backends, selected_device
+from moe_lora_harness.harness.draw.strategies import profile
 from moe_lora_harness.suites.conformance.test_conformance import judge
 
 RANDOM_EXAMPLES = 4    # state-machine examples per layer in the suite (ci profile: 20 / 5; the fuzz CLI explores)
@@ -56,7 +56,7 @@ def test_layer_random(layer_name, backends, device, executor):
 
 
 def _layer_corpus():
-    from moe_lora_harness.harness.selftest import CORPORA
+    from moe_lora_harness.harness.selftest.selftest import CORPORA
     return next(c for c in CORPORA if c.name == "layer")
 
 
@@ -89,7 +89,7 @@ def test_planted_layer_bug_fails_its_check_row(mutant, device, executor):
 def test_planted_layer_bug_fails_under_fuzz(mutant, device, executor):
     """The state machine (fuzz, derandomized, within 30 examples: selftest's detector, bounded by examples rather
     than seconds so a slow machine agrees) finds each planted layer bug."""
-    from moe_lora_harness.harness.selftest import _fuzz_detector
+    from moe_lora_harness.harness.selftest.selftest import _fuzz_detector
     spec = _planted(mutant, device)
     fuzz = _fuzz_detector(spec, _layer_corpus(), device, executor, budget_s=600.0, max_examples=30)
     assert fuzz.caught, f"{mutant} survived 30 state-machine examples: {fuzz.error}"
@@ -98,7 +98,7 @@ def test_planted_layer_bug_fails_under_fuzz(mutant, device, executor):
 def test_a_layer_that_does_not_pad_the_mapping_passes_every_graph_row(device, executor):
     """vLLM's padding (layer_mutants.UNPADDED: a padded replay's padding rows keep the last batch's slots) is not a
     bug: the padded replay after a full batch, and every other graph row, pass."""
-    from moe_lora_harness.harness.layer_scenarios import SCENARIOS
+    from moe_lora_harness.harness.layer.layer_scenarios import SCENARIOS
     from moe_lora_harness.suites.layer.layer_mutants import UNPADDED
     graph_rows = {f"layer: {sc.name}" for sc in SCENARIOS if sc.graphs}
     for label, sc in layer_scenarios(device):
@@ -113,10 +113,10 @@ def test_a_layer_failure_replays_alone_from_its_repro(tmp_path, device):
     import os
     import subprocess
 
-    from moe_lora_harness.harness.layer_scenarios import SCENARIOS, layer_config
-    from moe_lora_harness.harness.layer_scenario import Scenario
-    from moe_lora_harness.harness.profiles import SMALL_LAYER
-    from moe_lora_harness.harness.execute import InProcess
+    from moe_lora_harness.harness.layer.layer_scenarios import SCENARIOS, layer_config
+    from moe_lora_harness.harness.build.layer_scenario import Scenario
+    from moe_lora_harness.harness.draw.profiles import SMALL_LAYER
+    from moe_lora_harness.harness.execution.execute import InProcess
     from moe_lora_harness.suites.layer.layer_mutants import BACKENDS
     spec = next(s for s in BACKENDS if s.name == "layer-mutant-stale-mapping")
     sc = Scenario(layer_config(SMALL_LAYER, "float32"), tuple(SCENARIOS[0].steps(SMALL_LAYER)))

@@ -1,6 +1,6 @@
-"""The layer search itself (harness.layer_machine): it reaches every dtype the layer claims, draws mappings a layer
+"""The layer search itself (harness.layer.layer_machine): it reaches every dtype the layer claims, draws mappings a layer
 can take, holds its budget through the shrink, reproduces under a seed, and shrinks to the steps a failure needs;
-and the load step's per-module ranks and scalings (harness.layer_scenario). At the CPU's layer shapes on the run's
+and the load step's per-module ranks and scalings (harness.build.layer_scenario). At the CPU's layer shapes on the run's
 device (in-process: a GPU run's Triton kernels cannot read CPU tensors)."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.layer_machine import fuzz_configs, minimize, search_layer, search_layers, unneeded
-from moe_lora_harness.harness.layer_runner import first_failure, layer_support
-from moe_lora_harness.harness.layer_scenario import RUNS, Scenario, adapter
-from moe_lora_harness.harness.layer_scenarios import layer_config
-from moe_lora_harness.harness.profiles import SMALL_LAYER
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.layer.layer_machine import fuzz_configs, minimize, search_layer, search_layers, unneeded
+from moe_lora_harness.harness.layer.layer_runner import first_failure, layer_support
+from moe_lora_harness.harness.build.layer_scenario import RUNS, Scenario, adapter
+from moe_lora_harness.harness.layer.layer_scenarios import layer_config
+from moe_lora_harness.harness.draw.profiles import SMALL_LAYER
 from moe_lora_harness.suites.layer.layer_mutants import CONTROL, MUTANTS
 
 MUTANT = {s.name: s for s in MUTANTS}
@@ -95,7 +95,7 @@ def test_the_search_holds_its_budget_through_the_shrink(device, monkeypatch):
     """A planted bug found at once, then shrunk (hypothesis's shrink and minimize) and searched on: no step starts
     that the dearest step so far says would end past the budget, so the search ends within 10 % of it (a clock that
     starts any step before the deadline took 26 s of this 20 s budget)."""
-    from moe_lora_harness.harness import layer_machine
+    from moe_lora_harness.harness.layer import layer_machine
     timeline = _Timeline([4.0, 1.0, 1.0, 1.0])
     monkeypatch.setattr(layer_machine, "time", timeline)
     budget, spec = 20.0, MUTANT["layer-mutant-split-k-with-lora"]
@@ -140,7 +140,8 @@ def test_a_shrunk_failure_keeps_only_the_steps_it_needs(steps, drop, device):
 
 
 def test_fuzz_passes_its_seed_and_every_claimed_dtype_to_the_search(monkeypatch, tmp_path, capsys):
-    from moe_lora_harness.harness import cli, layer_machine
+    from moe_lora_harness.harness.front import cli
+    from moe_lora_harness.harness.layer import layer_machine
     seen = {}
 
     def search(spec, configs, device, **kw):

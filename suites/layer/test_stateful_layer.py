@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from moe_lora_harness.backends.layer import LAYER_DUAL_STREAM, LAYER_MARLIN, LAYER_OAI, LAYER_TRITON
-from moe_lora_harness.harness.compare import same_bits
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.layer_contract import LayerBatch, LayerConfig, LayerWeights
-from moe_lora_harness.harness.layer_runner import run_scenario as run_layer_scenario
-from moe_lora_harness.harness.layer_scenario import Scenario, base_weights
-from moe_lora_harness.harness.layer_scenario import adapter as scenario_adapter, batch as scenario_batch
+from moe_lora_harness.harness.judge.compare import same_bits
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.spec.layer_contract import LayerBatch, LayerConfig, LayerWeights
+from moe_lora_harness.harness.layer.layer_runner import run_scenario as run_layer_scenario
+from moe_lora_harness.harness.build.layer_scenario import Scenario, base_weights
+from moe_lora_harness.harness.build.layer_scenario import adapter as scenario_adapter, batch as scenario_batch
 from moe_lora_harness.reference.adapters import ExpertAdapter
 from moe_lora_harness.suites.layer.layer_mutants import (
     CONTROL, CONTROL_FOR, MECHANISMS, MUTANTS, SCENARIOS, SHOWS, UNPADDED)
@@ -34,7 +34,7 @@ def config(dtype="float32", device="cpu", **kw) -> LayerConfig:
 
 
 def weights(c: LayerConfig) -> LayerWeights:
-    """The base weights a scenario of `c` builds (harness.layer_scenario.base_weights), on c's device."""
+    """The base weights a scenario of `c` builds (harness.build.layer_scenario.base_weights), on c's device."""
     return base_weights(Scenario(dataclasses.replace(c, device="cpu")), c.device)
 
 
@@ -47,7 +47,7 @@ def batch(c: LayerConfig, size: int, seed: int) -> LayerBatch:
 
 
 def run_steps(spec, steps, c: LayerConfig | None = None) -> list:
-    """The harness's verdict (harness.layer_runner) on `steps` at config `c`: [] when every forward passes, else
+    """The harness's verdict (harness.layer.layer_runner) on `steps` at config `c`: [] when every forward passes, else
     the failure's kind and message."""
     sc = Scenario(dataclasses.replace(c or config(), device="cpu"), tuple(steps))
     o = run_layer_scenario(spec, sc, (c or config()).device, executor=InProcess())

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe_lora_harness.harness.strategies import suite_settings
+from moe_lora_harness.harness.draw.strategies import suite_settings
 from moe_lora_harness.reference.align import (
     DEFAULT_FILL,
     active_lora_ids,

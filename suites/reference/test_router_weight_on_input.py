@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.execute import InProcess
-from moe_lora_harness.harness.registry import load_ref
-from moe_lora_harness.harness.runner import run_case
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.spec.registry import load_ref
+from moe_lora_harness.harness.execution.runner import run_case
 from moe_lora_harness.kernels import eager_experts
 from moe_lora_harness.kernels.experts.config import MoEConfig
 from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize

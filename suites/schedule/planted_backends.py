@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from moe_lora_harness.backends.dual_stream import dual_stream_precision
 from moe_lora_harness.backends.experts import config_from_call, context_from_call
-from moe_lora_harness.harness.contract import BackendSpec, Capabilities
+from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.kernels.experts.dual_stream import dual_stream_program
 from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
 from moe_lora_harness.kernels.experts.modular import FusedMoEKernel

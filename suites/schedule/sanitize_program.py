@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     marker, = args
 
     from moe_lora_harness.backends.experts import config_from_call, context_from_call
-    from moe_lora_harness.harness.builders import build_expert_inputs
-    from moe_lora_harness.harness.case import Case
+    from moe_lora_harness.harness.build.builders import build_expert_inputs
+    from moe_lora_harness.harness.spec.case import Case
     from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
     from moe_lora_harness.kernels.experts.modular import FusedMoEKernel
     from moe_lora_harness.kernels.experts.prepare_finalize import NoEPPrepareAndFinalize

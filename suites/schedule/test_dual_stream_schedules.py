@@ -8,10 +8,10 @@ import itertools
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.harness.build.builders import build_expert_inputs, torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.build.expert_runner import expert_expectations
 from moe_lora_harness.kernels.experts.dual_stream import AUX, EVENTS, PLANS, dual_stream_program
 from moe_lora_harness.kernels.schedule import MAIN, Recorder
 
@@ -227,6 +227,6 @@ def test_backend_precision_follows_the_lora_path():
     Case(**{**CASE.__dict__, "activation": "relu2_no_mul", "bias": True, "ep_size": 2, "ep_rank": 1, "E": 8}),
 ], ids=["silu-mixed", "small-batch", "relu2-bias-ep"])
 def test_backend_passes_the_error_model(case):
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.execution.runner import run_case
     outcome = run_case(BACKEND, case, "cpu")
     assert outcome.status == "pass", outcome.detail or outcome.reason

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs
-from moe_lora_harness.harness.case import Case
+from moe_lora_harness.harness.build.builders import build_expert_inputs
+from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.kernels.experts.dual_stream import AUX, EVENTS, dual_stream_program, run_program
 
 from .planted_schedules import PLANTED, RACY

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.harness.builders import build_expert_inputs, torch_dtype
-from moe_lora_harness.harness.case import Case
-from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness.expert_runner import expert_expectations
+from moe_lora_harness.harness.build.builders import build_expert_inputs, torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.build.expert_runner import expert_expectations
 from moe_lora_harness.kernels.experts.dual_stream import dual_stream_program, run_program
 from moe_lora_harness.kernels.schedule import Recorder, ScheduleError
 
@@ -83,8 +83,8 @@ def test_not_zeroed_is_race_free_but_the_comparison_catches_it():
 try:
     from moe_lora_harness.backends.dual_stream import dual_stream_precision
     from moe_lora_harness.backends.experts import config_from_call, context_from_call
-    from moe_lora_harness.harness.contract import BackendSpec, Capabilities
-    from moe_lora_harness.harness.runner import run_case
+    from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
+    from moe_lora_harness.harness.execution.runner import run_case
     from moe_lora_harness.suites.schedule.planted_backends import planted_backend
     from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
     from moe_lora_harness.kernels.experts.modular import FusedMoEKernel

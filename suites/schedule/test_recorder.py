@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe_lora_harness.harness.strategies import suite_settings
+from moe_lora_harness.harness.draw.strategies import suite_settings
 from moe_lora_harness.kernels.schedule import MAIN, Recorder, ScheduleError, named
 from moe_lora_harness.kernels.schedule.interface import buffer_ref, tensor_span
 

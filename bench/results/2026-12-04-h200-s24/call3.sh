@@ -12,7 +12,7 @@ SERVED_MODELS="deepseek-v3 mixtral-8x22b gpt-oss-120b" SERVED_BUDGET=15s OUT=$L 
 grep -h "\[fuzz\]" $L/served_*.txt | head -5
 echo "served: $(( $(date +%s) - t0 )) s"
 t1=$(date +%s)
-for m in $(python3 -c "from moe_lora_harness.harness.models import MODELS; print(' '.join(m.name for m in MODELS))"); do
+for m in $(python3 -c "from moe_lora_harness.harness.served.models import MODELS; print(' '.join(m.name for m in MODELS))"); do
   s0=$(date +%s)
   timeout 75 python3 -m moe_lora_harness check --device cuda --model "$m" --only triton_experts --tokens 1,4096+17 \
     --feature "experts: tokens without adapter" --json "$L/check_model_$m.json" > "$L/check_model_$m.txt" 2>&1

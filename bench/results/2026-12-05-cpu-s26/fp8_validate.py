@@ -2,11 +2,11 @@
 arithmetic): failures must be 0."""
 import dataclasses, sys, time
 import torch
-from moe_lora_harness.harness.strategies import fp8_cases, examples
-from moe_lora_harness.harness.expert_runner import expert_expectations
-from moe_lora_harness.harness.expectation import allowances, judging, row_groups
-from moe_lora_harness.harness.compare import compare_written
-from moe_lora_harness.harness.builders import torch_dtype
+from moe_lora_harness.harness.draw.strategies import fp8_cases, examples
+from moe_lora_harness.harness.build.expert_runner import expert_expectations
+from moe_lora_harness.harness.judge.expectation import allowances, judging, row_groups
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.build.builders import torch_dtype
 from moe_lora_harness.backends.eager import run_experts, BACKEND
 from moe_lora_harness.kernels import eager_fp8
 from moe_lora_harness.suites.experts.test_fp8 import _quantize_by_reciprocals

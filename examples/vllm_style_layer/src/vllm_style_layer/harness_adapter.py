@@ -1,6 +1,6 @@
 """The wrapper that makes the stranger's layer (layer.py) a layer-level moe-lora-harness backend.
 
-The harness drives a layer through four methods (harness/layer_contract.py); each is one call into the
+The harness drives a layer through four methods (harness/spec/layer_contract.py); each is one call into the
 engine-facing API the layer already has, exactly as vLLM's LoRA manager and model runner make them:
 
     load_adapter(slot, adapter)  -> cast to the layer dtype, fold each module's scaling into its B, set_lora

@@ -1,0 +1,117 @@
+"""What one case needs in memory, and what this machine has free: model mode refuses a case that cannot fit.
+
+An estimate, not a measurement (docs/models.md): the inputs in the case's dtype, held three times (the judge's
+copy, the backend's, and the worker's bit-for-bit snapshot of the backend's), plus the float64 reference's
+working set (one expert's weights in float64 at a time and their absolute values for the error magnitudes, the
+LoRA factors in float64, and about fifteen float64 arrays per (token, expert) pair at each of the widths N1, I and
+H, for a GPU's token chunk at a time; twelve per output column at the op level).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.build.expert_runner import token_chunk
+from moe_lora_harness.harness.draw.profiles import on_gpu
+from moe_lora_harness.reference.activations import is_gated
+from moe_lora_harness.reference.align import align_sizes
+
+INPUT_COPIES = 3         # the judge's, the backend's, the worker's snapshot (harness.execution.execute.InputWatch)
+# float64 arrays per pair and output column alive at the reference's peak (the truth's value, magnitudes and
+# underflow exposure with their temporaries, the emulation's value); measured with suites/harness/test_models.py
+OP_PAIR_ARRAYS = 12
+# 13 are alive at the peak in a fresh process (10 before the statistical model's acc_var and round_var, issue 30);
+# the peak RSS of the same case moves with what the process ran before (0.92-1.02 of the 13-array figure: a CI
+# run's test process measured 840 MB against its 827 MB), so two arrays more: the estimate is a bound, not a mean
+EXPERT_PAIR_ARRAYS = 15
+# what the judge allocates whatever the case's size (the reference's chunked weight gathers, its temporaries):
+# 60-120 MiB measured at small cases
+FIXED = 256 * 2**20
+_ITEM = {"float16": 2, "bfloat16": 2, "float32": 4}
+_F64 = 8
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a case needs: its inputs once (in its dtype) and the float64 reference's working set (beyond FIXED)."""
+
+    inputs: int
+    reference: int
+
+    @property
+    def total(self) -> int:
+        return INPUT_COPIES * self.inputs + self.reference + FIXED
+
+    def describe(self) -> str:
+        return (f"needs {gib(self.total)} ({INPUT_COPIES} x {gib(self.inputs)} of inputs in the case's dtype + "
+                f"{gib(self.reference + FIXED)} for the float64 reference)")
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
+    """The estimate for an op- or expert-level case run on `device` (harness.build.builders allocates these tensors)."""
+    item = _ITEM[case.dtype]
+    T, H, I, k, L, R = case.T, case.H, case.I, case.top_k, case.max_loras, case.max_rank
+    P = T * k
+    if case.level == "op":
+        E = case.local_experts
+        S = case.num_slices
+        lora = S * L * E * R * (case.K + case.N)
+        rows = P if case.mul_routed_weight else T
+        elems = rows * case.K + P * case.width + lora
+        ref = _F64 * (lora + OP_PAIR_ARRAYS * P * case.width + rows * case.K)
+        index = 16 * P + 4 * (case.E + T + 2 * L + 2)             # routing, mapping, expert_map, slot ids
+        if case.layout == "sorted":                               # the align's int32 buffers (L, M) and (L, MB)
+            M, MB = align_sizes(P, case.block_size_m, case.E)
+            index += 4 * L * (M + MB + 1)
+        return MemoryNeed(item * elems + index, ref)
+    gated = is_gated(case.activation)
+    E = case.E if case.dispatched else case.local_experts
+    N1 = 2 * I if gated else I
+    weights = E * (N1 * H + H * I)
+    lora = ((2 if gated else 1) + 1) * L * E * R * (H + I) if case.lora else 0
+    bias = E * (N1 + H) if case.bias else 0
+    elems = 2 * T * H + weights + lora + bias          # hidden states and the output, weights, adapters, biases
+    quant = weights if case.quant != "none" else 0      # int8 codes beside the dequantized weights
+    # the reference holds one expert's weights in float64 at a time (value and magnitude), and on a GPU computes
+    # the pairs of `token_chunk` tokens at a time (harness.build.expert_runner); the (T, H) results are whole
+    one_expert = N1 * H + H * I
+    chunk_pairs = min(T, token_chunk(case)) * k if on_gpu(device) and not case.dispatched else P
+    ref = _F64 * (2 * one_expert + lora + bias + EXPERT_PAIR_ARRAYS * chunk_pairs * (N1 + I + H) + 3 * T * H)
+    return MemoryNeed(item * elems + quant + 16 * P, ref)
+
+
+def reference_work(case: Case) -> int:
+    """The float64 reference's multiply-adds for a case (the routed pairs' GEMMs and LoRA products, or the op's
+    shrink and expand): what the judge computes, to tell a case a CPU judges quickly."""
+    P, R = case.T * case.top_k, case.max_rank
+    if case.level == "op":
+        return P * case.num_slices * R * (case.K + case.N)
+    N1 = 2 * case.I if is_gated(case.activation) else case.I
+    lora = 2 * R * (N1 + case.H + 2 * case.I) if case.lora else 0
+    return P * (N1 * case.H + case.H * case.I + lora)
+
+
+def _host_free() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def free_bytes(device: str) -> tuple[int, str]:
+    """(bytes free, what they are) where the case would live: host RAM on the CPU, GPU memory on CUDA."""
+    if str(device).startswith("cuda"):
+        import torch
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"free GPU memory on {device}"
+    return _host_free(), "available host RAM"

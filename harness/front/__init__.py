@@ -1,0 +1,1 @@
+"""What a user runs: the `moe-lora-harness` CLI (and its adapter command group) and the pytest plugin."""

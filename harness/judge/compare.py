@@ -1,0 +1,382 @@
+"""The comparison: a kernel's output against the float64 truth, bounded by the rounding-aware emulation.
+
+Error model (docs/error-model.md): over the elements the contract writes,
+  1. nothing non-finite where the truth is finite (NaN/Inf never pass);
+  2. per element  |out - truth| <= the smaller of the worst case
+     ULPS * eps_dt * scale + sqrt(K+R) * eps_fp32 * scale + tiny_dt * underflow + flip, where `scale` is the
+     element's forward-error magnitude (|prev| + |w| |B| |A| |x| ...) in float64, `underflow` its exposure to
+     gradual underflow (each rounding below dt's smallest normal may add half dt's smallest subnormal `tiny_dt`,
+     times what later steps multiply it by: twice that is allowed) and `flip` (FP8 activations only) the absolute
+     allowance for e4m3 roundings a correct kernel may take the other way, all at once; and the statistical bound
+     centred on the emulation |emu - truth| + eps_dt max(|out|, |emu|) + sigmas(N) sqrt(eps_dt^2 round_var +
+     acc_var) + tiny_dt * underflow (every intermediate rounding taken the other way, independently, and the fp32
+     accumulation; sigmas(N) makes a false verdict on N elements less likely than FALSE_VERDICT);
+  3. in aggregate ||out - truth|| <= RATIO * max(||emulation - truth||, floor), over the whole tensor and over
+     each token row (dim 0) alone (`row_ratios`), each against its own floor:
+     floor = 0.5 eps_dt ||truth|| + accumulation + 0.5 tiny_dt ||underflow|| + max(one_flip) + ||slack_flip||.
+     accumulation = ACC_SIGMAS sqrt(sum acc_var): the statistical model of fp32 accumulation (the reference's
+     variance bound, reference.accumulation: it grows like the values, sqrt(K), where the worst case grows like K);
+     without `acc_var` (FP8 activations on a GPU: the e4m3 MMA accumulates in a 13-bit window, biased) the worst-case
+     sqrt(K+R) eps_fp32 ||scale||. `one_flip` (FP8 only) a row's output change from its costliest single flip (the
+     emulation's own flips stand for a correct kernel's, except where it has next to none: a small case),
+     `slack_flip` (FP8) a row's from the GEMM1 flips only a kernel's fp32 scale arithmetic takes.
+  4. the excess over the emulation, across token rows (`excess`, where the statistical model applies): each row's
+     D = ||out - truth||^2 - ||emulation - truth||^2 - allowed, allowed = sum of eps_dt^2/12 (round_var + emu^2)
+     + ACC_SHARE acc_var (one more rounding of every value the emulation rounds, the output included, and the
+     fp32 accumulation's expected square); a correct kernel's D has mean <= 0, a slip's is its squared size; the
+     rows' self-normalised sum sum D / sqrt(sum D^2) must stay below EXCESS_SIGMAS (it cannot exceed sqrt(rows):
+     silent below EXCESS_MIN_ROWS = 83 rows; a decode batch pools the rows of many calls, Case.call_tokens).
+Elements the contract does not write are compared bit for bit with what the buffer held.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lora_harness.harness.build.properties import plain_rows   # a view's rows in the plain run's order
+from moe_lora_harness.reference.precision import tiny   # the unit of rule 4's underflow exposure
+
+ULPS = 4.0     # per element, in units of eps_dt at the element's forward-error scale
+RATIO = 3.0    # aggregate: at most this many times farther from the truth than the emulation
+# the accumulation term of the floor, in standard deviations of the reference's variance bound (acc_var): the bound
+# takes each fp32 rounding error's variance as u^2 where round-to-nearest's is at most u^2/3, so RATIO x ACC_SIGMAS
+# is 6.2 standard deviations of a correct kernel's accumulation error even when all of it lies in one direction
+# (a Gaussian tail of 6.1 sigma: 1e-9); docs/error-model.md, "The statistical model"
+ACC_SIGMAS = 1.2
+# rule 4 compares mean squares, so it allows the accumulation's expected square, not its bound: for products in an
+# order independent of their values E sum_v S_v^2 is at most 0.625 of dot_variance's n (y^2 + sum p^2) (a drift of
+# n = 2 terms; 0.52 from n = 3, a third for large n) and round-to-nearest errs uniformly within half a spacing (a third
+# of u^2 S^2, as ACC_SIGMAS takes it): at most 0.21 of acc_var. Sequential fp32 loops measured 0.003-0.095
+# (suites/harness/test_statistical_model.py); docs/error-model.md, "The accumulation's share in rule 4"
+ACC_SHARE = 0.25
+FALSE_VERDICT = 1e-9    # the per-case chance of a false per-element verdict the statistical bound allows
+# rule 4: a self-normalised sum of independent rows exceeds z with probability below exp(-z^2/2) when the rows' excesses
+# are symmetric (Efron 1969), and in general below that at z sqrt(2) once their squares estimate their variances
+# (Bercu and Touati 2008): 6.44 sqrt(2) for FALSE_VERDICT. docs/error-model.md, "The excess over the emulation"
+def excess_sigmas(tests: int = 1) -> float:
+    """Rule 4's threshold when it is tried on `tests` sets of rows (a union bound: each at FALSE_VERDICT / tests)."""
+    return math.sqrt(2.0 * 2.0 * math.log(max(int(tests), 1) / FALSE_VERDICT))
+
+
+EXCESS_SIGMAS = excess_sigmas(1)
+# rule 4's statistic is at most sqrt(rows): below this many rows it cannot fail (a decode call's rows; Case.call_tokens
+# pools calls until it can)
+EXCESS_MIN_ROWS = math.ceil(EXCESS_SIGMAS ** 2)
+
+
+def sigmas(n: int) -> float:
+    """Standard deviations beyond which any of `n` sub-Gaussian errors lies with probability below FALSE_VERDICT
+    (a union bound over the elements of Hoeffding's tail 2 exp(-l^2 / 2))."""
+    return math.sqrt(2.0 * math.log(2.0 * max(int(n), 1) / FALSE_VERDICT))
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@dataclass
+class Verdict:
+    """Result of one comparison; `ok` is the verdict, the rest is diagnostics."""
+
+    ok: bool
+    kind: str = "pass"              # pass | nonfinite | untouched | element | aggregate | shape
+    message: str = ""
+    ratio: float = 0.0              # aggregate ratio (kernel error / allowed base)
+    max_ulps: float = 0.0           # worst per-element error in units of the per-element bound
+    worst: list = field(default_factory=list)   # [(index tuple, out, truth, emulation, bound)]
+    excess: float = 0.0             # rule 4's self-normalised excess over the emulation, in EXCESS_SIGMAS
+
+    def summary(self) -> str:
+        return (f"{self.kind}: ratio={self.ratio:.3g} (<= {RATIO}), worst element at {self.max_ulps:.3g}x its bound, "
+                f"excess {self.excess:.3g} (<= 1)")
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _fmt_worst(idx_tensor, out, truth, emu, bound, names, limit=6):
+    rows = []
+    for i in range(min(limit, idx_tensor.shape[0])):
+        idx = tuple(int(v) for v in idx_tensor[i])
+        rows.append((idx, float(out[idx]), float(truth[idx]), float(emu[idx]), float(bound[idx])))
+    return rows
+
+
+def element_bound(scale: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int, underflow: torch.Tensor | None = None,
+                  work_dtype: torch.dtype | None = None, flip: torch.Tensor | None = None) -> torch.Tensor:
+    """Each element's allowed |out - truth| (rule 2 of the error model), never 0 (the smallest float64)."""
+    bound = ULPS * _eps(dtype) * scale + math.sqrt(max(k_plus_r, 1)) * EPS32 * scale
+    if underflow is not None:
+        bound = bound + tiny(work_dtype or dtype) * underflow
+    if flip is not None:
+        bound = bound + flip
+    return torch.where(bound > 0, bound, torch.full_like(bound, torch.finfo(torch.float64).tiny))
+
+
+def statistical_bound(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, acc_var: torch.Tensor,
+                      round_var: torch.Tensor, *, dtype: torch.dtype, n: int, underflow: torch.Tensor | None = None,
+                      work_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each element's allowed |out - truth| under the statistical model, centred on the emulation (rule 2's second
+    form): the emulation's own error, one rounding of the output the other way, and sigmas(n) standard deviations of
+    the intermediate roundings (each may go the other way: a step of at most eps_dt of its value, independent signs)
+    and the fp32 accumulation. docs/error-model.md, "The statistical model"."""
+    eps_dt = _eps(dtype)
+    sd = (eps_dt * eps_dt * round_var.clamp_min(0) + acc_var.clamp_min(0)).sqrt()
+    bound = ((emulation - truth).abs() + eps_dt * torch.maximum(out64.abs(), emulation.abs()) + sigmas(n) * sd)
+    if underflow is not None:
+        bound = bound + tiny(work_dtype or dtype) * underflow
+    return bound
+
+
+def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
+                    written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
+                    before: torch.Tensor | None = None, names=("t", "j", "col"),
+                    underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
+                    flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None,
+                    slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
+                    round_var: torch.Tensor | None = None, row_groups=None,
+                    model_points_only: bool = False) -> Verdict:
+    """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
+
+    `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
+    (when `before` is given). `underflow` (the reference's exposure, None: no allowance) is in half
+    subnormal spacings of `work_dtype`, the dtype the kernel rounds to (default `dtype`, the bound's).
+    `flip` (T, H), `one_flip` and `slack_flip` (T,) (the reference's ExpertExpected fields, absolute; None: none)
+    widen the per-element bound and the aggregate floor. `acc_var` (the truth's, None: the worst-case accumulation
+    term) gives the floor's statistical accumulation term; with `round_var` too, the per-element bound is the smaller
+    of the worst case and the statistical one. Rule 3 holds for each row (dim 0) too (`row_ratios`). `row_groups`
+    (labellings of the rows, name -> labels: each token's LoRA slot, its routed experts; a bare tensor: the slots)
+    makes rule 4 hold for each label's rows too. `model_points_only` (the backend declares that it rounds where its
+    model rounds and nowhere else): rule 4 allows the accumulation alone, not one more rounding of every value.
+    Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
+    """
+    if tuple(out.shape) != tuple(truth.shape):
+        return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
+    dev = truth.device
+    o = out.detach().to(dev)
+    written = written.to(dev).bool()
+    emulation, scale = emulation.to(dev), scale.to(dev)
+    underflow = underflow.to(dev) if underflow is not None else None
+    flip = flip.to(dev) if flip is not None else None
+    acc_var = acc_var.to(dev) if acc_var is not None else None
+    round_var = round_var.to(dev) if round_var is not None else None
+    if before is not None:
+        b = before.detach().to(dev)
+        if o.dtype != b.dtype:
+            return Verdict(False, "shape", f"output dtype {o.dtype} != the buffer's original dtype {b.dtype}")
+        same = same_bits(o, b)
+        bad = (~written) & (~same)
+        if bad.any():
+            idx = bad.nonzero()[:6]
+            ex = ", ".join(f"{tuple(int(v) for v in i)}: {float(o[tuple(i)]):.6g} (was {float(b[tuple(i)]):.6g})"
+                           for i in idx)
+            return Verdict(False, "untouched",
+                           f"{int(bad.sum())} element(s) the contract never writes were changed; "
+                           f"first at ({', '.join(names)}): {ex}")
+    o64 = o.to(torch.float64)
+    if written.sum() == 0:
+        return Verdict(True, "pass", "no element is written by the contract; untouched elements verified bit-exact")
+    ow, tw, ew, sw = o64[written], truth[written], emulation[written], scale[written]
+    nonfinite = ~torch.isfinite(ow) & torch.isfinite(tw)
+    if nonfinite.any():
+        idx = (written & ~torch.isfinite(o64)).nonzero()[:6]
+        ex = ", ".join(f"{tuple(int(v) for v in i)}={float(o64[tuple(i)])}" for i in idx)
+        return Verdict(False, "nonfinite",
+                       f"{int(nonfinite.sum())} written element(s) are NaN/Inf (unwritten or overflow); first at "
+                       f"({', '.join(names)}): {ex}")
+    eps_dt = _eps(dtype)
+    acc = math.sqrt(max(k_plus_r, 1)) * EPS32
+    bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype, flip=flip)
+    if acc_var is not None and round_var is not None:
+        stat = statistical_bound(o64, truth, emulation, acc_var, round_var, dtype=dtype, n=int(written.sum()),
+                                 underflow=underflow, work_dtype=work_dtype)
+        bound = torch.minimum(bound, stat)
+    under_w = None
+    if underflow is not None:
+        t_dt = tiny(work_dtype or dtype)
+        under_w = underflow[written]
+    err = (o64 - truth).abs()
+    rel = torch.where(written, err / bound, torch.zeros_like(err))
+    max_ulps = float(rel.max())
+    kern = float(torch.linalg.vector_norm(ow - tw))
+    emu = float(torch.linalg.vector_norm(ew - tw))
+    floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + (
+        ACC_SIGMAS * math.sqrt(float(acc_var[written].clamp_min(0).sum())) if acc_var is not None
+        else acc * float(torch.linalg.vector_norm(sw)))
+    if under_w is not None:
+        floor += 0.5 * t_dt * float(torch.linalg.vector_norm(under_w))
+    if one_flip is not None and one_flip.numel():
+        floor += float(one_flip.max())
+    if slack_flip is not None:
+        floor += float(torch.linalg.vector_norm(slack_flip.to(torch.float64)))
+    base = max(emu, floor)
+    ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
+    row, row_ratio = None, 0.0
+    if truth.dim() > 1 and truth.shape[0] > 1:
+        rows = row_ratios(o64, truth, emulation, scale, written, one_flip.to(dev) if one_flip is not None else None,
+                          dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype,
+                          slack_flip=slack_flip.to(dev) if slack_flip is not None else None, acc_var=acc_var)
+        row = int(rows.argmax())
+        row_ratio = float(rows[row])
+    order = torch.topk(rel.flatten(), min(6, rel.numel())).indices   # the worst six, largest first
+    idx = _unravel(order, rel.shape)
+    worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
+    agg = max(ratio, row_ratio)      # the aggregate statistic: the whole tensor's, or its worst row's
+    exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
+                 work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only) \
+        if acc_var is not None and round_var is not None else None
+    x = 0.0 if exc is None else exc[0]
+    if max_ulps > 1.0:
+        return Verdict(False, "element", f"{int((rel > 1).sum())} element(s) exceed the per-element bound "
+                       f"(worst {max_ulps:.3g}x); aggregate ratio {agg:.3g}", agg, max_ulps, worst, x)
+    if ratio > RATIO:
+        return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
+                       f"{emu:.3g} (floor {floor:.3g}); bound {RATIO}", agg, max_ulps, worst, x)
+    if row_ratio > RATIO:
+        return Verdict(False, "aggregate", f"row {names[0]}={row}'s aggregate error is {row_ratio:.3g}x the larger "
+                       f"of its emulation's and its floor (rule 3 per token row); bound {RATIO}; "
+                       f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst, x)
+    if x > 1.0:
+        _, rows_over, n_rows, extra, where = exc
+        allowance = ("its fp32 accumulation (the backend declares it rounds only where its model rounds)"
+                     if model_points_only else "one more rounding of every value it rounds")
+        return Verdict(False, "aggregate", f"the output is farther from the truth than the emulation plus {allowance}, "
+                       f"consistently across rows (rule 4): over {where}, "
+                       f"{rows_over} of {n_rows} rows exceed it, by {extra:.3g} of the allowance in all; "
+                       f"self-normalised excess {x:.3g}x its bound; aggregate ratio {agg:.3g}", agg, max_ulps, worst, x)
+    return Verdict(True, "pass", "", agg, max_ulps, worst, x)
+
+
+def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
+           acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
+           underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
+           row_groups=None, model_points_only: bool = False):
+    """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
+    the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
+    The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
+    its allowance; > 1 fails. A 1-D output has none. `model_points_only`: the allowance is the accumulation's alone
+    (a kernel that rounds exactly where its model does flips roundings, a mean-zero change: docs/error-model.md)."""
+    if truth.dim() < 2:
+        return 0.0, 0, 1, 0.0, "no rows"
+    dims = tuple(range(1, truth.dim()))
+    w = written.to(torch.float64)
+    eps_dt = _eps(dtype)
+    allowed = ACC_SHARE * acc_var.clamp_min(0)
+    if not model_points_only:
+        allowed = allowed + eps_dt * eps_dt / 12.0 * (round_var.clamp_min(0) + emulation * emulation)
+    if underflow is not None:
+        allowed = allowed + (tiny(work_dtype or dtype) * underflow) ** 2
+    d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
+    a = (allowed * w).sum(dim=dims)
+    live = w.sum(dim=dims) > 0
+    names, member = _row_sets(row_groups, live)      # member: (rows, sets) bool, "every row" first
+    sizes = member.sum(dim=0).tolist()
+    # a set of n rows cannot fail (the statistic is at most sqrt(n)): dropped before the union bound counts it (the
+    # sets follow the routing and the mapping, never the output judged)
+    z = excess_sigmas(len(sizes))
+    keep = [0] + [i for i in range(1, len(sizes)) if math.sqrt(sizes[i]) > z]
+    z = excess_sigmas(len(keep))
+    m = member[:, keep].to(torch.float64)
+    dm = d[:, None] * m
+    total, spread = dm.sum(dim=0), torch.linalg.vector_norm(dm, dim=0)
+    over, allow = ((dm > 0).to(torch.float64)).sum(dim=0), (a[:, None] * m).sum(dim=0)
+    found = []
+    for t, sp, o, al, i in zip(*(x.tolist() for x in (total, spread, over, allow)), keep):
+        stat = t / (z * sp) if t > 0 and sp > 0 else 0.0
+        found.append((stat, int(o), int(sizes[i]), t / max(al, 1e-300), names[i]))
+    return max(found, key=lambda f: f[0])     # the first (every row) among equals
+
+
+def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, torch.Tensor]:
+    """Rule 4's row sets: (names, (rows, sets) membership), every live row first, then for each labelling (name ->
+    labels, (rows,) or (rows, m): a row is in the set of each of its labels) the live rows of each label that are
+    neither one row nor all of them. A bare tensor is the tokens' LoRA slots."""
+    names, cols = ["every row"], [live[:, None]]
+    if isinstance(row_groups, torch.Tensor):
+        row_groups = {"LoRA slot": row_groups}
+    n_live = int(live.sum())
+    for name, labels in (row_groups or {}).items():
+        if n_live < 3 or labels is None or labels.shape[0] != live.numel():
+            continue
+        g = labels.to(live.device)
+        g = g[:, None] if g.dim() == 1 else g.reshape(g.shape[0], -1)
+        values = torch.unique(g[live])
+        m = (g[:, :, None] == values[None, None, :]).any(dim=1) & live[:, None]      # (rows, labels)
+        n = m.sum(dim=0)
+        ok = ((n > 1) & (n < n_live)).tolist()
+        names += [f"the rows of {name} {int(v)}" for v, k in zip(values.tolist(), ok) if k]
+        cols.append(m[:, torch.tensor(ok, dtype=torch.bool, device=m.device)])
+    return names, torch.cat(cols, dim=1)
+
+
+def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
+               written: torch.Tensor, one_flip: torch.Tensor | None, *, dtype: torch.dtype, k_plus_r: int,
+               underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
+               slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None) -> torch.Tensor:
+    """(T,) float64: rule 3's ratio of each row (dim 0) over its written elements, against the row's own floor
+    (one_flip[t] + slack_flip[t] its flip terms, None: none; acc_var its accumulation term, None: the worst case).
+    Why per row: docs/error-model.md, "The aggregate rule per row". A row with nothing written has ratio 0."""
+    for name, t in (("one_flip", one_flip), ("slack_flip", slack_flip)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != truth.shape[0]):
+            raise ValueError(f"{name} must have shape ({truth.shape[0]},) (one value per row of the output), "
+                             f"got {tuple(t.shape)}")
+    dims = tuple(range(1, truth.dim()))
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.where(written, x, torch.zeros_like(x)), dim=dims)
+
+    kern, emu = norm(out64 - truth), norm(emulation - truth)
+    floor = 0.5 * _eps(dtype) * norm(truth) + (
+        ACC_SIGMAS * norm(acc_var.clamp_min(0).sqrt()) if acc_var is not None
+        else math.sqrt(max(k_plus_r, 1)) * EPS32 * norm(scale))
+    if one_flip is not None:
+        floor = floor + one_flip.to(torch.float64)
+    if underflow is not None:
+        floor = floor + 0.5 * tiny(work_dtype or dtype) * norm(underflow)
+    if slack_flip is not None:
+        floor = floor + slack_flip.to(torch.float64)
+    base = torch.maximum(emu, floor)
+    ratio = kern / torch.where(base > 0, base, torch.ones_like(base))
+    return torch.where(base > 0, ratio, torch.where(kern > 0, torch.full_like(kern, math.inf), torch.zeros_like(kern)))
+
+
+def _unravel(flat: torch.Tensor, shape) -> torch.Tensor:
+    """(n, ndim) indices of flat positions (torch.unravel_index imports sympy: seconds on first use)."""
+    cols, rest = [], flat.clone()
+    for size in reversed(tuple(shape)):
+        cols.append(rest % size)
+        rest = torch.div(rest, size, rounding_mode="floor")
+    return torch.stack(cols[::-1], dim=1) if cols else flat.reshape(-1, 0)
+
+
+def _int_view(t: torch.Tensor):
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bit-for-bit equality of two tensors of one dtype (NaN payloads, the sign of zero)."""
+    return a.contiguous().view(_int_view(a)) == b.contiguous().view(_int_view(b))
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included; -0.0 != +0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(same_bits(a.detach().cpu(), b.detach().cpu()).all())
+
+
+def format_worst(verdict: Verdict, names=("t", "j", "col"), coords=None) -> str:
+    """Table of the worst elements; `coords(index) -> str` adds e.g. expert and LoRA of the pair."""
+    lines = [f"  {'(' + ', '.join(names) + ')':<22} {'kernel':>14} {'truth':>14} {'emulation':>14} {'bound':>10}  "]
+    for idx, o, t, e, b in verdict.worst:
+        extra = ("  " + coords(idx)) if coords else ""
+        lines.append(f"  {str(idx):<22} {o:>14.7g} {t:>14.7g} {e:>14.7g} {b:>10.3g}{extra}")
+    return "\n".join(lines)
+
+
+def differing_tokens(out_view: torch.Tensor, out_plain: torch.Tensor, view: str) -> list[int]:
+    """The view's token rows whose bits differ from the plain run's (NaN compared by its bits too)."""
+    want = plain_rows(out_plain, view).to(out_view.device)
+    if want.shape != out_view.shape:
+        return list(range(out_view.shape[0]))
+    return (~same_bits(out_view, want)).any(dim=1).nonzero().flatten().tolist()

@@ -1,0 +1,73 @@
+"""What an output is judged against: an op-level case's float64 truth and the emulation of a declared rounding
+model (the expert level's: harness.build.expert_runner), and the elements compared at either level. The runner
+judges with them; the precision diagnosis (harness.judge.diagnose) re-judges a failure against other models. Everything
+is computed where the inputs lie: on a CUDA run's device (the judge's own process), else on the CPU."""
+from __future__ import annotations
+
+import torch
+
+from moe_lora_harness.harness.build.builders import build_device, build_op_inputs, torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.op_contract.validate import validate_call
+from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
+from moe_lora_harness.reference.precision import precision as make_precision
+
+
+def op_reference(case: Case, inputs, precision_name: str | None = None):
+    """The float64 truth with its magnitudes (precision_name None), or the emulation of `precision_name`
+    (its value only: every emulation is judged with the truth's magnitudes), on the inputs' device."""
+    prec = (make_precision("exact", None) if precision_name is None
+            else make_precision(precision_name, torch_dtype(case)))
+    return fused_moe_lora_expected(validate_call(**inputs.call_kwargs()), precision=prec,
+                                   magnitudes=precision_name is None)
+
+
+def op_expectations(case: Case, backend_precision: str, device="cpu"):
+    """(inputs, truth, emulation) for an op-level case, built and computed on `build_device(device)`."""
+    inputs = build_op_inputs(case, build_device(device))
+    return inputs, op_reference(case, inputs), op_reference(case, inputs, backend_precision)
+
+
+def fp8_accumulation_modelled(device) -> bool:
+    """Whether the statistical model's fp32 accumulation holds for FP8 products on `device` (the backend's): on a CPU
+    (no e4m3 MMA there: the exact products are summed in fp32), not on a GPU, whose e4m3 MMA truncates in a 13-bit
+    window (docs/error-model.md): there the FP8 floor keeps its worst-case term until that truncation is measured in
+    aggregate (bench/probe_fp8_floor.py)."""
+    from moe_lora_harness.harness.spec.contract import device_kind
+    return device is not None and device_kind(device) == "cpu"
+
+
+def allowances(truth, device=None) -> dict:
+    """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
+    (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip; the op level quantizes no activation) and the
+    statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8 activations
+    (`one_flip` set) `round_var` is None (rules 2's statistical form and 4 off) and `acc_var` is kept only where
+    `fp8_accumulation_modelled(device)` (`device`: where the backend ran; None: unknown, the worst-case term)."""
+    got = {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
+    if got["one_flip"] is not None:
+        got["round_var"] = None
+        if not fp8_accumulation_modelled(device):
+            got["acc_var"] = None
+    return got
+
+
+def row_groups(inputs, truth) -> dict | None:
+    """The labellings of the output rows rule 4 also holds for (harness.judge.compare.excess): each token's LoRA slot (-1:
+    none) and its routed experts, so that a mistake confined to one slot's or one expert's tokens is measured against
+    those rows' own allowance. None where rows are not tokens."""
+    m = getattr(inputs, "token_lora_mapping", None)
+    if m is None or truth.value.dim() < 2 or m.numel() != truth.value.shape[0]:
+        return None
+    groups = {"LoRA slot": m.reshape(-1)}
+    ids = getattr(inputs, "topk_ids", None)
+    if ids is not None and ids.dim() == 2 and ids.shape[0] == m.numel():
+        groups["routed expert"] = ids
+    return groups
+
+
+def judging(case: Case, truth) -> tuple:
+    """(written mask, K+R, index names): what a case's output is compared over."""
+    if case.level == "op":
+        return truth.written, case.K + case.max_rank, ("t", "j", "col")
+    return (torch.ones(truth.value.shape, dtype=torch.bool, device=truth.value.device), case.H + case.I + case.max_rank,
+            ("t", "h"))

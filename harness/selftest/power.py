@@ -1,0 +1,283 @@
+"""The judge's power: the smallest planted slip it fails, per slip class and shape, as a multiple of a correct
+kernel's own distance from the truth, beside `torch.testing.assert_close(atol=rtol=2e-2)` (vLLM's MoE test oracle)
+on the same outputs.
+
+A slip is a realistic kernel mistake of adjustable size `alpha` in (0, 1] (alpha 0: the correct computation), made
+by rewriting the inputs a correct expert backend is handed (partial K or N tiles dropped, a rank component lost,
+a scaling or one slice mis-scaled, one token, slot or expert wrong): SLIPS is the only table a new class needs. For
+each slip the judge's threshold is found by bisection on alpha (the judge's truth and emulation computed once), and
+so is the oracle's; every output evaluated is judged by both, and an output the oracle fails that the judge passes
+is counted (`oracle_only`: it must stay 0). docs/error-model.md, "Power".
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moe_lora_harness.harness.build.builders import ExpertInputs, torch_dtype
+from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import compare_written
+from moe_lora_harness.harness.judge.expectation import allowances, judging, row_groups
+
+ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
+
+
+def _tail(n: int, alpha: float) -> slice:
+    """The last ceil(alpha n) of n indices (at least one): a partial tile dropped at the end of a loop."""
+    m = max(1, min(n, math.ceil(alpha * n)))
+    return slice(n - m, n)
+
+
+def _scaled_lists(inp, name, alpha, index=(...,), factor=None):
+    """`inp` with every tensor of the stacked list `name` multiplied by `factor(alpha)` at `index`."""
+    lst = [t.clone() for t in getattr(inp.stacked, name)]
+    for t in lst:
+        t[index] = (t[index].to(torch.float64) * factor(alpha)).to(t.dtype)
+    return dataclasses.replace(inp, stacked=dataclasses.replace(inp.stacked, **{name: lst}))
+
+
+def _zero_tail(inp, name, dim, alpha):
+    lst = [t.clone() for t in getattr(inp.stacked, name)]
+    for t in lst:
+        idx = [slice(None)] * t.dim()
+        idx[dim] = _tail(t.shape[dim], alpha)
+        t[tuple(idx)] = 0
+    return dataclasses.replace(inp, stacked=dataclasses.replace(inp.stacked, **{name: lst}))
+
+
+def _base_tail(inp, name, alpha):
+    w = getattr(inp, name).clone()
+    w[..., _tail(w.shape[-1], alpha)] = 0
+    return dataclasses.replace(inp, **{name: w})
+
+
+def _scale_slice(inp, alpha):
+    lst = list(inp.stacked.w13_b)
+    lst[-1] = (lst[-1].to(torch.float64) * (1 + alpha)).to(lst[-1].dtype)
+    return dataclasses.replace(inp, stacked=dataclasses.replace(inp.stacked, w13_b=lst))
+
+
+def _token_from_neighbour(inp, alpha):
+    h = inp.hidden.clone()
+    if h.shape[0] > 1:
+        h[0] = ((1 - alpha) * h[0].to(torch.float64) + alpha * h[1].to(torch.float64)).to(h.dtype)
+    return dataclasses.replace(inp, hidden=h)
+
+
+def _first_pair_weight(inp, alpha):
+    w = inp.topk_weights.clone()
+    w[:, 0] = w[:, 0] * (1 + alpha)
+    return dataclasses.replace(inp, topk_weights=w)
+
+
+@dataclass(frozen=True)
+class Slip:
+    """One class of kernel mistake: `make(inputs, alpha)` -> the inputs a correct backend computing it is handed."""
+
+    name: str
+    description: str
+    make: Callable[[ExpertInputs, float], ExpertInputs]
+    lora: bool = True          # needs the case's LoRA
+
+
+def _down(a):
+    return 1 - a
+
+
+def _up(a):
+    return 1 + a
+
+
+SLIPS = (
+    Slip("w13-shrink-k-tail", "the w13 LoRA shrink drops its last K tiles (alpha of H)",
+         lambda i, a: _zero_tail(i, "w13_a", 3, a)),
+    Slip("w2-shrink-k-tail", "the w2 LoRA shrink drops its last K tiles (alpha of I)",
+         lambda i, a: _zero_tail(i, "w2_a", 3, a)),
+    Slip("w2-expand-n-tail", "the w2 LoRA expand drops its last N tiles (alpha of H)",
+         lambda i, a: _zero_tail(i, "w2_b", 2, a)),
+    Slip("w13-expand-n-tail", "the w13 LoRA expand drops its last N tiles (alpha of I, every slice)",
+         lambda i, a: _zero_tail(i, "w13_b", 2, a)),
+    Slip("base-gemm1-k-tail", "the base w13 GEMM drops its last K tiles (alpha of H)",
+         lambda i, a: _base_tail(i, "w13", a), lora=False),
+    Slip("base-gemm2-k-tail", "the base w2 GEMM drops its last K tiles (alpha of I)",
+         lambda i, a: _base_tail(i, "w2", a), lora=False),
+    Slip("rank-component", "the last rank component of every LoRA A reduced by alpha (lost at 1)",
+         lambda i, a: _scaled_lists(_scaled_lists(i, "w13_a", a, (..., -1, slice(None)), _down),
+                                    "w2_a", a, (..., -1, slice(None)), _down)),
+    Slip("scaling", "every LoRA B scaled by 1 - alpha (r/(r+1): alpha = 1/(r+1))",
+         lambda i, a: _scaled_lists(_scaled_lists(i, "w13_b", a, (...,), _down), "w2_b", a, (...,), _down)),
+    Slip("slice-scale", "the w13 delta's last slice (up, when gated) scaled by 1 + alpha",
+         _scale_slice),
+    Slip("one-slot-w2", "slot 0's w2 LoRA delta reduced by alpha (missing at 1)",
+         lambda i, a: _scaled_lists(i, "w2_b", a, (0,), _down)),
+    Slip("one-expert-w13", "expert 0's w13 LoRA delta reduced by alpha (missing at 1)",
+         lambda i, a: _scaled_lists(i, "w13_b", a, (slice(None), 0), _down)),
+    Slip("one-token", "token 0 reads alpha of token 1's hidden state (a row offset)",
+         _token_from_neighbour, lora=False),
+    Slip("router-weight", "every token's first routing weight read 1 + alpha times too large",
+         _first_pair_weight, lora=False),
+)
+
+
+@dataclass
+class Threshold:
+    """Where one rule set first fails a slip: alpha, and the slip's size ||out - out_0|| as a multiple of the
+    correct output's own distance from the truth (None: not failed at alpha = 1); `smallest`: failed already at the
+    slip's smallest size (one dropped column of a tail slip), so the threshold is at most that."""
+
+    alpha: float | None
+    multiple: float | None
+    smallest: bool = False
+    no_effect: bool = False   # the slip changes nothing on this case (e.g. expert 0 received no token)
+
+
+@dataclass
+class SlipPower:
+    slip: str
+    judge: Threshold
+    oracle: Threshold
+    oracle_only: int          # outputs the oracle failed and the judge passed (must be 0)
+    evaluated: int
+
+
+@dataclass
+class PowerReport:
+    case: Case
+    backend: str
+    kernel_rel_error: float   # ||out_0 - truth|| / ||truth||
+    kernel_ratio: float       # the judge's statistic on the correct output
+    kernel_ok: bool
+    oracle_ok: bool           # the oracle on the correct output
+    slips: list
+    seconds: float
+
+
+def _oracle_fails(out: torch.Tensor, truth: torch.Tensor) -> bool:
+    o, t = out.to(torch.float64), truth.to(out.dtype).to(torch.float64)
+    bad = (o - t).abs() > ORACLE_TOL + ORACLE_TOL * t.abs()
+    return bool(bad.any() or not torch.isfinite(o).all())
+
+
+def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
+    """Thresholds of the judge and the oracle for each slip on one expert-level case, `spec` (an expert backend
+    that claims the case) computing the slipped inputs in this process."""
+    from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
+    t0 = time.time()
+    precision = spec.precision_for(case, device)
+    inp, truth, emu = expert_expectations(case, precision, device=device)
+    written, k_plus_r, names = judging(case, truth)
+    dt = torch_dtype(case)
+
+    def run(i: ExpertInputs) -> torch.Tensor:
+        return run_calls(spec, i.call(device), case)
+
+    def judge(out):
+        return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=dt, k_plus_r=k_plus_r,
+                               names=names, underflow=truth.underflow, work_dtype=dt,
+                               row_groups=row_groups(inp, truth), model_points_only=spec.model_points_only_for(device),
+                               **allowances(truth, device))
+
+    out0 = run(inp)
+    v0 = judge(out0)
+    # an oracle that fails the correct kernel (FP8 rows: e4m3 steps exceed its tolerance) fails every slip too: its
+    # thresholds and the outputs only it fails would say nothing about the judge
+    oracle_ok = not _oracle_fails(out0.to(truth.value.device), truth.value)
+    ref_err = float(torch.linalg.vector_norm(out0.to(truth.value.device, torch.float64) - truth.value))
+    tnorm = float(torch.linalg.vector_norm(truth.value))
+    res = []
+    for slip in slips:
+        if slip.lora and inp.stacked is None:
+            continue
+        cache: dict = {}
+
+        def at(alpha):
+            if alpha not in cache:
+                out = run(slip.make(inp, alpha))
+                size = float(torch.linalg.vector_norm((out.to(torch.float64) - out0.to(torch.float64))))
+                cache[alpha] = (not judge(out).ok, _oracle_fails(out.to(truth.value.device), truth.value),
+                                size / ref_err if ref_err > 0 else math.inf)
+            return cache[alpha]
+
+        def threshold(which: int) -> Threshold:
+            if not at(1.0)[which]:
+                return Threshold(None, None, no_effect=at(1.0)[2] == 0)
+            lo, hi = 1e-7, 1.0
+            if at(lo)[which]:
+                return Threshold(lo, at(lo)[2], smallest=True)
+            for _ in range(steps):      # geometric bisection: fails at hi, passes at lo
+                mid = math.sqrt(lo * hi)
+                lo, hi = (lo, mid) if at(mid)[which] else (mid, hi)
+            return Threshold(hi, at(hi)[2])
+
+        j = threshold(0)
+        o = threshold(1) if oracle_ok else Threshold(None, None)
+        only = sum(1 for f_j, f_o, _ in cache.values() if f_o and not f_j) if oracle_ok else 0
+        res.append(SlipPower(slip.name, j, o, only, len(cache)))
+        if progress:
+            progress(f"{slip.name}: judge {j.multiple}, oracle {o.multiple}")
+    return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, oracle_ok, res,
+                       time.time() - t0)
+
+
+def _fmt(t: Threshold) -> str:
+    x = t.multiple
+    if x is None:
+        return "no-op" if t.no_effect else "-"
+    return ("<=" if t.smallest else "") + (f"{x:.3g}" if x < 1e4 else f"{x:.2e}")
+
+
+def power_table(reports) -> str:
+    """One row per (case, slip): the judge's and the oracle's threshold (a multiple of the kernel's own error)."""
+    lines = [f"{'case':<44} {'slip':<20} {'judge x':>8} {'oracle x':>9} {'oracle-only':>11}",
+             "(x: the smallest failing slip's size as a multiple of the correct kernel's own distance from the truth; "
+             "<=: failed at the slip's smallest size; -: not failed even at full size; no-op: the slip changes nothing "
+             "on this case)"]
+    for r in reports:
+        c = r.case
+        label = f"{c.dtype} T{c.per_call().T}{f'x{c.calls}calls' if c.call_tokens else ''} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}" + (
+            f" {c.quant}" if c.quant != "none" else "")
+        lines.append(f"{label:<44} {'(correct kernel)':<20} ratio {r.kernel_ratio:.3g} err {r.kernel_rel_error:.2e}"
+                     f" judge {'pass' if r.kernel_ok else 'FAIL'} oracle {'pass' if r.oracle_ok else 'FAIL'}")
+        if not r.oracle_ok:
+            lines.append(f"{'':<44} (assert_close fails the correct kernel here: no oracle column, n/a)")
+        for s in r.slips:
+            oracle, only = (_fmt(s.oracle), s.oracle_only) if r.oracle_ok else ("n/a", "n/a")
+            lines.append(f"{'':<44} {s.slip:<20} {_fmt(s.judge):>8} {oracle:>9} {only:>11}")
+    return "\n".join(lines)
+
+
+def to_json(reports) -> list:
+    return [dict(case=r.case.to_json(), backend=r.backend, kernel_rel_error=r.kernel_rel_error,
+                 kernel_ratio=r.kernel_ratio, kernel_ok=r.kernel_ok, oracle_ok=r.oracle_ok, seconds=round(r.seconds, 2),
+                 slips=[dict(slip=s.slip, judge_alpha=s.judge.alpha, judge_multiple=s.judge.multiple,
+                             judge_smallest=s.judge.smallest, oracle_smallest=s.oracle.smallest,
+                             no_effect=s.judge.no_effect and s.oracle.no_effect,
+                             oracle_alpha=s.oracle.alpha, oracle_multiple=s.oracle.multiple,
+                             oracle_only=s.oracle_only, evaluated=s.evaluated) for s in r.slips])
+            for r in reports]
+
+
+def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0, quant: str = "none",
+                calls: int = 1) -> list:
+    """The cases of a power table: each catalogued layer's (harness.served.models.MoELayer; TP 1, EP 1) at each token count,
+    dtype and rank, every slot at that rank; without layers, one of H 1024, I 512, E 8, top-k 2 (what a CPU computes
+    in seconds), at 16 tokens. `quant`: the weights' scheme (an FP8 one quantizes the activations too; the base-GEMM
+    slips rewrite the dequantized weights a quantized backend does not read, so they are no-ops there). `calls` > 1:
+    each token count is one call's, the case `calls` such calls (Case.call_tokens), judged together."""
+    from moe_lora_harness.harness.served.models import case_fields
+    shapes = [case_fields(m) for m in layers] if layers else [
+        dict(H=1024, I=512, E=8, top_k=2, activation="silu", bias=False)]
+    out = []
+    for fields in shapes:
+        for T in tokens or (16,):
+            for dt in dtypes or (("bfloat16", "float16") if device != "cpu" else ("float16", "float32")):
+                for r in ranks:
+                    split = dict(T=T * calls, call_tokens=T) if calls > 1 else dict(T=T)
+                    out.append(Case(level="expert", **split, dtype=dt, max_rank=r, seed=seed, quant=quant,
+                                    **{k: v for k, v in fields.items() if k not in ("tp_size", "ep_size", "ep_rank")}))
+    return out
