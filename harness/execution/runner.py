@@ -20,7 +20,7 @@ from moe_lora_harness.harness.judge.compare import Verdict, compare_written, dif
 from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
-from moe_lora_harness.harness.judge.expectation import allowances, judging, op_expectations, row_groups
+from moe_lora_harness.harness.judge.expectation import Rules, judging, op_expectations, row_groups
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -116,6 +116,11 @@ class Expectation:
     groups: dict | None = None                 # rule 4's row labellings (expectation.row_groups), kept past a release
     points_only: bool = False                  # the backend rounds only where its model does (rule 4's allowance)
     run_device: str | None = None              # where the backend runs (what the FP8 accumulation term follows)
+
+    @property
+    def rules(self) -> Rules:
+        """How the output is judged beyond the truth (the verdict and every diagnosis alike)."""
+        return Rules(self.run_device, self.points_only, self.groups)
 
     @property
     def inputs(self):
@@ -220,8 +225,7 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
                               dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=k_plus_r,
                               before=exp.before, names=names,
                               underflow=exp.truth.underflow, work_dtype=torch_dtype(case),
-                              row_groups=exp.groups, model_points_only=exp.points_only,
-                              **allowances(exp.truth, exp.run_device))
+                              **exp.rules.kwargs(exp.truth))
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict
@@ -367,14 +371,15 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
         d = None
         if kind in ("element", "aggregate"):
             d = diagnose_precision(case, exp.precision, ex.output, exp.truth, inputs=exp.inputs,
-                                   emulation=exp.emulation.value)
+                                   emulation=exp.emulation.value, rules=exp.rules)
             lines.append("  precision: " + (d.text if d is not None
                                             else "the error is too large for any rounding model"))
         if kind != "nonfinite" and (d is None or not d.matched):
             s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
-                                   verdict.ratio if kind != "untouched" else None, before=exp.before)
+                                   verdict.ratio if kind != "untouched" else None, before=exp.before, rules=exp.rules)
             n = (kind == "untouched" and s is not None and not s.name
-                 and sign_of_zero_only(case, exp.precision, ex.output, exp.truth, exp.emulation.value, exp.before))
+                 and sign_of_zero_only(case, exp.precision, ex.output, exp.truth, exp.emulation.value, exp.before,
+                                       rules=exp.rules))
             if n:      # no mistake of the table fits, and only zeros changed sign: said so (harness.judge.zero_sign)
                 lines.append("  semantics: " + sign_of_zero_text(n))
                 name = SIGN_OF_ZERO

@@ -14,7 +14,7 @@ import torch
 from moe_lora_harness.harness.build.builders import build_op_inputs, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import RATIO, compare_written
-from moe_lora_harness.harness.judge.expectation import allowances, judging, op_reference
+from moe_lora_harness.harness.judge.expectation import Rules, judging, op_reference
 from moe_lora_harness.harness.build.expert_runner import expert_expectations
 from moe_lora_harness.reference.precision import PRESETS, VARIANTS, bound_dtype, compose, precision, split_name
 
@@ -101,9 +101,9 @@ def _emulation(case: Case, name: str, device, inputs=None) -> torch.Tensor:
     return expert_expectations(case, name, emulation_only=True, device=device, inputs=inputs)[2].value
 
 
-def _fit(name, description, out, truth, emu, written, dtype, k_plus_r) -> ModelFit:
+def _fit(name, description, out, truth, emu, written, dtype, k_plus_r, rules: Rules = Rules()) -> ModelFit:
     # the verdict at the bound the model would be judged at if declared; the distance at the data's dtype
-    under = dict(underflow=truth.underflow, work_dtype=dtype, **allowances(truth))
+    under = dict(underflow=truth.underflow, work_dtype=dtype, **rules.kwargs(truth))
     v = compare_written(out, truth.value, emu, truth.scale, written, dtype=bound_dtype(name, dtype),
                         k_plus_r=k_plus_r, **under)
     swapped = compare_written(out, emu, truth.value, truth.scale, written, dtype=dtype, k_plus_r=k_plus_r, **under)
@@ -121,24 +121,26 @@ def worst_relative_error(output: torch.Tensor, truth, written: torch.Tensor) -> 
     return float(rel.max()) if rel.numel() else 0.0
 
 
-def model_fits(case: Case, backend_precision: str, output: torch.Tensor, truth) -> list[ModelFit]:
+def model_fits(case: Case, backend_precision: str, output: torch.Tensor, truth,
+               rules: Rules = Rules()) -> list[ModelFit]:
     """Every model diagnose() tries (the declared one first, then `alternatives`), fitted to `output`, with no
     gating: a passing or grossly wrong output gets its fits too (e.g. to see which model a passing kernel
     follows most closely)."""
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
     out = output.detach().to(truth.value.device)
-    return [_fit(n, describe(n), out, truth, _emulation(case, n, out.device), written, dtype, k_plus_r)
+    return [_fit(n, describe(n), out, truth, _emulation(case, n, out.device), written, dtype, k_plus_r, rules)
             for n in [backend_precision] + alternatives(backend_precision, dtype)]
 
 
 def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth, *, inputs=None,
-             emulation: torch.Tensor | None = None) -> Diagnosis | None:
+             emulation: torch.Tensor | None = None, rules: Rules = Rules()) -> Diagnosis | None:
     """Name the rounding model a failing output follows, or say that none does.
 
     `output`: the kernel's output as the runner judged it (op level (T, k, W), expert level (T, H));
     `truth`: the runner's float64 truth for the case (`Expectation.truth`: OpExpected / ExpertExpected);
-    `inputs` and `emulation` (the declared model's value), where the runner has them, are not computed again.
+    `inputs` and `emulation` (the declared model's value), where the runner has them, are not computed again;
+    `rules`: the verdict's (expectation.Rules), so that the declared model fails here as it failed there.
     None when there is nothing to diagnose: the output passes against `backend_precision`, fails in a way
     that is no precision matter (non-finite, shape), or is grossly wrong (worst element > GROSS_REL scale).
     """
@@ -151,11 +153,11 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth, *,
         if name == backend_precision and emulation is not None:
             return emulation.to(out.device)
         return _emulation(case, name, out.device, inputs)
-    return name_model(out, truth, written, torch_dtype(case), k_plus_r, backend_precision, emulation_of)
+    return name_model(out, truth, written, torch_dtype(case), k_plus_r, backend_precision, emulation_of, rules)
 
 
 def name_model(out: torch.Tensor, truth, written: torch.Tensor, dtype: torch.dtype, k_plus_r: int,
-               backend_precision: str, emulation_of) -> Diagnosis | None:
+               backend_precision: str, emulation_of, rules: Rules = Rules()) -> Diagnosis | None:
     """diagnose() for any level: `emulation_of(name)` gives a rounding model's value on the inputs `out` came
     from (the layer level computes it from its scenario, the case levels from the case's seed). A gross error
     is told before any model is computed."""
@@ -165,12 +167,12 @@ def name_model(out: torch.Tensor, truth, written: torch.Tensor, dtype: torch.dty
     declared_emu = emulation_of(backend_precision)
     verdict = compare_written(out, truth.value, declared_emu, truth.scale, written,
                               dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
-                              underflow=truth.underflow, work_dtype=dtype, **allowances(truth))
+                              underflow=truth.underflow, work_dtype=dtype, **rules.kwargs(truth))
     if verdict.ok or verdict.kind not in _DIAGNOSED_KINDS:
         return None
     declared = _fit(backend_precision, describe(backend_precision), out, truth, declared_emu, written, dtype,
-                    k_plus_r)
-    fits = [declared] + [_fit(n, describe(n), out, truth, emulation_of(n), written, dtype, k_plus_r)
+                    k_plus_r, rules)
+    fits = [declared] + [_fit(n, describe(n), out, truth, emulation_of(n), written, dtype, k_plus_r, rules)
                          for n in alternatives(backend_precision, dtype)]
     fits.sort(key=lambda f: f.distance)
     best = fits[0]

@@ -4,6 +4,8 @@ judges with them; the precision diagnosis (harness.judge.diagnose) re-judges a f
 is computed where the inputs lie: on a CUDA run's device (the judge's own process), else on the CPU."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_lora_harness.harness.build.builders import build_device, build_op_inputs, torch_dtype
@@ -49,6 +51,22 @@ def allowances(truth, device=None) -> dict:
         if not fp8_accumulation_modelled(device):
             got["acc_var"] = None
     return got
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How a case's output is judged beyond its truth and emulation, one record for the verdict and every diagnosis
+    that re-judges the output (else a diagnosis, judging more leniently, passes what the verdict failed): where the
+    backend ran (`device`: the FP8 accumulation term, `allowances`), whether it rounds only at its model's points
+    (`points_only`: rule 4's allowance, BackendSpec.model_points_only) and rule 4's row labellings (`groups`)."""
+
+    device: str | None = None
+    points_only: bool = False
+    groups: object = None
+
+    def kwargs(self, truth) -> dict:
+        """compare_written's keyword arguments for `truth` (its allowances) under these rules."""
+        return dict(row_groups=self.groups, model_points_only=self.points_only, **allowances(truth, self.device))
 
 
 def row_groups(inputs, truth) -> dict | None:

@@ -15,7 +15,7 @@ import torch
 from moe_lora_harness.harness.build.builders import ADAPTER_SCALING, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import compare_written, element_bound, same_bits
-from moe_lora_harness.harness.judge.expectation import allowances, judging
+from moe_lora_harness.harness.judge.expectation import Rules, allowances, judging
 from moe_lora_harness.harness.build.expert_runner import expert_forward
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.activations import is_gated
@@ -101,10 +101,12 @@ def _computers(case: Case, inputs, layer: Layer):
 
 
 def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor, inputs, truth, emulation,
-                       contract_ratio: float | None, before: torch.Tensor | None = None) -> SemanticDiagnosis | None:
+                       contract_ratio: float | None, before: torch.Tensor | None = None,
+                       rules: Rules = Rules()) -> SemanticDiagnosis | None:
     """Judge `output` against every semantic alternative that applies to the case and differs from the
     contract there (its truth would fail against the contract). Op level: elements an alternative does not
-    write must hold `before` (the buffer as handed over) bit for bit, as the contract's must."""
+    write must hold `before` (the buffer as handed over) bit for bit, as the contract's must. `rules`: the verdict's
+    (expectation.Rules), so that an alternative is judged as the contract was."""
     if truth is None:
         return None
     dtype = torch_dtype(case)
@@ -119,7 +121,7 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
         alt_written = got.written if case.level == "op" else written
         if torch.equal(alt_written, written) and compare_written(
                 got.value, truth.value, emulation, truth.scale, written, underflow=truth.underflow,
-                **allowances(truth), **judge).ok:
+                **rules.kwargs(truth), **judge).ok:
             continue     # the contract's judge cannot tell it from the contract on this case: not offered
         expected = torch.where(alt_written, got.value, o64 if before is None else before.to(torch.float64))
         diff = torch.where(o64.isnan() & expected.isnan(), torch.zeros_like(o64), o64 - expected)
@@ -130,7 +132,7 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
     for _, alt, compute, alt_written in offered[:JUDGED]:  # the nearest, judged in full (magnitudes, emulation)
         alt_truth, alt_emu = compute(exact, True), compute(declared, False).value
         v = compare_written(out, alt_truth.value, alt_emu, alt_truth.scale, alt_written,
-                            underflow=alt_truth.underflow, **allowances(alt_truth), before=before, **judge)
+                            underflow=alt_truth.underflow, **rules.kwargs(alt_truth), before=before, **judge)
         fits.append(SemanticFit(alt.name, alt.description, v.ratio, v.ok, v.kind))
     fits.sort(key=lambda f: (not f.passes, f.ratio))
     matched = [f for f in fits if f.passes]

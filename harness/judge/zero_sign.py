@@ -8,7 +8,7 @@ import torch
 
 from moe_lora_harness.harness.build.builders import torch_dtype
 from moe_lora_harness.harness.judge.compare import compare_written, same_bits
-from moe_lora_harness.harness.judge.expectation import allowances, judging
+from moe_lora_harness.harness.judge.expectation import Rules, judging
 from moe_lora_harness.reference.precision import bound_dtype
 
 SIGN_OF_ZERO = "sign-of-zero"
@@ -21,10 +21,11 @@ def sign_of_zero_text(n: int) -> str:
 
 
 def sign_of_zero_only(case, backend_precision: str, output: torch.Tensor, truth, emulation,
-                      before: torch.Tensor | None) -> int:
+                      before: torch.Tensor | None, rules: Rules = Rules()) -> int:
     """How many untouched elements changed only their sign of zero, when that is the output's whole fault: every
     untouched element that differs from `before` bit for bit is a zero equal in value, and with them put back the
-    output passes the contract's judge. 0 otherwise (or without `before`, the buffer as handed over)."""
+    output passes the contract's judge (under the verdict's `rules`). 0 otherwise (or without `before`, the buffer as
+    handed over)."""
     if before is None or output is None or truth is None:
         return 0
     written, k_plus_r, _ = judging(case, truth)
@@ -37,5 +38,5 @@ def sign_of_zero_only(case, backend_precision: str, output: torch.Tensor, truth,
     dtype = torch_dtype(case)
     verdict = compare_written(restored, truth.value, emulation, truth.scale, written, before=b,
                               dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r, work_dtype=dtype,
-                              underflow=truth.underflow, **allowances(truth))
+                              underflow=truth.underflow, **rules.kwargs(truth))
     return int(changed.sum()) if verdict.ok else 0

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from moe_lora_harness.harness.judge.compare import RATIO, row_ratios
+from moe_lora_harness.harness.judge.expectation import Rules
 
 ROWS_SHOWN = 8
 
@@ -31,6 +32,7 @@ class StepContext:
     judge: Callable                    # (rows, truth, emulation, precision) -> Verdict
     k_plus_r: int = 1                  # the bounds' K + R (H + I + max_rank)
     previous: tuple | None = None      # (its mapping list, its rows) of the run before this one, if any
+    rules: Rules = Rules()             # the verdict's (groups: the judged slots; the twin's: none)
 
 
 def slots_of_rows(ctx: StepContext, truth, emu, dtype) -> str:
@@ -113,7 +115,7 @@ def semantic_fits(ctx: StepContext) -> list:
         got = alt(ctx)
         if got is None:
             continue
-        v = ctx.judge(ctx.rows, got[0], got[1], ctx.precision)
+        v = ctx.judge(ctx.rows, got[0], got[1], ctx.precision, ctx.rules.groups)
         if v.ok:
             fits.append(f"{words} ({name}: aggregate ratio {v.ratio:.3g})")
     return fits
@@ -125,7 +127,7 @@ def precision_line(ctx: StepContext, truth, dtype) -> str | None:
     written = torch.zeros(ctx.rows.shape, dtype=torch.bool)
     written[:ctx.real] = True
     d = name_model(ctx.rows, truth, written, dtype, ctx.k_plus_r, ctx.precision, lambda n: ctx.expected(
-        ctx.effective, precision=n)[1].value)
+        ctx.effective, precision=n)[1].value, ctx.rules)
     return None if d is None else "precision: " + d.text
 
 

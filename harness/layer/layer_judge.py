@@ -12,7 +12,7 @@ from moe_lora_harness.harness.build.builders import build_device
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import compare_written, format_worst, same_bits
 from moe_lora_harness.harness.spec.contract import BackendSpec
-from moe_lora_harness.harness.judge.expectation import allowances
+from moe_lora_harness.harness.judge.expectation import Rules
 from moe_lora_harness.harness.layer.layer_diagnosis import StepContext, explain
 from moe_lora_harness.harness.build.layer_scenario import LayerState, Scenario, base_weights, batch, on_cpu
 from moe_lora_harness.reference.activations import is_gated
@@ -69,15 +69,15 @@ def _base_weights(config, seed: int, at: torch.device):
     return base_weights(Scenario(config, (), seed), at)
 
 
-def _compare(rows, truth, emu, config, precision_name, real: int, slots=None, points_only: bool = False):
-    """compare_written over rows [0, real) (padding rows beyond are free); `slots`: each row's judged slot (rule 4
-    holds per slot too); `points_only`: the layer declares BackendSpec.model_points_only."""
+def _compare(rows, truth, emu, config, precision_name, real: int, rules: Rules = Rules()):
+    """compare_written over rows [0, real) (padding rows beyond are free) under `rules` (expectation.Rules: its
+    groups, each row's judged slot, for rule 4 per slot; its points_only, the layer's BackendSpec.model_points_only)."""
     dt = config.torch_dtype
     written = torch.zeros(rows.shape, dtype=torch.bool)
     written[:real] = True
     return compare_written(rows, truth.value, emu.value, truth.scale, written, dtype=bound_dtype(precision_name, dt),
                            k_plus_r=k_plus_r(config), names=("t", "h"), underflow=truth.underflow, work_dtype=dt,
-                           row_groups=slots, model_points_only=points_only, **allowances(truth))
+                           **rules.kwargs(truth))
 
 
 def k_plus_r(config) -> int:
@@ -125,12 +125,16 @@ def judge_step(spec: BackendSpec, scenario: Scenario, state: LayerState, step: d
     def expected(mapping, adapters=None, precision=None):
         return _expected(scenario, state, w, b, precision or precision_name, mapping, adapters)
 
+    def rules(slots=None):
+        return Rules(device, points_only, slots)
+
     def judge(r, truth, emu, name, slots=None):
-        return _compare(r, truth, emu, c, name, real, slots, points_only)
+        return _compare(r, truth, emu, c, name, real, rules(slots))
 
     def context(r, slots, adapters, twin=False):
         prev = None if previous is None else (previous[0], previous[2] if twin else previous[1])
-        return StepContext(r, real, slots, adapters, expected, precision_name, judge, k_plus_r(c), prev)
+        return StepContext(r, real, slots, adapters, expected, precision_name, judge, k_plus_r(c), prev,
+                           rules(None if twin else slots))
 
     twin_truth, twin_emu = expected(None)
     v = judge(twin_rows, twin_truth, twin_emu, precision_name)

@@ -14,7 +14,8 @@ from moe_lora_harness.harness.judge import compare
 from moe_lora_harness.harness.build.builders import outlier_tokens, torch_dtype
 from moe_lora_harness.harness.spec.case import (FP16_MASSIVE_MAGNITUDE, FP16_MAX_PEAK, FP8_QUANTS, MASSIVE_OUTLIER_SCALE,
                                            Case)
-from moe_lora_harness.harness.judge.expectation import allowances
+from moe_lora_harness.harness.judge.diagnose import diagnose
+from moe_lora_harness.harness.judge.expectation import Rules, allowances
 from moe_lora_harness.harness.build.expert_runner import expert_expectations, expert_forward
 from moe_lora_harness.harness.check.features import FEATURES, feature_cases
 from moe_lora_harness.kernels import eager_fp8
@@ -481,3 +482,9 @@ def test_the_statistical_accumulation_term_is_the_cpus_only(case):
 
     cpu_at, gpu_at = threshold("cpu"), threshold("cuda")
     assert 1.25 * cpu_at < gpu_at, (cpu_at, gpu_at)      # measured 1.45x (float16) and 1.64x (bfloat16)
+    # between the two floors the diagnosis judges as the verdict did (expectation.Rules): on the CPU's term the output
+    # fails the declared model and is diagnosed; under the GPU's it passes, and no diagnosis would be given
+    between = (emu.value + 1.2 * cpu_at * direction).to(torch_dtype(case))
+    assert not _verdict(case, between, truth, emu, device="cpu").ok
+    assert diagnose(case, "one_shot", between, truth, rules=Rules(device="cpu")) is not None
+    assert diagnose(case, "one_shot", between, truth, rules=Rules(device="cuda")) is None

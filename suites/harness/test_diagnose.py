@@ -5,6 +5,7 @@ declaring that model makes it pass honestly; a gross or unexplained error gets n
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -17,7 +18,7 @@ from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
 from moe_lora_harness.harness.judge.diagnose import GROSS_REL, alternatives, diagnose, worst_relative_error
 from moe_lora_harness.harness.execution.execute import InProcess
 from moe_lora_harness.harness.selftest.mutants import MUTANTS
-from moe_lora_harness.harness.judge.expectation import op_expectations
+from moe_lora_harness.harness.judge.expectation import Rules, op_expectations
 from moe_lora_harness.harness.execution.runner import expectations, run_case
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.experts import LoRAInputs, moe_experts_forward
@@ -241,3 +242,25 @@ def test_a_gross_error_computes_no_rounding_model():
     d = name_model(ex.output.to(torch.float64), exp.truth, exp.truth.written, torch.float16, BASE.K + BASE.max_rank,
                    exp.precision, lambda name: asked.append(name) or exp.emulation.value)
     assert d is None and asked == []
+
+
+def test_a_failure_under_the_backends_declaration_is_diagnosed_under_it():
+    """The diagnosis re-judges under the verdict's rules (expectation.Rules): a backend that declares it rounds only
+    at its model's points fails rule 4 with noise of half its own error; re-judged without its declaration the
+    output passes, and the failure text had said "the error is too large for any rounding model"."""
+    from moe_lora_harness.backends.eager import BACKEND as EAGER
+    from moe_lora_harness.suites.harness.test_statistical_model import ROWS, _eager, _noise
+    case = Case.from_json(ROWS)
+    out, truth, _ = _eager(case)
+    slip = _noise(out, truth, 0.5)
+    spec = dataclasses.replace(EAGER, name="eager-noisy", experts=lambda call: call.output.copy_(slip),
+                               model_points_only=True)
+    o = run_case(spec, case, "cpu", executor=InProcess(), reruns=0)
+    assert o.status == "fail" and "rule 4" in o.detail, o.detail
+    assert "too large for any rounding model" not in o.detail
+    assert "precision: no rounding model explains it" in o.detail, o.detail
+    exp = expectations(spec, case, "cpu")
+    assert diagnose(case, "one_shot", slip, exp.truth, rules=Rules()) is None       # the lenient re-judge passes it
+    d = diagnose(case, "one_shot", slip, exp.truth, rules=exp.rules)
+    assert d is not None and not d.matched and d.fits[0].ratio < 3
+
