@@ -27,6 +27,20 @@ STEP_KINDS = ("load", "unload", "forward", "capture", "replay")
 RUNS = ("forward", "replay")   # the steps that produce an output to judge
 
 
+def load_step(slot: int, rank: int, seed: int, **kw) -> dict:
+    """A load step (kw: w2_rank, scaling, w2_scaling, zero_b)."""
+    return {"do": "load", "slot": slot, "rank": rank, "seed": seed, **kw}
+
+
+def forward_step(mapping, seed: int) -> dict:
+    return {"do": "forward", "mapping": list(mapping), "seed": seed}
+
+
+def replay_step(size: int, mapping, seed: int) -> dict:
+    """A replay of `len(mapping)` tokens padded to the captured `size`."""
+    return {"do": "replay", "size": size, "mapping": list(mapping), "seed": seed}
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A layer configuration (its device is the run's) and the steps that drive it."""

@@ -13,19 +13,9 @@ from typing import Callable
 
 from moe_lora_harness.harness.spec.layer_contract import LayerConfig
 from moe_lora_harness.harness.build.layer_scenario import Scenario
+from moe_lora_harness.harness.build.layer_scenario import (forward_step as _fwd, load_step as _load,
+                                                          replay_step as _replay)
 from moe_lora_harness.harness.draw.profiles import LayerShapes, layer_shapes_for
-
-
-def _load(slot, rank, seed, **kw):
-    return {"do": "load", "slot": slot, "rank": rank, "seed": seed, **kw}
-
-
-def _fwd(mapping, seed):
-    return {"do": "forward", "mapping": list(mapping), "seed": seed}
-
-
-def _replay(size, mapping, seed):
-    return {"do": "replay", "size": size, "mapping": list(mapping), "seed": seed}
 
 
 def _cycle(values, n):

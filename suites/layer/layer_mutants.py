@@ -15,6 +15,8 @@ import dataclasses
 import torch
 
 from moe_lora_harness.backends.layer import LAYER_DUAL_STREAM, ContractLayer, layer_spec, make_factory
+from moe_lora_harness.harness.build.layer_scenario import (forward_step as _fwd, load_step as _load,
+                                                          replay_step as _replay)
 from moe_lora_harness.kernels.experts.dual_stream import AUX, dual_stream_program
 from moe_lora_harness.kernels.experts.dual_stream_experts import DualStreamTritonExperts
 from moe_lora_harness.kernels.experts.triton_experts import TritonExperts
@@ -307,18 +309,6 @@ CONTROL_FOR = {f"layer-mutant-{short}": ("layer-control-dual-stream" if issubcla
 
 
 # ----------------------------------------------------------------------------- the scenario each defect shows on
-
-
-def _load(slot, rank, seed, **kw):
-    return {"do": "load", "slot": slot, "rank": rank, "seed": seed, **kw}
-
-
-def _fwd(mapping, seed):
-    return {"do": "forward", "mapping": list(mapping), "seed": seed}
-
-
-def _replay(size, mapping, seed):
-    return {"do": "replay", "size": size, "mapping": list(mapping), "seed": seed}
 
 
 UNLOAD0, CAPTURE4, CAPTURE8 = {"do": "unload", "slot": 0}, {"do": "capture", "size": 4}, {"do": "capture", "size": 8}
