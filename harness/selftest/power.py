@@ -22,7 +22,7 @@ import torch
 from moe_lora_harness.harness.build.builders import ExpertInputs, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import compare_written
-from moe_lora_harness.harness.judge.expectation import allowances, judging, row_groups
+from moe_lora_harness.harness.judge.expectation import Rules, judging, row_groups
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
 
@@ -176,11 +176,11 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
     def run(i: ExpertInputs) -> torch.Tensor:
         return run_calls(spec, i.call(device), case)
 
+    rules = Rules(device, spec.model_points_only_for(device), row_groups(inp, truth))   # the runner's (Expectation.rules)
+
     def judge(out):
         return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=dt, k_plus_r=k_plus_r,
-                               names=names, underflow=truth.underflow, work_dtype=dt,
-                               row_groups=row_groups(inp, truth), model_points_only=spec.model_points_only_for(device),
-                               **allowances(truth, device))
+                               names=names, underflow=truth.underflow, work_dtype=dt, **rules.kwargs(truth))
 
     out0 = run(inp)
     v0 = judge(out0)
