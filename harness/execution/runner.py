@@ -386,7 +386,8 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
             elif s is not None:
                 lines.append("  semantics: " + s.text)
                 name, also = s.name, tuple(f.name for f in s.matched[1:])
-        where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth, exp.before))
+        where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth,
+                                                      exp.emulation.value, exp.before, exp.rules))
         if where:
             lines.append("  rows: " + where)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict

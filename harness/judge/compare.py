@@ -128,6 +128,21 @@ def statistical_bound(out64: torch.Tensor, truth: torch.Tensor, emulation: torch
     return bound
 
 
+def rule2_bound(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
+                written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int, underflow: torch.Tensor | None = None,
+                work_dtype: torch.dtype | None = None, flip: torch.Tensor | None = None,
+                acc_var: torch.Tensor | None = None, round_var: torch.Tensor | None = None, **_) -> torch.Tensor:
+    """Rule 2's per-element bound as the verdict applies it: the worst case, the smaller of it and the statistical
+    bound where the model applies (`acc_var` and `round_var`, over the written elements' count). The other keywords
+    compare_written takes are accepted and ignored, so that one set of them serves both."""
+    bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype, flip=flip)
+    if acc_var is not None and round_var is not None:
+        stat = statistical_bound(out64, truth, emulation, acc_var, round_var, dtype=dtype, n=int(written.sum()),
+                                 underflow=underflow, work_dtype=work_dtype)
+        bound = torch.minimum(bound, stat)
+    return bound
+
+
 def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
                     written: torch.Tensor, *, dtype: torch.dtype, k_plus_r: int,
                     before: torch.Tensor | None = None, names=("t", "j", "col"),
@@ -186,11 +201,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        f"({', '.join(names)}): {ex}")
     eps_dt = _eps(dtype)
     acc = math.sqrt(max(k_plus_r, 1)) * EPS32
-    bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype, flip=flip)
-    if acc_var is not None and round_var is not None:
-        stat = statistical_bound(o64, truth, emulation, acc_var, round_var, dtype=dtype, n=int(written.sum()),
-                                 underflow=underflow, work_dtype=work_dtype)
-        bound = torch.minimum(bound, stat)
+    bound = rule2_bound(o64, truth, emulation, scale, written, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow,
+                        work_dtype=work_dtype, flip=flip, acc_var=acc_var, round_var=round_var)
     under_w = None
     if underflow is not None:
         t_dt = tiny(work_dtype or dtype)

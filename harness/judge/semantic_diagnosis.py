@@ -14,8 +14,8 @@ import torch
 
 from moe_lora_harness.harness.build.builders import ADAPTER_SCALING, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
-from moe_lora_harness.harness.judge.compare import compare_written, element_bound, same_bits
-from moe_lora_harness.harness.judge.expectation import Rules, allowances, judging
+from moe_lora_harness.harness.judge.compare import compare_written, rule2_bound, same_bits
+from moe_lora_harness.harness.judge.expectation import Rules, judging
 from moe_lora_harness.harness.build.expert_runner import expert_forward
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.activations import is_gated
@@ -155,16 +155,18 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
     return SemanticDiagnosis(matched, fits, [o[1].name for o in offered], contract_ratio, text)
 
 
-def failing_rows(case: Case, backend_precision: str, output: torch.Tensor, truth,
-                 before: torch.Tensor | None = None) -> torch.Tensor:
+def failing_rows(case: Case, backend_precision: str, output: torch.Tensor, truth, emulation: torch.Tensor,
+                 before: torch.Tensor | None = None, rules: Rules = Rules()) -> torch.Tensor:
     """(rows,) bool: the output rows (expert level: tokens; op level: (token, top-k) pairs, flattened) with an
-    element over its per-element bound, non-finite where the truth is finite, or (given `before`, the buffer
-    as handed over) an element the contract does not write that differs from it."""
+    element over its per-element bound (rule 2 as the verdict applies it: compare.rule2_bound under `rules`),
+    non-finite where the truth is finite, or (given `before`, the buffer as handed over) an element the contract does
+    not write that differs from it."""
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
     o = output.detach().to(truth.value.device, torch.float64)
-    bound = element_bound(truth.scale, dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r,
-                          underflow=truth.underflow, work_dtype=dtype, flip=allowances(truth)["flip"])
+    bound = rule2_bound(o, truth.value, emulation.to(o.device), truth.scale, written,
+                        dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r, underflow=truth.underflow,
+                        work_dtype=dtype, **rules.kwargs(truth))
     bad = ((o - truth.value).abs() > bound) | (~torch.isfinite(o) & torch.isfinite(truth.value))
     bad = bad & written
     if before is not None:

@@ -264,3 +264,25 @@ def test_a_failure_under_the_backends_declaration_is_diagnosed_under_it():
     d = diagnose(case, "one_shot", slip, exp.truth, rules=exp.rules)
     assert d is not None and not d.matched and d.fits[0].ratio < 3
 
+
+
+def test_the_failing_rows_are_those_the_verdict_failed_per_element():
+    """The failure text's rows come from rule 2 as the verdict applies it (compare.rule2_bound: the smaller of the
+    worst case and the statistical bound): one element of token 2 moved by 1.5 times its statistical bound, which the
+    worst case admits, fails per element, and the text names token 2 (the worst case alone had found no row)."""
+    from moe_lora_harness.backends.eager import BACKEND as EAGER
+    from moe_lora_harness.harness.judge import compare
+    from moe_lora_harness.suites.harness.test_statistical_model import WIDE, _eager
+    case = Case.from_json(WIDE % ("float16", 3))
+    out, truth, emu = _eager(case)
+    stat = compare.statistical_bound(out.to(torch.float64), truth.value, emu.value, truth.acc_var, truth.round_var,
+                                     dtype=torch.float16, n=truth.value.numel(), underflow=truth.underflow)
+    bad = out.clone()
+    bad[2, 7] = (truth.value[2, 7] + 1.5 * stat[2, 7]).to(bad.dtype)
+    worst = compare.element_bound(truth.scale, dtype=torch.float16, k_plus_r=case.H + case.I + case.max_rank,
+                                  underflow=truth.underflow)
+    assert (bad.to(torch.float64) - truth.value).abs()[2, 7] < worst[2, 7]          # the worst case admits it
+    spec = dataclasses.replace(EAGER, name="one-element", experts=lambda call: call.output.copy_(bad))
+    o = run_case(spec, case, "cpu", executor=InProcess(), reruns=0)
+    assert o.status == "fail" and "exceed the per-element bound" in o.detail, o.detail
+    assert "rows: 1 of 6 tokens fail (2)" in o.detail, o.detail
