@@ -138,17 +138,27 @@ def _build(case: Case, device):
     return build_op_inputs(case, device) if case.level == "op" else build_expert_inputs(case, device)
 
 
-def expectations(spec: BackendSpec, case: Case, device: str) -> Expectation:
+def declared_rounding(spec: BackendSpec, case: Case, device: str) -> tuple[str, bool]:
+    """What the judge reads of the backend's own declarations for `case` on `device`: its rounding model's name
+    (checked to name one) and whether it rounds only at that model's points. The backend's code runs here, so an
+    error here is the backend's; the harness's own reference runs after it (`expectations`), where an error is ours."""
+    from moe_lora_harness.reference.precision import precision as make_precision
+    precision = spec.precision_for(case, device)
+    make_precision(precision, torch_dtype(case))       # an unknown model's name is the declaration's mistake
+    return precision, bool(spec.model_points_only_for(device))
+
+
+def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str, bool] | None = None) -> Expectation:
     """Everything the judge needs before the backend runs on `device` (computed once for all reruns), computed on
     that device when it is a CUDA device (in this process, never the backend's), on the CPU for a small case
-    (harness.build.builders.draw_device)."""
+    (harness.build.builders.draw_device). `declared`: `declared_rounding`'s answer, where the caller has it."""
     from moe_lora_harness.harness.build.builders import draw_device
     from moe_lora_harness.harness.execution.execute import release_device_memory
-    precision = spec.precision_for(case, device)
+    precision, points_only = declared if declared is not None else declared_rounding(spec, case, device)
     at = str(draw_device(case, device))
     exp = _expectations(case, precision, at)
     exp.precision, exp.case, exp.device = precision, case, at
-    exp.points_only = spec.model_points_only_for(device)
+    exp.points_only = points_only
     exp.run_device = device
     if exp.truth is not None:
         from moe_lora_harness.reference.precision import bound_dtype
@@ -273,7 +283,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         raise MalformedCase(f"malformed case {case.to_json()}: " + "; ".join(problems))
     try:   # the backend's own declarations (rules, precision function) run here: their errors are its failures
         ok, reason = support_for(spec, case, device)
-        exp = expectations(spec, case, device) if (ok or probe) else None
+        declared = declared_rounding(spec, case, device) if (ok or probe) else None
     except Exception as e:  # noqa: BLE001
         import traceback
         message = f"the backend's declaration raised {type(e).__name__}: {e} (a Rule or its precision function)"
@@ -285,6 +295,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
                        message=message, repro=repro)
     if not ok and not probe:
         return Outcome(spec.name, case, device, "unsupported", reason)
+    exp = expectations(spec, case, device, declared)   # the harness's own reference: its errors are ours, raised
     if case.dispatched:
         from moe_lora_harness.harness.execution.ep_ranks import driver_problem
         problem = driver_problem(case, device)

@@ -316,3 +316,22 @@ def test_a_worker_profiles_its_requests_where_asked(tmp_path, monkeypatch):
         with Supervisor() as sup:
             assert run_case(control, W13, "cpu", executor=sup, reruns=0).status == "pass"
         assert bool(list(folder.glob("worker-*.prof"))) == asked
+
+
+def test_the_harness_s_own_reference_failing_is_not_the_backend_s_failure(monkeypatch):
+    """The backend's declarations (rules, precision function, its model's name) are its to answer for; the float64
+    reference after them is the harness's: an error there is raised (check and fuzz report a harness error), never
+    turned into the backend's `declaration` failure, as it had been."""
+    import dataclasses
+
+    from moe_lora_harness.harness.execution import runner
+
+    def broken_reference(*a, **k):
+        raise RuntimeError("a bug of the harness's reference")
+    monkeypatch.setattr(runner, "_expectations", broken_reference)
+    with pytest.raises(RuntimeError, match="a bug of the harness's reference"):
+        run_case(SPECS["hostile-control"], W13, "cpu")
+    monkeypatch.undo()
+    unknown = dataclasses.replace(SPECS["hostile-control"], precision="one_shot_nonsense")
+    out = run_case(unknown, W13, "cpu")
+    assert out.status == "fail" and out.kind == "declaration" and "one_shot_nonsense" in out.detail, out.detail
