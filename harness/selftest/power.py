@@ -23,6 +23,7 @@ from moe_lora_harness.harness.build.builders import ExpertInputs, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import compare_written
 from moe_lora_harness.harness.judge.expectation import Rules, judging, row_groups
+from moe_lora_harness.reference.precision import bound_dtype
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
 
@@ -178,8 +179,10 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
 
     rules = Rules(device, spec.model_points_only_for(device), row_groups(inp, truth))   # the runner's (Expectation.rules)
 
+    bound_dt = bound_dtype(precision, dt)     # the runner's too (a declared TF32 fp32 model is judged at fp16's)
+
     def judge(out):
-        return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=dt, k_plus_r=k_plus_r,
+        return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=bound_dt, k_plus_r=k_plus_r,
                                names=names, underflow=truth.underflow, work_dtype=dt, **rules.kwargs(truth))
 
     out0 = run(inp)

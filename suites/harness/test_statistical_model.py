@@ -361,3 +361,21 @@ def test_the_excess_rule_holds_per_routed_expert():
     assert _judge(case, bad, truth, emu).ok
     assert _judge(case, bad, truth, emu, row_groups=groups["LoRA slot"]).ok
     assert _judge(case, out, truth, emu, row_groups=groups).ok
+
+
+def test_the_power_judge_is_the_runners_for_a_declared_tf32_kernel():
+    """selftest --power judges the correct kernel as run_case does, at its declared model's bound dtype: a correct
+    fp32 kernel declaring TF32 (judged at float16's bound) passes both; at fp32's bound, which the power judge had
+    used, its own output failed."""
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.runner import run_case
+    from moe_lora_harness.harness.selftest import power
+    from moe_lora_harness.suites.harness.test_diagnose import EXPERT32, _expert_backend
+    spec = _expert_backend("one_shot_tf32", "one_shot_tf32")
+    assert run_case(spec, EXPERT32, "cpu", executor=InProcess(), reruns=0).status == "pass"
+    rep = power.measure(spec, EXPERT32, "cpu", slips=[s for s in power.SLIPS if s.name == "scaling"], steps=3)
+    assert rep.kernel_ok, rep.kernel_ratio
+    inp, truth, emu = expert_expectations(EXPERT32, "one_shot_tf32")
+    call = inp.call("cpu")
+    spec.experts(call)
+    assert not _judge(EXPERT32, call.output, truth, emu).ok       # at fp32's own bound
