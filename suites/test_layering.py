@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import sys
 
 import pytest
@@ -148,3 +149,15 @@ def test_paths_a_room_computes_from_its_own_file_land_where_they_did():
     assert pytest_plugin.SUITES_DIR == part_dir("suites").resolve()
     from moe_lora_harness.harness.served import hf_moe_block
     assert hf_moe_block._ROOT == part_dir("harness").resolve().parent          # the checkout (or the installed package)
+
+
+def test_the_architecture_picture_shows_the_rooms_in_their_order():
+    """docs/architecture.md opens with the picture of a case's path: every room of ROOMS, in ROOMS' order, and no
+    other (the import rule above is the picture's arrows)."""
+    from moe_lora_harness.harness import ROOMS
+    docs = part_dir("harness").resolve().parent / "docs" / "architecture.md"
+    if not docs.is_file():
+        pytest.skip("docs/ is in the source tree, not in an installed package")
+    picture = docs.read_text().split("```", 2)[1]
+    drawn = [m.group(1) for m in re.finditer(r"^ (\w+)/ ", picture, re.M)]     # " judge/      truth + ..."
+    assert drawn == list(ROOMS), drawn
