@@ -85,20 +85,18 @@ def expert_expectations(case: Case, backend_precision: str, emulation_only: bool
 def run_calls(spec: BackendSpec, call, case: Case) -> torch.Tensor:
     """`call` handed to the backend whole, or (case.call_tokens) in consecutive calls of that many tokens, as a
     layer is called at each decode step: the same weights, each call its own tokens, mapping and rows of the
-    NaN-poisoned output. Returns the (T, H) output, each call's rows as it left them."""
+    NaN-poisoned output (a view of it: each call writes its rows in place). Returns `call.output`, as one call
+    does."""
     if not case.call_tokens:
         spec.experts(call)
         return call.output
-    pieces = []
     for lo in range(0, case.T, case.call_tokens):
         s = slice(lo, lo + case.call_tokens)
-        part = dataclasses.replace(
+        spec.experts(dataclasses.replace(
             call, output=call.output[s], hidden_states=call.hidden_states[s], topk_weights=call.topk_weights[s],
             topk_ids=call.topk_ids[s],
-            token_lora_mapping=None if call.token_lora_mapping is None else call.token_lora_mapping[s])
-        spec.experts(part)
-        pieces.append(part.output)
-    return torch.cat(pieces)
+            token_lora_mapping=None if call.token_lora_mapping is None else call.token_lora_mapping[s]))
+    return call.output
 
 
 class SimulatedTPGroup:

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lora_harness.harness.build.builders import torch_dtype
 from moe_lora_harness.harness.spec.case import Case
-from moe_lora_harness.harness.judge.compare import Verdict, compare_written, differing_tokens, format_worst
+from moe_lora_harness.harness.judge.compare import Verdict, differing_tokens, format_worst
 from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
-from moe_lora_harness.harness.judge.expectation import Rules, judging, op_expectations, row_groups
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging,
+                                                        op_expectations, row_groups)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -109,7 +109,6 @@ class Expectation:
     emulation: object
     poison: torch.Tensor | None = None         # on the CPU: it is sent to the worker
     before: torch.Tensor | None = None
-    bound_dtype: torch.dtype | None = None     # the dtype whose epsilon the bound uses (the declared model's)
     precision: str = ""                        # the rounding model the backend declares for the case here
     case: Case | None = None
     device: str = "cpu"                        # where the inputs are (re)built
@@ -138,16 +137,6 @@ def _build(case: Case, device):
     return build_op_inputs(case, device) if case.level == "op" else build_expert_inputs(case, device)
 
 
-def declared_rounding(spec: BackendSpec, case: Case, device: str) -> tuple[str, bool]:
-    """What the judge reads of the backend's own declarations for `case` on `device`: its rounding model's name
-    (checked to name one) and whether it rounds only at that model's points. The backend's code runs here, so an
-    error here is the backend's; the harness's own reference runs after it (`expectations`), where an error is ours."""
-    from moe_lora_harness.reference.precision import precision as make_precision
-    precision = spec.precision_for(case, device)
-    make_precision(precision, torch_dtype(case))       # an unknown model's name is the declaration's mistake
-    return precision, bool(spec.model_points_only_for(device))
-
-
 def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str, bool] | None = None) -> Expectation:
     """Everything the judge needs before the backend runs on `device` (computed once for all reruns), computed on
     that device when it is a CUDA device (in this process, never the backend's), on the CPU for a small case
@@ -161,8 +150,6 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str
     exp.points_only = points_only
     exp.run_device = device
     if exp.truth is not None:
-        from moe_lora_harness.reference.precision import bound_dtype
-        exp.bound_dtype = bound_dtype(precision, torch_dtype(case))
         # taken while the inputs are alive: reading them after a release rebuilt the whole layer for two small tensors
         groups = row_groups(exp.built, exp.truth)
         exp.groups = None if groups is None else {k: v.clone() for k, v in groups.items()}
@@ -230,12 +217,7 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     if ex.built_digest != exp.digest:
         return "inputs-differ", ("the worker built other inputs than the judge did (the backend changed the "
                                  "worker's global state, e.g. torch's RNG or a harness function)"), None
-    written, k_plus_r, names = judging(case, exp.truth)
-    verdict = compare_written(ex.output, exp.truth.value, exp.emulation.value, exp.truth.scale, written,
-                              dtype=exp.bound_dtype or torch_dtype(case), k_plus_r=k_plus_r,
-                              before=exp.before, names=names,
-                              underflow=exp.truth.underflow, work_dtype=torch_dtype(case),
-                              **exp.rules.kwargs(exp.truth))
+    verdict = judge_output(case, ex.output, exp.truth, exp.emulation.value, exp.precision, exp.rules, exp.before)
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict

@@ -12,7 +12,7 @@ from moe_lora_harness.harness.build.builders import build_device, build_op_input
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
-from moe_lora_harness.reference.precision import precision as make_precision
+from moe_lora_harness.reference.precision import bound_dtype, precision as make_precision
 
 
 def op_reference(case: Case, inputs, precision_name: str | None = None):
@@ -28,6 +28,15 @@ def op_expectations(case: Case, backend_precision: str, device="cpu"):
     """(inputs, truth, emulation) for an op-level case, built and computed on `build_device(device)`."""
     inputs = build_op_inputs(case, build_device(device))
     return inputs, op_reference(case, inputs), op_reference(case, inputs, backend_precision)
+
+
+def declared_rounding(spec, case: Case, device: str) -> tuple[str, bool]:
+    """What the judge reads of a backend's own declarations (its BackendSpec) for `case` on `device`: its rounding
+    model's name (checked to name one) and whether it rounds only at that model's points. The backend's code runs
+    here, so an error here is the backend's; the harness's own reference runs after it, where an error is ours."""
+    precision = spec.precision_for(case, device)
+    make_precision(precision, torch_dtype(case))       # an unknown model's name is the declaration's mistake
+    return precision, bool(spec.model_points_only_for(device))
 
 
 def fp8_accumulation_modelled(device) -> bool:
@@ -67,6 +76,18 @@ class Rules:
     def kwargs(self, truth) -> dict:
         """compare_written's keyword arguments for `truth` (its allowances) under these rules."""
         return dict(row_groups=self.groups, model_points_only=self.points_only, **allowances(truth, self.device))
+
+
+def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, precision: str, rules: Rules,
+                 before: torch.Tensor | None = None):
+    """The verdict on `out` (compare.compare_written): the case's elements (`judging`), the bound of the declared
+    model's dtype (a declared TF32 fp32 model is judged at float16's), `rules`. The runner's and selftest --power's."""
+    from moe_lora_harness.harness.judge.compare import compare_written
+    written, k_plus_r, names = judging(case, truth)
+    dt = torch_dtype(case)
+    return compare_written(out, truth.value, emulation, truth.scale, written, dtype=bound_dtype(precision, dt),
+                           k_plus_r=k_plus_r, before=before, names=names, underflow=truth.underflow, work_dtype=dt,
+                           **rules.kwargs(truth))
 
 
 def row_groups(inputs, truth) -> dict | None:

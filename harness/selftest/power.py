@@ -19,11 +19,9 @@ from typing import Callable
 
 import torch
 
-from moe_lora_harness.harness.build.builders import ExpertInputs, torch_dtype
+from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import Case
-from moe_lora_harness.harness.judge.compare import compare_written
-from moe_lora_harness.harness.judge.expectation import Rules, judging, row_groups
-from moe_lora_harness.reference.precision import bound_dtype
+from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_output, row_groups
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
 
@@ -169,21 +167,15 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
     that claims the case) computing the slipped inputs in this process."""
     from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
     t0 = time.time()
-    precision = spec.precision_for(case, device)
+    precision, points_only = declared_rounding(spec, case, device)
     inp, truth, emu = expert_expectations(case, precision, device=device)
-    written, k_plus_r, names = judging(case, truth)
-    dt = torch_dtype(case)
+    rules = Rules(device, points_only, row_groups(inp, truth))      # the runner's (Expectation.rules)
 
     def run(i: ExpertInputs) -> torch.Tensor:
         return run_calls(spec, i.call(device), case)
 
-    rules = Rules(device, spec.model_points_only_for(device), row_groups(inp, truth))   # the runner's (Expectation.rules)
-
-    bound_dt = bound_dtype(precision, dt)     # the runner's too (a declared TF32 fp32 model is judged at fp16's)
-
-    def judge(out):
-        return compare_written(out, truth.value, emu.value, truth.scale, written, dtype=bound_dt, k_plus_r=k_plus_r,
-                               names=names, underflow=truth.underflow, work_dtype=dt, **rules.kwargs(truth))
+    def judge(out):     # the runner's verdict
+        return judge_output(case, out, truth, emu.value, precision, rules)
 
     out0 = run(inp)
     v0 = judge(out0)

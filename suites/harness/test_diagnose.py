@@ -6,12 +6,10 @@ declaring that model makes it pass honestly; a gross or unexplained error gets n
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
 
-from moe_lora_harness.harness.execution import runner
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import compare_written
 from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
@@ -179,10 +177,8 @@ def test_backend_declaring_tf32_passes_its_judge_and_gets_no_diagnosis():
     assert diagnose(FP32, "one_shot_tf32", ex.output, exp.truth) is None
 
 
-@pytest.mark.xfail("bound_dtype" not in inspect.getsource(runner), strict=True,
-                   reason="harness.execution.runner._judge_execution still judges at the case dtype: it must pass "
-                          "dtype=reference.precision.bound_dtype(spec.precision_for(case, device), torch_dtype(case))")
 def test_backend_declaring_tf32_passes_run_case():
+    """run_case judges at the declared model's bound dtype (expectation.judge_output), not at the case's."""
     spec = _op_backend("tf32-declared", "one_shot_tf32", inputs=_tf32_bits)
     outcome = run_case(spec, FP32, "cpu", executor=InProcess(), reruns=0)
     assert outcome.status == "pass", outcome.detail
