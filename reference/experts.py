@@ -368,9 +368,12 @@ def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: 
         bounds = torch.ones_like(p_all, dtype=torch.bool)
         bounds[1:] = p_all[1:] != p_all[:-1]                       # where a pair's rows start
         starts = bounds.nonzero().flatten().tolist() + [sel.numel()]
+
+        def whole_pairs(at: int, most: int) -> int:   # the first pair start at or past at + most (or the end)
+            return starts[min(bisect.bisect_left(starts, at + most), len(starts) - 1)]
         lo = 0
         while lo < sel.numel():
-            hi = starts[min(bisect.bisect_left(starts, lo + rows_per_chunk), len(starts) - 1)]
+            hi = whole_pairs(lo, rows_per_chunk)
             part = sel[lo:hi]
             p = pairs[part]
             c = cache1[p]
@@ -390,7 +393,7 @@ def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: 
                     change[:, rows, offset:offset + b.shape[0]] += delta
             b0 = lo
             while b0 < hi:     # the Gram in blocks of whole pairs (a pair's rows only meet its own)
-                b1 = min(starts[min(bisect.bisect_left(starts, b0 + GRAM_BLOCK), len(starts) - 1)], hi)
+                b1 = min(whole_pairs(b0, GRAM_BLOCK), hi)
                 blk, pb = change[:, b0 - lo:b1 - lo], p[b0 - lo:b1 - lo]
                 gram = (blk[0] @ blk[0].T).abs()
                 for s_, t_ in ((0, 1), (1, 0), (1, 1)):
@@ -743,7 +746,7 @@ def forward_steps(
                             + dot_variance(out, (cache3 * cache3 * keep).sum(dim=1), k))
         # the output's own rounding is the judge's to add; FP8: not carried (rules 2's statistical form and 4 stay off)
         flips["round_var"] = (rnd3 * keep).sum(dim=1) if fp8 is None else None
-    if flip3 is not None:   # slack_flip: the exact flips' norms (base GEMM2 and w2 LoRA together) add up
+    if flip3 is not None:   # slack_flip: each pair's Gram bound (_slack_flips), the token's pairs added
         flips.update(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
                      slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1))
     if not return_intermediates:
