@@ -16,6 +16,9 @@ and on a GPU the peak memory the judge allocated (torch.cuda.max_memory_allocate
   python bench/bench_judge.py --device cpu --quick          # host smoke form: decode sizes, at most 8 experts,
                                                             # 15 s limit per case
   options: --models deepseek-v3,qwen3-30b-a3b  --tokens 1,64  --repeats 3  --host-limit-s 120  --max-experts N
+           --profile PATH   one more judged case of the first model and token count under torch.profiler: its
+                            hottest operations (by self time on the device, and grouped by the Python frames that
+                            called them) written to PATH (where the judge's time goes, beside the phases)
 """
 from __future__ import annotations
 
@@ -98,6 +101,26 @@ def judge_once(case: Case, device: str) -> tuple[dict, int]:
     del truth, emu, output, written
     release_device_memory(device)
     return times, peak
+
+
+def profile_once(case: Case, device: str, path: pathlib.Path, rows: int = 30) -> None:
+    """One judged case (judge_once) under torch.profiler; PATH gets its operations by self time on the device
+    (the CPU on a host) and the same grouped by the five innermost Python frames that called them."""
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts, with_stack=True, record_shapes=False) as prof:
+        times, _ = judge_once(case, device)
+    key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    avg = prof.key_averages()
+    text = (f"{case.to_json()}\nphases under the profiler (s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in times.items())
+            + f"\n\nby operation, sorted by {key}\n" + avg.table(sort_by=key, row_limit=rows)
+            + f"\n\nby operation and the 5 innermost Python frames, sorted by {key}\n"
+            + prof.key_averages(group_by_stack_n=5).table(sort_by=key, row_limit=rows))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------ estimates
@@ -239,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="runs per case (default 3; --quick 1)")
     ap.add_argument("--host-limit-s", type=float, default=None,
                     help=f"skip host cases estimated longer (default {HOST_LIMIT_S:g}; --quick {QUICK_LIMIT_S:g})")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="after the table, one more judged case of the first model and token count under "
+                         "torch.profiler; its hottest operations written to PATH")
     a = ap.parse_args(argv)
     device = str(a.device)
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -267,6 +293,8 @@ def main(argv=None) -> int:
         path = out / f"bench_judge-{device.replace(':', '')}.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")
+    if a.profile:
+        profile_once(bench_case(models[0], tokens[0], max_experts), device, pathlib.Path(a.profile))
     return 0
 
 
