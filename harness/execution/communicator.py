@@ -25,6 +25,15 @@ __all__ = ["Communicator", "TorchDistributedCommunicator", "SimulatedGroup", "Si
            "CollectiveError", "RankHung"]
 
 
+def add_note(e: BaseException, note: str) -> None:
+    """PEP 678's note on `e` (its `__notes__`, which the runner appends to a failure's message), on Python 3.10
+    too, whose exceptions have no add_note."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:
+        e.__notes__ = [*getattr(e, "__notes__", ()), note]
+
+
 class CollectiveError(RuntimeError):
     """A collective could not complete (a rank skipped it, called another one, or failed)."""
 
@@ -170,8 +179,7 @@ class SimulatedGroup:
             first = next((r for r, e in enumerate(errors) if e is not None), None)
         if first is not None:
             e = errors[first]
-            if hasattr(e, "add_note"):
-                e.add_note(f"raised on EP rank {first} of {self.size}")
+            add_note(e, f"raised on EP rank {first} of {self.size}")
             raise e
         return results
 
