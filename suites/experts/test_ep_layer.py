@@ -365,6 +365,28 @@ def test_skipped_collective_raises_quickly():
     assert time.monotonic() - t0 < 10
 
 
+class _NoAddNote(RuntimeError):
+    """An exception as Python 3.10 makes them: no add_note (PEP 678 came in 3.11)."""
+
+    @property
+    def add_note(self):
+        raise AttributeError("add_note")
+
+
+@pytest.mark.parametrize("error", [RuntimeError, _NoAddNote], ids=["add_note", "python-3.10"])
+def test_a_ranks_error_carries_its_rank_in_a_note(error):
+    """The root-cause error of a simulated rank names its rank in `__notes__` (which the runner appends to the
+    failure's message), on Pythons whose exceptions have no add_note too (it was dropped there)."""
+    def fn(comm):
+        if comm.rank == 1:
+            raise error("boom")
+        return None
+
+    with pytest.raises(error) as got:
+        SimulatedGroup(2, timeout_s=2).run(fn, join_timeout_s=30)
+    assert getattr(got.value, "__notes__", None) == ["raised on EP rank 1 of 2"]
+
+
 def test_simulated_collectives_uneven():
     group = SimulatedGroup(3)
 
