@@ -24,7 +24,8 @@ import torch
 from moe_lora_harness.harness.execution import fork_server
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec, ExpertCall
-from moe_lora_harness.harness.execution.execute import ExecutionFailure, Failure, InputWatch, inputs_digest
+from moe_lora_harness.harness.execution.execute import (ExecutionFailure, Failure, InputWatch, inputs_digest,
+                                                       raised_text)
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
 
 COLLECTIVE_TIMEOUT_S = 60.0    # a rank that skips a collective makes the others raise after this long
@@ -256,10 +257,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         result["written"] = watch.written()
         result["output"] = call.output.detach().cpu().clone()
     except BaseException as e:  # noqa: BLE001 - the backend's failure is this rank's result
-        msg = str(e)
-        notes = getattr(e, "__notes__", None)
-        result["failure"] = dict(rank=rank, time=time.time(), exc_type=type(e).__name__,
-                                 message=msg + (" [" + "; ".join(notes) + "]" if notes else ""),
+        result["failure"] = dict(rank=rank, time=time.time(), exc_type=type(e).__name__, message=raised_text(e),
                                  traceback="".join(traceback.format_exception(e)[-6:])[-6000:])
         open(os.path.join(tmp, f"rank{rank}.failed"), "w").close()
     path = os.path.join(tmp, f"rank{rank}.pt")

@@ -29,6 +29,13 @@ _FATAL_DEVICE_ERROR = re.compile(r"CUDA error|illegal memory access|device-side 
                                  r"|CUBLAS_STATUS|cudaError", re.I)
 
 
+def raised_text(e: BaseException) -> str:
+    """What a backend's exception says: its message, then its notes in brackets (e.g. "raised on EP rank 1 of 2",
+    communicator.add_note)."""
+    notes = getattr(e, "__notes__", None)
+    return f"{e}" + (" [" + "; ".join(str(n) for n in notes) + "]" if notes else "")
+
+
 class ExecutionFailure(Exception):
     """Raised by a driver of the harness with the Failure it already classified (e.g. an EP rank's crash)."""
 
@@ -231,10 +238,7 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
     except BaseException as e:  # noqa: BLE001 - whatever a backend raises is its failure, never our exit
         if isinstance(e, HarnessInterrupt) or (isinstance(e, KeyboardInterrupt) and not catch_interrupt):
             raise
-        msg = f"{e}"
-        notes = getattr(e, "__notes__", None)     # e.g. "raised on EP rank 1 of 2"
-        if notes:
-            msg += " [" + "; ".join(str(n) for n in notes) + "]"
+        msg = raised_text(e)
         failure = Failure("raised", msg[:4000], type(e).__name__,
                           "".join(traceback.format_exception(e)[-6:])[-6000:],
                           fatal=bool(_FATAL_DEVICE_ERROR.search(msg)) or bool(getattr(e, "harness_fatal", False)))
