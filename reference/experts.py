@@ -24,7 +24,7 @@ from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance, flip_step
 from moe_lora_harness.reference.lora_op import (PairLayout, lora_expand, lora_shrink, qualifying_pairs,
                                                 shrink_magnitudes)
-from moe_lora_harness.reference.precision import Precision, eps, precision as make_precision, tiny
+from moe_lora_harness.reference.precision import Precision, eps, precision as make_precision, spacing_sq, tiny
 from moe_lora_harness.reference.quant import ACTIVATION_SCHEMES, SCHEMES as WEIGHT_ONLY_SCHEMES
 from moe_lora_harness.reference.semantics import CONTRACT, Semantics
 
@@ -299,7 +299,7 @@ def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32
                                                                   mul_routed_weight, prec, join, x_var, track_var,
                                                                   x_round)
     if u_round is not None:      # lora_expand counts the intermediate's own rounding itself
-        u_round = u_round - u.to(_F64) * u.to(_F64)
+        u_round = u_round - spacing_sq(u)
     got = lora_expand(prev, u, stacked_b, w32, layout, k, mul_routed_weight, offset, add_inputs, prec,
                       cache_underflow=u_under, prev_underflow=prev_under, cache_var=u_var, prev_var=prev_var,
                       cache_round=u_round, prev_round=prev_round, magnitudes=x_scale is not None)
@@ -309,7 +309,7 @@ def _lora_delta(x, stacked_a, stacked_b, x_scale, x_under, prev, prev_under, w32
     if not track_var:
         return got.value, mag, got.underflow, None, None
     written = got.written
-    rounded = torch.where(written, got.round_var + got.value * got.value, got.round_var)   # the write's rounding
+    rounded = torch.where(written, got.round_var + spacing_sq(got.value), got.round_var)   # the write's rounding
     return got.value, mag, got.underflow, got.acc_var, rounded
 
 
@@ -558,7 +558,7 @@ def forward_steps(
             v1 = v1 * (1.0 + 2.0 / H) + (2.0 * U32 * U32) * c1 * c1
         var1 = (v1 + (U32 * U32 * (H + 1)) * c1 * c1).reshape(T, k, N1)
         del v1
-        rnd1 = cache1 * cache1            # cache1's rounding
+        rnd1 = spacing_sq(cache1)         # cache1's rounding
         if apply_router_weight_on_input:
             rnd1 = rnd1 + got.pop("rin1").reshape(T, k, N1)
     if magnitudes:
@@ -612,7 +612,7 @@ def forward_steps(
                 under1 = under1 + _interleave(du, I) + 1.0
             if track_var:
                 var1 = var1 + _interleave(dv, I) + own_variance(cache1)
-                rnd1 = rnd1 + _interleave(dr, I) + cache1 * cache1
+                rnd1 = rnd1 + _interleave(dr, I) + spacing_sq(cache1)
         else:
             cache1, m, under1, v1, r1 = yield from _lora_delta(x13, st.w13_a, st.w13_b, x_abs, x_zero, cache1,
                                                                under1, w32, layout, k, mul13, 0, prec, w13_join,
@@ -630,7 +630,7 @@ def forward_steps(
     ders = activation_derivatives(act_in, spec.name) if magnitudes else None    # one autograd pass for every magnitude
     if track_var:
         var2 = activation_variance(act_in, var1.reshape(P, N1), spec.name, own_ulps=ACT_ULPS, derivatives=ders)
-        rnd2 = activation_variance(act_in, rnd1.reshape(P, N1), spec.name, own_ulps=0.0, derivatives=ders) + a * a
+        rnd2 = activation_variance(act_in, rnd1.reshape(P, N1), spec.name, own_ulps=0.0, derivatives=ders) + spacing_sq(a)
     del var1, rnd1
     if magnitudes:
         s2 = activation_scale(act_in, scale1.reshape(P, N1), spec.name, derivatives=ders)
@@ -682,7 +682,7 @@ def forward_steps(
     cache3 = prec.r(c3).reshape(T, k, H)
     if var3 is not None:
         var3 = var3.reshape(T, k, H)
-        rnd3 = rnd3.reshape(T, k, H) + cache3 * cache3          # cache3's rounding
+        rnd3 = rnd3.reshape(T, k, H) + spacing_sq(cache3)       # cache3's rounding
     del c3
     scale3 = under3 = flip3 = one3 = None
     if magnitudes:

@@ -18,7 +18,7 @@ import torch
 from moe_lora_harness.op_contract.call import OpCall
 from moe_lora_harness.op_contract.entry import vllm_op
 from moe_lora_harness.reference.accumulation import U32, dot_variance, own_variance
-from moe_lora_harness.reference.precision import Precision, precision as make_precision, rnd
+from moe_lora_harness.reference.precision import Precision, precision as make_precision, rnd, spacing_sq
 
 _CHUNK_ELEMS = 1 << 22  # gathered weight elements per chunk (float64: 32 MiB)
 GROUPED_BYTES = 1 << 28  # the padded float64 rows, weights and products one batched GEMM of _gathered_matvecs holds
@@ -304,7 +304,7 @@ def shrink_magnitudes(x, x_scale, x_under, x_var, x_round, lora_a_stacked, layou
     if track_var:
         u64 = u.to(torch.float64)
         got["var"] = got["var"] + (U32 * U32 * K) * u64 * u64
-        got["round"] = u64 * u64 + got["round"] if "round" in got else u64 * u64
+        got["round"] = spacing_sq(u64) + got["round"] if "round" in got else spacing_sq(u64)
     return got
 
 
@@ -370,7 +370,7 @@ def lora_expand(
         c64 = cache.to(torch.float64)
         R = int(cache.shape[-1])
         cv = (U32 * U32 * R) * c64 * c64 + (0.0 if cache_var is None else cache_var.to(torch.float64))
-        cr = c64 * c64 + (0.0 if cache_round is None else cache_round.to(torch.float64))
+        cr = spacing_sq(c64) + (0.0 if cache_round is None else cache_round.to(torch.float64))
     # A pair listed twice (malformed align) is applied twice, in order: split into rounds of unique pairs.
     order = torch.argsort(layout.pair, stable=True)
     sp = layout.pair[order]
@@ -388,7 +388,7 @@ def lora_expand(
         d = got["d"] * w[:, None]
         if magnitudes:   # the expand's own accumulation over R and the shrink's carried through, times w^2
             dvar = got["var"] * (w * w)[:, None] + (U32 * U32 * (R + 1)) * d * d
-            dround = got["round"] * (w * w)[:, None] + d * d
+            dround = got["round"] * (w * w)[:, None] + spacing_sq(d)
         if prec.round_delta:
             d = prec.r(d)
         if magnitudes:
@@ -481,8 +481,8 @@ def fused_moe_lora_expected(
             cache_var = (collective_scale(cache_var) if collective_scale is not None
                          else dot_variance(cache, cache * cache, call.x.shape[-1])) + own_variance(cache)
             # each partial rounded before the join (the join's re-rounding is the expand's cache rounding)
-            cache_round = (collective_scale(cache_part * cache_part) if collective_scale is not None
-                           else cache * cache)
+            cache_round = (collective_scale(spacing_sq(cache_part)) if collective_scale is not None
+                           else spacing_sq(cache))
     if cache.shape[-1] != call.rank_b:
         raise ValueError(
             f"lora_b_stacked rank dim ({call.rank_b}) must equal the (joined) shrink rank ({cache.shape[-1]})"

@@ -121,6 +121,22 @@ def rnd_format(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
     return _round_bits(x.to(torch.float64), *_OPERAND_FORMATS[fmt])
 
 
+SPACING_GUARD = 1.0 / 32   # a value this close (relatively) below the next binade takes that binade's spacing
+
+
+def spacing_sq(v: torch.Tensor) -> torch.Tensor:
+    """float64: the square of |v|'s binade floor 2^floor(log2 |v|), one binade up within SPACING_GUARD of the next
+    (0 at 0). eps_dt^2 times it is the squared spacing of dt at a normal-range v, which v^2 only bounds (it is 0.57
+    of v^2 on average, guard included): the error model's rounding exposure. The guard covers a kernel's value that lies a few
+    spacings above the emulation's, across a power of two; below dt's normal range the underflow term adds the rest.
+    docs/error-model.md, "The statistical model"."""
+    v = v.to(torch.float64)
+    _, ex = torch.frexp(v.abs() * (1.0 + SPACING_GUARD))      # |v| (1 + guard) = m 2^ex, 0.5 <= m < 1
+    floor2 = _pow2(ex.to(torch.int64) - 1)
+    sq = torch.where(v == 0, torch.zeros_like(v), floor2 * floor2)
+    return torch.where(torch.isfinite(v), sq, v * v)
+
+
 def eps(dtype: torch.dtype) -> float:
     """Machine epsilon of `dtype` (spacing of floats just above 1), used by the error model."""
     if dtype is None:

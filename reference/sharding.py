@@ -19,7 +19,7 @@ from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.experts import (
     ExpertExpected, LoRACollectives, LoRAInputs, forward_steps, moe_experts_forward,
 )
-from moe_lora_harness.reference.precision import Precision, rnd
+from moe_lora_harness.reference.precision import Precision, rnd, spacing_sq
 from moe_lora_harness.reference.semantics import CONTRACT, Semantics
 
 __all__ = [
@@ -395,7 +395,7 @@ def _reduced_variance(outs) -> dict:
     total = all_reduce_sum([o.value for o in outs])
     squares = all_reduce_sum([o.value * o.value for o in outs])
     return dict(acc_var=all_reduce_sum([o.acc_var for o in outs]) + dot_variance(total, squares, len(outs)),
-                round_var=all_reduce_sum([o.round_var for o in outs]) + squares)
+                round_var=all_reduce_sum([o.round_var + spacing_sq(o.value) for o in outs]))
 
 
 def _even_split(n: int, parts: int) -> list[int]:

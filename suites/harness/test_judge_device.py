@@ -36,7 +36,13 @@ def test_cpu_judge_keeps_every_bit(case):
         assert {k: got[k] for k in BUILD_INDEPENDENT} == {k: RECORDED[case.to_json()][k] for k in BUILD_INDEPENDENT}
         pytest.skip(f"no judge fingerprints recorded under torch {build} (the truth's last bits are the build's): "
                     f"python -m moe_lora_harness.suites.harness.judge_golden --record")
-    assert got == recorded[case.to_json()]
+    want = recorded[case.to_json()]
+    assert {k: got[k] for k in want} == want
+    unrecorded = sorted(set(got) - set(want))
+    if unrecorded:      # a build whose verdict numbers were dropped when the judge changed, until re-recorded there
+        pytest.skip(f"{', '.join(unrecorded)} not recorded under torch {build} since the judge changed (2026-12-05, "
+                    f"the rounding exposure at dt's spacing): python -m moe_lora_harness.suites.harness.judge_golden "
+                    f"--record on that build")
 
 
 def test_the_fingerprint_sees_a_changed_input(monkeypatch):
