@@ -277,6 +277,12 @@ def check_job(options) -> _CheckJob:
     return _CheckJob(*options)
 
 
+def _judged_as_rounding_anywhere(specs: dict, outcomes: list, device) -> list:
+    """The backends whose values this run judged without a model_points_only declaration for `device`."""
+    judged = {o.backend for o in outcomes if o.judged}
+    return [n for n, spec in specs.items() if n in judged and not spec.model_points_only_for(device)]
+
+
 def cmd_check(args) -> int:
     deadline = time.monotonic() + args.budget if args.budget else None    # --budget counts from here
     device = _device(args)
@@ -346,6 +352,11 @@ def cmd_check(args) -> int:
         for name in untested:
             print(f"\nNOTHING TESTED: {name} declined every case it was offered on {device} (see its declared "
                   f"reasons above); a backend that claims nothing cannot pass")
+        for name in _judged_as_rounding_anywhere(specs, outcomes, device):
+            print(f"NOTE {name} is judged as a kernel that may round where its model does not (no "
+                  f"model_points_only declared for {device_kind(device)}): rules 3 and 4 allow one more rounding of "
+                  f"every value, at its worst-case tail; a kernel that rounds only at its model's points may declare "
+                  f"it, for aggregate verdicts several times sharper (docs/error-model.md)")
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},

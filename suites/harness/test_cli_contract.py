@@ -175,3 +175,17 @@ def test_one_registration_list_and_one_namespace():
 def test_a_backend_that_claims_everything_is_not_hurt_by_a_malformed_case():
     with pytest.raises(ValueError, match="malformed case"):
         run_case(load_ref("moe_lora_harness.backends:BUILTINS")[0], Case(T=-1), "cpu")
+
+
+def test_check_says_which_backends_are_judged_as_rounding_anywhere(capsys):
+    """A backend without a model_points_only declaration for the device is judged with rules 3 and 4's allowance for
+    rounding at other points, and check says so (a NOTE naming the declaration); a declared one gets no note."""
+    from moe_lora_harness.harness.front import cli
+    stranger = "moe_lora_harness.suites.harness.stranger_backends:TRANSFORMERS_STYLE"
+    rc = cli.main(["check", "--in-process", "--device", "cpu", "--backend", stranger, "--only",
+                   "transformers_style_experts", "--only", "eager", "--feature", "experts: silu",
+                   "--cases-per-feature", "1", "-q"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "NOTE transformers_style_experts is judged as a kernel that may round where its model does not" in out, out
+    assert "model_points_only" in out and "NOTE eager is judged" not in out, out
