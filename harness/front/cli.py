@@ -933,7 +933,8 @@ def _power(args, device: str) -> int:
         if args.json:     # after every case: a run cut by its time limit keeps what it measured
             pathlib.Path(args.json).write_text(json.dumps(power.to_json(reports), indent=1))
     # (oracle_only is 0 where assert_close fails the correct kernel: it cannot stand beside the judge there)
-    bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)]
+    bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)
+           or any(p.oracle_fails and not p.judge_fails for p in r.precision_slips)]
     for r in bad:
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
                                                        "an output assert_close fails passes the judge"))

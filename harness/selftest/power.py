@@ -7,7 +7,9 @@ by rewriting the inputs a correct expert backend is handed (partial K or N tiles
 a scaling or one slice mis-scaled, one token, slot or expert wrong): SLIPS is the only table a new class needs. For
 each slip the judge's threshold is found by bisection on alpha (the judge's truth and emulation computed once), and
 so is the oracle's; every output evaluated is judged by both, and an output the oracle fails that the judge passes
-is counted (`oracle_only`: it must stay 0). docs/error-model.md, "Power".
+is counted (`oracle_only`: it must stay 0). Beside them, a precision mistake that has no size to bisect: the base
+GEMMs' accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output judged and put to the
+oracle. docs/error-model.md, "Power".
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_output, row_groups
+from moe_lora_harness.reference.precision import Precision, precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
 
@@ -123,6 +126,42 @@ SLIPS = (
 )
 
 
+@dataclass(frozen=True)
+class TileAccumulated(Precision):
+    """A rounding model whose base GEMMs keep their accumulator in the working dtype between K tiles of `tile`
+    (`acc = tl.zeros(..., dtype=out.dtype)`: a precision mistake): rounded after every tile but the last, whose
+    rounding is the output's where the model rounds it; the LoRA GEMMs as the declared model's. One tile: the
+    model."""
+
+    tile: int = 64
+
+    @property
+    def plain_gemm(self) -> bool:
+        return self.dtype is None
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        acc = None
+        for k0 in range(0, x.shape[-1], self.tile):
+            acc = x[..., k0:k0 + self.tile] @ w[..., k0:k0 + self.tile].transpose(-1, -2) + (
+                0.0 if acc is None else self.r(acc))
+        return acc
+
+
+# the precision mistakes: a working-dtype accumulator at the BLOCK_K values vLLM's fused_moe configurations use
+ACCUMULATOR_TILES = (64, 128, 256)
+
+
+@dataclass
+class PrecisionSlip:
+    """A precision mistake's output (the declared model's emulation with the mistake) judged by the backend's rules:
+    its distance from the emulation in multiples of the emulation's own error, and each oracle's verdict."""
+
+    slip: str
+    multiple: float
+    judge_fails: bool
+    oracle_fails: bool
+
+
 @dataclass
 class Threshold:
     """Where one rule set first fails a slip: alpha, and the slip's size ||out - out_0|| as a multiple of the
@@ -154,6 +193,7 @@ class PowerReport:
     oracle_ok: bool           # the oracle on the correct output
     slips: list
     seconds: float
+    precision_slips: list = dataclasses.field(default_factory=list)   # PrecisionSlip per accumulator tile
 
 
 def _oracle_fails(out: torch.Tensor, truth: torch.Tensor) -> bool:
@@ -162,9 +202,11 @@ def _oracle_fails(out: torch.Tensor, truth: torch.Tensor) -> bool:
     return bool(bad.any() or not torch.isfinite(o).all())
 
 
-def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
+def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None,
+            tiles: bool = True) -> PowerReport:
     """Thresholds of the judge and the oracle for each slip on one expert-level case, `spec` (an expert backend
-    that claims the case) computing the slipped inputs in this process."""
+    that claims the case) computing the slipped inputs in this process; `tiles`: the working-dtype accumulator's
+    outputs (the declared model's emulation with that mistake) judged too."""
     from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
     t0 = time.time()
     precision, points_only = declared_rounding(spec, case, device)
@@ -215,8 +257,30 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
         res.append(SlipPower(slip.name, j, o, only, len(cache)))
         if progress:
             progress(f"{slip.name}: judge {j.multiple}, oracle {o.multiple}")
+    exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok) if tiles else []
     return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, oracle_ok, res,
-                       time.time() - t0)
+                       time.time() - t0, exact)
+
+
+def _accumulator_slips(case: Case, inp, truth, emu: torch.Tensor, precision: str, judge, oracle_ok: bool) -> list:
+    """The working-dtype accumulator at each of ACCUMULATOR_TILES smaller than H, judged (FP8 rows: none, their base
+    GEMMs read e4m3 codes)."""
+    from moe_lora_harness.harness.build.builders import torch_dtype
+    from moe_lora_harness.harness.build.expert_runner import expert_forward
+    if case.quant != "none":
+        return []
+    dt = torch_dtype(case)
+    base = make_precision(precision, dt)
+    forward, args, kw = expert_forward(case, inp)
+    own = float(torch.linalg.vector_norm(emu - truth.value))
+    out = []
+    for tile in (t for t in ACCUMULATOR_TILES if t < case.H):
+        prec = TileAccumulated(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Precision)}, tile=tile)
+        got = forward(*args, precision=prec, magnitudes=False, **kw).value.to(dt)
+        size = float(torch.linalg.vector_norm(got.to(torch.float64) - emu)) / own if own > 0 else math.inf
+        out.append(PrecisionSlip(f"dt-accumulator-{tile}", size, not judge(got).ok,
+                                 oracle_ok and _oracle_fails(got.to(truth.value.device), truth.value)))
+    return out
 
 
 def _fmt(t: Threshold) -> str:
@@ -243,6 +307,11 @@ def power_table(reports) -> str:
         for s in r.slips:
             oracle, only = (_fmt(s.oracle), s.oracle_only) if r.oracle_ok else ("n/a", "n/a")
             lines.append(f"{'':<44} {s.slip:<20} {_fmt(s.judge):>8} {oracle:>9} {only:>11}")
+        for p in r.precision_slips:
+            oracle = ("FAIL" if p.oracle_fails else "pass") if r.oracle_ok else "n/a"
+            only = int(p.oracle_fails and not p.judge_fails) if r.oracle_ok else "n/a"
+            lines.append(f"{'':<44} {p.slip:<20} {'FAIL' if p.judge_fails else 'pass':>8} {oracle:>9} {only:>11}"
+                         f"  (size {p.multiple:.3g}x the emulation's own error)")
     return "\n".join(lines)
 
 
@@ -253,7 +322,8 @@ def to_json(reports) -> list:
                              judge_smallest=s.judge.smallest, oracle_smallest=s.oracle.smallest,
                              no_effect=s.judge.no_effect and s.oracle.no_effect,
                              oracle_alpha=s.oracle.alpha, oracle_multiple=s.oracle.multiple,
-                             oracle_only=s.oracle_only, evaluated=s.evaluated) for s in r.slips])
+                             oracle_only=s.oracle_only, evaluated=s.evaluated) for s in r.slips],
+                 precision_slips=[dataclasses.asdict(p) for p in r.precision_slips])
             for r in reports]
 
 
