@@ -263,13 +263,13 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
 
 
 def _accumulator_slips(case: Case, inp, truth, emu: torch.Tensor, precision: str, judge, oracle_ok: bool) -> list:
-    """The working-dtype accumulator at each of ACCUMULATOR_TILES smaller than H, judged (FP8 rows: none, their base
-    GEMMs read e4m3 codes)."""
+    """The working-dtype accumulator at each of ACCUMULATOR_TILES smaller than H, judged: 16-bit dtypes only (an fp32
+    accumulator is the contract's; FP8 rows: none, their base GEMMs read e4m3 codes)."""
     from moe_lora_harness.harness.build.builders import torch_dtype
     from moe_lora_harness.harness.build.expert_runner import expert_forward
-    if case.quant != "none":
-        return []
     dt = torch_dtype(case)
+    if case.quant != "none" or dt == torch.float32:
+        return []
     base = make_precision(precision, dt)
     forward, args, kw = expert_forward(case, inp)
     own = float(torch.linalg.vector_norm(emu - truth.value))
