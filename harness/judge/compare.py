@@ -11,10 +11,9 @@ Error model (docs/error-model.md): over the elements the contract writes,
      centred on the emulation |emu - truth| + eps_dt max(|out|, |emu|) + sigmas(N) sqrt(eps_dt^2 round_var +
      acc_var) + tiny_dt * underflow (every intermediate rounding taken the other way, independently, and the fp32
      accumulation; sigmas(N) makes a false verdict on N elements less likely than FALSE_VERDICT);
-  3. in aggregate ||out - truth|| <= RATIO * max(||emulation - truth||, floor) [+ other_points_tail
-     sqrt(sum other_points) for a kernel not declared to round only at its model's points: one more rounding of
-     every value, at its 1e-9 tail], over the whole tensor and over each token row (dim 0) alone (`row_ratios`),
-     each against its own floor:
+  3. in aggregate ||out - truth|| <= RATIO * max(||emulation - truth||, floor) [+ the 1e-9 tail of one more
+     rounding of every value, `other_points_norm`, for a kernel not declared to round only at its model's points],
+     over the whole tensor and over each token row (dim 0) alone (`row_ratios`), each against its own floor:
      floor = 0.5 eps_dt ||truth|| + accumulation + 0.5 tiny_dt ||underflow|| + max(one_flip) + ||slack_flip||.
      accumulation = ACC_SIGMAS sqrt(sum acc_var): the statistical model of fp32 accumulation (the reference's
      variance bound, reference.accumulation: it grows like the values, sqrt(K), where the worst case grows like K);
@@ -69,12 +68,25 @@ EXCESS_MIN_ROWS = math.ceil(EXCESS_SIGMAS ** 2)
 
 
 def other_points_tail(tests: int = 1) -> float:
-    """Rule 3's factor c on sqrt(sum a) (a: `other_points`) below which the error of one more rounding at every value
-    stays, with probability 1 - FALSE_VERDICT / tests, whatever its covariance (the Hsu-Kakade-Zhang tail of a
-    sub-Gaussian vector's norm with the largest eigenvalue at the trace: c^2 = 1 + 2 sqrt(t) + 2 t, t = ln(tests /
-    FALSE_VERDICT)). docs/error-model.md, "Rule 3 for a kernel that rounds at other points"."""
+    """Rule 3's factor c on a row's sqrt(sum a) (a: `other_points`) below which the error of one more rounding at
+    every value stays, with probability 1 - FALSE_VERDICT / tests, whatever its covariance within the row (the
+    Hsu-Kakade-Zhang tail of a sub-Gaussian vector's norm with the largest eigenvalue at the trace: c^2 = 1 + 2 sqrt(t)
+    + 2 t, t = ln(tests / FALSE_VERDICT)). docs/error-model.md, "Rule 3 for a kernel that rounds at other points"."""
     t = math.log(max(int(tests), 1) / FALSE_VERDICT)
     return math.sqrt(1.0 + 2.0 * math.sqrt(t) + 2.0 * t)
+
+
+def other_points_norm(row_traces: torch.Tensor, tests: int = 1) -> float:
+    """The same bound for a tensor whose rows (tokens) round independently, as rule 4 takes them: its covariance is
+    block-diagonal, each block's square trace at most its trace squared and its largest eigenvalue at most the
+    largest block's trace: sqrt(tr + 2 sqrt(t sum_r A_r^2) + 2 t max_r A_r), A_r each row's sum of a. One row:
+    other_points_tail(tests) sqrt(A_r)."""
+    t = math.log(max(int(tests), 1) / FALSE_VERDICT)
+    a = row_traces.to(torch.float64).clamp_min(0)
+    tr = float(a.sum())
+    if tr <= 0:
+        return 0.0
+    return math.sqrt(tr + 2.0 * math.sqrt(t * float((a * a).sum())) + 2.0 * t * float(a.max()))
 
 
 def other_points(emulation: torch.Tensor, round_var: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -242,8 +254,14 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         floor += float(torch.linalg.vector_norm(slack_flip.to(torch.float64)))
     # a kernel that may round at other points than its model: their error has its own tail, added (rule 3)
     other = other_points(emulation, round_var, dtype) if round_var is not None and not model_points_only else None
-    tail = other_points_tail(truth.shape[0] + 1 if truth.dim() > 1 else 1)
-    base = max(emu, floor) + (0.0 if other is None else tail * math.sqrt(float(other[written].sum())) / RATIO)
+    tests = truth.shape[0] + 1 if truth.dim() > 1 else 1
+    tail = other_points_tail(tests)
+    if other is not None:
+        masked = torch.where(written, other, torch.zeros_like(other))
+        traces = masked.sum(dim=tuple(range(1, truth.dim()))) if truth.dim() > 1 else masked.sum().reshape(1)
+        base = max(emu, floor) + other_points_norm(traces, tests) / RATIO
+    else:
+        base = max(emu, floor)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     row, row_ratio = None, 0.0
     if truth.dim() > 1 and truth.shape[0] > 1:

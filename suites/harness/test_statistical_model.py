@@ -454,6 +454,11 @@ def test_rule_3_admits_a_kernel_that_rounds_at_other_points_in_a_small_row(monke
     assert _judge(case, call.output, truth, emu).ok
     t = math.log(1 / compare.FALSE_VERDICT)
     assert compare.other_points_tail(1) == pytest.approx(math.sqrt(1 + 2 * math.sqrt(t) + 2 * t))
+    # one row: the rank-one worst case; 16 independent rows of equal trace: their block-diagonal tail, much less
+    one = compare.other_points_norm(torch.tensor([4.0]), 17)
+    assert one == pytest.approx(2.0 * compare.other_points_tail(17))
+    sixteen = compare.other_points_norm(torch.full((16,), 0.25), 17)
+    assert 1.0 < sixteen < 0.5 * one and compare.other_points_norm(torch.zeros(3), 4) == 0.0
     monkeypatch.setattr(compare, "other_points_tail", lambda tests=1: 0.0)
     v = _judge(case, call.output, truth, emu)
     assert not v.ok and "rule 3 per token row" in v.message, v.summary()
