@@ -161,9 +161,13 @@ VARIANTS = {
     "rankraw": "the rank intermediate not rounded (kept at accumulator precision)",
     "rank2x": "the rank intermediate rounded twice (split-K 2: each half's partial rounded, their sum rounded)",
     "fp16acc": "GEMM products summed in fp16 (in K order, each partial sum rounded)",
+    "dtacc": "every GEMM's accumulator kept in the working dtype between K tiles of ACC_TILE (a precision mistake: "
+             "acc = tl.zeros(..., dtype=out.dtype); rounded after each tile but the last)",
     "out2x": "the output rounded twice (the delta rounded before the add)",
 }
-_EXCLUSIVE = (("tf32", "bf16ops"), ("tf32", "tf32rz"), ("tf32rz", "bf16ops"), ("rankraw", "rank2x"))
+_EXCLUSIVE = (("tf32", "bf16ops"), ("tf32", "tf32rz"), ("tf32rz", "bf16ops"), ("rankraw", "rank2x"),
+              ("fp16acc", "dtacc"))
+ACC_TILE = 64     # dtacc's K tile: the BLOCK_K vLLM's fused_moe configurations use most
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,7 @@ class Precision:
     operand: str | None = None
     accumulate: str | None = None
     rank_split: int = 1
+    acc_tile: int = 0          # > 0: the accumulator rounded to `dtype` between K tiles of this many (dtacc)
 
     def r(self, x: torch.Tensor) -> torch.Tensor:
         """Round `x` (float64) to this precision's dtype; identity when exact."""
@@ -210,7 +215,7 @@ class Precision:
     @property
     def plain_gemm(self) -> bool:
         """True when GEMMs are exact float64 products of the given values (every path preset)."""
-        return self.operand is None and self.accumulate is None
+        return self.operand is None and self.accumulate is None and not self.acc_tile
 
     def bmv(self, mats: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         """out[c] = mats[c] @ vec[c] (mats (c, M, K), vec (c, K), float64), per the GEMM model."""
@@ -231,6 +236,12 @@ class Precision:
         if self.plain_gemm:
             return x @ w.transpose(-1, -2)
         x, w = rnd_format(x, self.operand), rnd_format(w, self.operand)
+        if self.acc_tile:           # the sum of each tile exact, the running sum rounded between tiles
+            acc = None
+            for k0 in range(0, x.shape[-1], self.acc_tile):
+                part = x[..., k0:k0 + self.acc_tile] @ w[..., k0:k0 + self.acc_tile].transpose(-1, -2)
+                acc = part if acc is None else self.r(acc) + part
+            return acc
         if self.accumulate is None:
             return x @ w.transpose(-1, -2)
         acc = torch.zeros(*x.shape[:-1], w.shape[-2], dtype=torch.float64, device=x.device)
@@ -298,7 +309,7 @@ def precision(name: str, dtype: torch.dtype | None) -> Precision:
                      round_rank_intermediate=rank and "rankraw" not in variants,
                      round_delta=delta or "out2x" in variants,
                      operand=operand, accumulate="fp16" if "fp16acc" in variants else None,
-                     rank_split=2 if "rank2x" in variants else 1)
+                     rank_split=2 if "rank2x" in variants else 1, acc_tile=ACC_TILE if "dtacc" in variants else 0)
 
 
 def vllm_dispatch_path(*, naive: bool, max_rank: int, num_pairs: int, fully_sharded: bool) -> str:

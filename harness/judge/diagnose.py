@@ -16,7 +16,8 @@ from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import RATIO, compare_written
 from moe_lora_harness.harness.judge.expectation import Rules, judging, op_reference
 from moe_lora_harness.harness.build.expert_runner import expert_expectations
-from moe_lora_harness.reference.precision import PRESETS, VARIANTS, bound_dtype, compose, precision, split_name
+from moe_lora_harness.reference.precision import (ACC_TILE, PRESETS, VARIANTS, bound_dtype, compose, precision,
+                                                   split_name)
 
 GROSS_REL = 2.0 ** -5      # worst |out - truth| / scale above this: a gross (semantic) error, not diagnosed
 MATCH_DISTANCE = 2 ** -0.5  # a model matches an output this near its emulation (docs/error-model.md)
@@ -64,7 +65,8 @@ def describe(name: str) -> str:
     words = {"tf32": "TF32 operands", "tf32rz": "truncated TF32 operands", "bf16ops": "bf16 operands",
              "rankraw": "rank intermediate not rounded",
              "rank2x": "rank intermediate rounded twice", "fp16acc": "fp16 accumulation",
-             "out2x": "output rounded twice"}
+             "out2x": "output rounded twice",
+             "dtacc": f"accumulator in the working dtype between K tiles of {ACC_TILE}"}
     return " + ".join(words[v] for v in variants)
 
 
@@ -73,7 +75,8 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
 
     Each variant alone on the declared path (plus the plain path when the declaration has variants), where
     it changes something: TF32 operands (rounded or truncated) only for fp32 (fp16 and bf16 values are TF32
-    values), bf16 operands not for bf16, path variants only where reference.precision.precision accepts them.
+    values), bf16 operands not for bf16, the working-dtype accumulator not for fp32 (there it is the contract's),
+    path variants only where reference.precision.precision accepts them.
     A declared `exact` is tried against every path preset.
     """
     path, declared_variants = split_name(backend_precision)
@@ -82,7 +85,7 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     names = [path] if declared_variants else []
     for v in VARIANTS:
         if (v in declared_variants or (v in ("tf32", "tf32rz") and dtype != torch.float32)
-                or (v == "bf16ops" and dtype == torch.bfloat16)):
+                or (v == "bf16ops" and dtype == torch.bfloat16) or (v == "dtacc" and dtype == torch.float32)):
             continue
         name = compose(path, v)
         try:

@@ -7,8 +7,8 @@ by rewriting the inputs a correct expert backend is handed (partial K or N tiles
 a scaling or one slice mis-scaled, one token, slot or expert wrong): SLIPS is the only table a new class needs. For
 each slip the judge's threshold is found by bisection on alpha (the judge's truth and emulation computed once), and
 so is the oracle's; every output evaluated is judged by both, and an output the oracle fails that the judge passes
-is counted (`oracle_only`: it must stay 0). Beside them, a precision mistake that has no size to bisect: the base
-GEMMs' accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output judged and put to the
+is counted (`oracle_only`: it must stay 0). Beside them, a precision mistake that has no size to bisect: every
+GEMM's accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output judged and put to the
 oracle. docs/error-model.md, "Power".
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_output, row_groups
-from moe_lora_harness.reference.precision import Precision, precision as make_precision
+from moe_lora_harness.reference.precision import precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
 
@@ -126,28 +126,8 @@ SLIPS = (
 )
 
 
-@dataclass(frozen=True)
-class TileAccumulated(Precision):
-    """A rounding model whose base GEMMs keep their accumulator in the working dtype between K tiles of `tile`
-    (`acc = tl.zeros(..., dtype=out.dtype)`: a precision mistake): rounded after every tile but the last, whose
-    rounding is the output's where the model rounds it; the LoRA GEMMs as the declared model's. One tile: the
-    model."""
-
-    tile: int = 64
-
-    @property
-    def plain_gemm(self) -> bool:
-        return self.dtype is None
-
-    def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        acc = None
-        for k0 in range(0, x.shape[-1], self.tile):
-            acc = x[..., k0:k0 + self.tile] @ w[..., k0:k0 + self.tile].transpose(-1, -2) + (
-                0.0 if acc is None else self.r(acc))
-        return acc
-
-
-# the precision mistakes: a working-dtype accumulator at the BLOCK_K values vLLM's fused_moe configurations use
+# the precision mistake: every GEMM's accumulator kept in the working dtype between K tiles (the reference's dtacc
+# variant, Precision.acc_tile) at the BLOCK_K values vLLM's fused_moe configurations use
 ACCUMULATOR_TILES = (64, 128, 256)
 
 
@@ -275,8 +255,7 @@ def _accumulator_slips(case: Case, inp, truth, emu: torch.Tensor, precision: str
     own = float(torch.linalg.vector_norm(emu - truth.value))
     out = []
     for tile in (t for t in ACCUMULATOR_TILES if t < case.H):
-        prec = TileAccumulated(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Precision)}, tile=tile)
-        got = forward(*args, precision=prec, magnitudes=False, **kw).value.to(dt)
+        got = forward(*args, precision=dataclasses.replace(base, acc_tile=tile), magnitudes=False, **kw).value.to(dt)
         size = float(torch.linalg.vector_norm(got.to(torch.float64) - emu)) / own if own > 0 else math.inf
         out.append(PrecisionSlip(f"dt-accumulator-{tile}", size, not judge(got).ok,
                                  oracle_ok and _oracle_fails(got.to(truth.value.device), truth.value)))

@@ -130,8 +130,9 @@ def test_variants_that_coincide_with_other_models_are_bit_identical():
     bf16 = fp16.replace(dtype="bfloat16")
     assert torch.equal(emu(bf16, "one_shot_bf16ops"), emu(bf16, "one_shot"))
     assert alternatives("one_shot", torch.float16) == ["one_shot_bf16ops", "one_shot_rankraw", "one_shot_rank2x",
-                                                       "one_shot_fp16acc"]
+                                                       "one_shot_fp16acc", "one_shot_dtacc"]
     assert "small_batch_tf32" in alternatives("small_batch", torch.float32)
+    assert "small_batch_dtacc" not in alternatives("small_batch", torch.float32)   # fp32 accumulation: the contract
     assert alternatives("one_shot_tf32", torch.float32)[0] == "one_shot"
 
 

@@ -465,24 +465,27 @@ def test_rule_3_admits_a_kernel_that_rounds_at_other_points_in_a_small_row(monke
 
 
 def test_the_accumulator_slip_is_the_model_at_one_tile_and_a_failure_at_sixteen():
-    """selftest --power's precision mistake (power.TileAccumulated): with one K tile it is the declared model bit for
-    bit (one rounding of the whole sum); with 16 tiles of 64 at H 1024 its output fails the judge, declared or not,
-    and appears in the table as a judged row."""
+    """The working-dtype accumulator (reference.precision's dtacc, Precision.acc_tile; selftest --power's precision
+    mistake): with one K tile it is the declared model bit for bit (one rounding of the whole sum); with 16 tiles of 64
+    at H 1024 its output fails the judge, declared or not, the precision diagnosis names it, and the power table
+    judges it as a row."""
     import dataclasses
     from moe_lora_harness.harness.build.expert_runner import expert_forward
+    from moe_lora_harness.harness.judge.diagnose import diagnose
     from moe_lora_harness.harness.selftest import power
-    from moe_lora_harness.reference.precision import Precision, precision as make_precision
+    from moe_lora_harness.reference.precision import precision as make_precision
     case = Case.from_json(STRANGER)
     inp, truth, emu = expert_expectations(case, "one_shot")
     forward, args, kw = expert_forward(case, inp)
     base = make_precision("one_shot", torch.bfloat16)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Precision)}
-    one = forward(*args, precision=power.TileAccumulated(**fields, tile=4096), magnitudes=False, **kw).value
+    one = forward(*args, precision=dataclasses.replace(base, acc_tile=4096), magnitudes=False, **kw).value
     assert torch.equal(one, emu.value)
-    got = forward(*args, precision=power.TileAccumulated(**fields, tile=64), magnitudes=False, **kw).value
-    got = got.to(torch.bfloat16)
+    _, _, named = expert_expectations(case, "one_shot_dtacc", emulation_only=True, inputs=inp)
+    got = named.value.to(torch.bfloat16)
     for points_only in (False, True):
         assert not _judge(case, got, truth, emu, model_points_only=points_only).ok
+    d = diagnose(case, "one_shot", got, truth, inputs=inp, emulation=emu.value)
+    assert d is not None and d.model == "one_shot_dtacc", d.text
     rep = power.measure(EAGER, Case.from_json(WIDE % ("float16", 2)), "cpu", slips=(), steps=1)
     assert [p.slip for p in rep.precision_slips] == ["dt-accumulator-64", "dt-accumulator-128"]
     assert all(p.multiple > 0 for p in rep.precision_slips) and "dt-accumulator-64" in power.power_table([rep])
