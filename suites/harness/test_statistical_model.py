@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
 
 from moe_lora_harness.backends.eager import BACKEND as EAGER
 from moe_lora_harness.harness.judge import compare
@@ -15,6 +16,7 @@ from moe_lora_harness.harness.build.builders import torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.expectation import allowances
 from moe_lora_harness.harness.build.expert_runner import expert_expectations
+from moe_lora_harness.harness.draw.strategies import expert_cases
 from moe_lora_harness.reference.accumulation import U32, dot_variance
 
 F64 = torch.float64
@@ -489,3 +491,21 @@ def test_the_accumulator_slip_is_the_model_at_one_tile_and_a_failure_at_sixteen(
     rep = power.measure(EAGER, Case.from_json(WIDE % ("float16", 2)), "cpu", slips=(), steps=1)
     assert [p.slip for p in rep.precision_slips] == ["dt-accumulator-64", "dt-accumulator-128"]
     assert all(p.multiple > 0 for p in rep.precision_slips) and "dt-accumulator-64" in power.power_table([rep])
+
+
+@settings(max_examples=60, deadline=None)
+@given(expert_cases())
+def test_a_kernel_that_rounds_at_every_torch_op_passes_wherever_it_claims(case):
+    """No false verdict on a correct stranger's kernel with more rounding points than its model (the
+    transformers-style MoE, undeclared): every expert draw it claims passes (the draws of the fuzz, where rule 3 once
+    failed it on rows of H 2: docs/error-model.md, "Rule 3 for a kernel that rounds at other points")."""
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.runner import run_case
+    from moe_lora_harness.harness.spec.contract import support_for
+    from moe_lora_harness.suites.harness.stranger_backends import TRANSFORMERS_STYLE
+    case = case.replace(quant="none", bias=False, apply_router_weight_on_input=False, tp_size=1, tp_rank=0, ep_size=1,
+                        ep_rank=0, ep_tokens=(), fully_sharded=False,
+                        activation=case.activation if case.activation in ("silu", "gelu", "gelu_tanh") else "silu")
+    assume(not case.problems() and support_for(TRANSFORMERS_STYLE, case, "cpu")[0])
+    outcome = run_case(TRANSFORMERS_STYLE, case, "cpu", executor=InProcess(), reruns=0, diagnose=False)
+    assert outcome.status == "pass", (outcome.status, outcome.reason, case.to_json())
