@@ -131,8 +131,19 @@ def spacing_sq(v: torch.Tensor) -> torch.Tensor:
     spacings above the emulation's, across a power of two; below dt's normal range the underflow term adds the rest.
     docs/error-model.md, "The statistical model"."""
     v = v.to(torch.float64)
-    _, ex = torch.frexp(v.abs() * (1.0 + SPACING_GUARD))      # |v| (1 + guard) = m 2^ex, 0.5 <= m < 1
+    if v.numel() <= ROUND_CHUNK or not v.is_contiguous():
+        return _spacing_sq(v)
+    out = torch.empty_like(v)            # a production-size tensor in slices: its temporaries stay ~0.5 GiB
+    flat_in, flat_out = v.view(-1), out.view(-1)
+    for start in range(0, v.numel(), ROUND_CHUNK):
+        flat_out[start:start + ROUND_CHUNK] = _spacing_sq(flat_in[start:start + ROUND_CHUNK])
+    return out
+
+
+def _spacing_sq(v: torch.Tensor) -> torch.Tensor:
+    ex = torch.frexp(v.abs() * (1.0 + SPACING_GUARD)).exponent      # |v| (1 + guard) = m 2^ex, 0.5 <= m < 1
     floor2 = _pow2(ex.to(torch.int64) - 1)
+    del ex
     sq = torch.where(v == 0, torch.zeros_like(v), floor2 * floor2)
     return torch.where(torch.isfinite(v), sq, v * v)
 

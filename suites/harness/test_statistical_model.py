@@ -403,6 +403,13 @@ def test_the_rounding_exposure_is_the_spacing_at_the_value(dtype):
     assert torch.equal(got, want)
     assert bool((spacing_sq(v) <= (1 + SPACING_GUARD) ** 2 * v * v).all()) and 0.5 < float((spacing_sq(v) / (v * v)).mean()) < 0.62
     assert float(spacing_sq(torch.zeros(1, dtype=F64))) == 0.0
+    import moe_lora_harness.reference.precision as precision_module     # a large tensor, computed in slices
+    whole = spacing_sq(v)
+    precision_module.ROUND_CHUNK, saved = 1000, precision_module.ROUND_CHUNK
+    try:
+        assert torch.equal(spacing_sq(v), whole)
+    finally:
+        precision_module.ROUND_CHUNK = saved
 
 
 STRANGER = '{"level":"expert","T":128,"H":1024,"I":512,"E":8,"top_k":2,"max_rank":16,"dtype":"bfloat16","seed":4}'
