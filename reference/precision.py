@@ -140,12 +140,12 @@ def spacing_sq(v: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_EXPONENT_BITS = 0x7FF0000000000000    # float64's exponent field: kept alone, a value's binade floor 2^floor(log2 |v|)
+
+
 def _spacing_sq(v: torch.Tensor) -> torch.Tensor:
-    ex = torch.frexp(v.abs() * (1.0 + SPACING_GUARD)).exponent      # |v| (1 + guard) = m 2^ex, 0.5 <= m < 1
-    floor2 = _pow2(ex.to(torch.int64) - 1)
-    del ex
-    sq = torch.where(v == 0, torch.zeros_like(v), floor2 * floor2)
-    return torch.where(torch.isfinite(v), sq, v * v)
+    floor2 = ((v.abs() * (1.0 + SPACING_GUARD)).view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
+    return floor2 * floor2      # 0 at 0; inf where v is not finite
 
 
 def eps(dtype: torch.dtype) -> float:
