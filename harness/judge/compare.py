@@ -97,6 +97,23 @@ def other_points(emulation: torch.Tensor, round_var: torch.Tensor, dtype: torch.
     return eps_dt * eps_dt / 12.0 * (round_var.clamp_min(0) + spacing_sq(emulation))
 
 
+def other_points_rows(emulation: torch.Tensor, round_var: torch.Tensor | None, written: torch.Tensor,
+                      dtype: torch.dtype, model_points_only: bool) -> torch.Tensor | None:
+    """Each row's (dim 0; a 1-D tensor is one row) sum of `other_points` over its written elements, whose tail rule 3
+    adds for a kernel that may round at other points than its model; None where it adds none (the backend declares
+    model_points_only, or no round_var is carried: FP8 activations)."""
+    if round_var is None or model_points_only:
+        return None
+    a = torch.where(written, other_points(emulation, round_var, dtype), torch.zeros_like(emulation))
+    return a.sum(dim=tuple(range(1, a.dim()))) if a.dim() > 1 else a.sum().reshape(1)
+
+
+def rule3_tests(truth: torch.Tensor) -> int:
+    """How many comparisons rule 3 makes of one output (each row and the whole tensor): the other-points tails'
+    union bound."""
+    return truth.shape[0] + 1 if truth.dim() > 1 else 1
+
+
 def sigmas(n: int) -> float:
     """Standard deviations beyond which any of `n` sub-Gaussian errors lies with probability below FALSE_VERDICT
     (a union bound over the elements of Hoeffding's tail 2 exp(-l^2 / 2))."""
@@ -253,22 +270,15 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     if slack_flip is not None:
         floor += float(torch.linalg.vector_norm(slack_flip.to(torch.float64)))
     # a kernel that may round at other points than its model: their error has its own tail, added (rule 3)
-    other = other_points(emulation, round_var, dtype) if round_var is not None and not model_points_only else None
-    tests = truth.shape[0] + 1 if truth.dim() > 1 else 1
-    tail = other_points_tail(tests)
-    if other is not None:
-        masked = torch.where(written, other, torch.zeros_like(other))
-        traces = masked.sum(dim=tuple(range(1, truth.dim()))) if truth.dim() > 1 else masked.sum().reshape(1)
-        base = max(emu, floor) + other_points_norm(traces, tests) / RATIO
-    else:
-        base = max(emu, floor)
+    other_rows = other_points_rows(emulation, round_var, written, dtype, model_points_only)
+    base = max(emu, floor) + (0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     row, row_ratio = None, 0.0
     if truth.dim() > 1 and truth.shape[0] > 1:
         rows = row_ratios(o64, truth, emulation, scale, written, one_flip.to(dev) if one_flip is not None else None,
                           dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype,
                           slack_flip=slack_flip.to(dev) if slack_flip is not None else None, acc_var=acc_var,
-                          other=other, tail=tail)
+                          other_rows=other_rows)
         row = int(rows.argmax())
         row_ratio = float(rows[row])
     order = torch.topk(rel.flatten(), min(6, rel.numel())).indices   # the worst six, largest first
@@ -284,7 +294,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        f"(worst {max_ulps:.3g}x); aggregate ratio {agg:.3g}", agg, max_ulps, worst, x)
     if ratio > RATIO:
         return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
-                       f"{emu:.3g} (floor {floor:.3g}" + ("" if other is None else ", plus the tail of other rounding "
+                       f"{emu:.3g} (floor {floor:.3g}" + ("" if other_rows is None else ", plus the tail of other rounding "
                        "points") + f"); bound {RATIO}", agg, max_ulps, worst, x)
     if row_ratio > RATIO:
         return Verdict(False, "aggregate", f"row {names[0]}={row}'s aggregate error is {row_ratio:.3g}x the larger "
@@ -366,10 +376,11 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
                written: torch.Tensor, one_flip: torch.Tensor | None, *, dtype: torch.dtype, k_plus_r: int,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
                slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
-               other: torch.Tensor | None = None, tail: float = 0.0) -> torch.Tensor:
+               other_rows: torch.Tensor | None = None) -> torch.Tensor:
     """(T,) float64: rule 3's ratio of each row (dim 0) over its written elements, against the row's own floor
     (one_flip[t] + slack_flip[t] its flip terms, None: none; acc_var its accumulation term, None: the worst case),
-    plus `tail` sqrt(sum `other`) / RATIO (`other_points`: a kernel that may round at other points; None: none).
+    plus other_points_tail sqrt(other_rows[t]) / RATIO (`other_points_rows`: a kernel that may round at other points;
+    None: none).
     Why per row: docs/error-model.md, "The aggregate rule per row". A row with nothing written has ratio 0."""
     for name, t in (("one_flip", one_flip), ("slack_flip", slack_flip)):
         if t is not None and (t.dim() != 1 or t.shape[0] != truth.shape[0]):
@@ -391,8 +402,8 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
     if slack_flip is not None:
         floor = floor + slack_flip.to(torch.float64)
     base = torch.maximum(emu, floor)
-    if other is not None:
-        base = base + tail * norm(other.sqrt()) / RATIO
+    if other_rows is not None:
+        base = base + other_points_tail(rule3_tests(truth)) * other_rows.to(torch.float64).sqrt() / RATIO
     ratio = kern / torch.where(base > 0, base, torch.ones_like(base))
     return torch.where(base > 0, ratio, torch.where(kern > 0, torch.full_like(kern, math.inf), torch.zeros_like(kern)))
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from moe_lora_harness.harness.judge.compare import RATIO, other_points, other_points_tail, row_ratios
+from moe_lora_harness.harness.judge.compare import RATIO, other_points_rows, row_ratios
 from moe_lora_harness.harness.judge.expectation import Rules
 from moe_lora_harness.reference.precision import bound_dtype
 
@@ -41,12 +41,10 @@ def slots_of_rows(ctx: StepContext, truth, emu, dtype) -> str:
     written = torch.zeros(ctx.rows.shape, dtype=torch.bool)
     written[:ctx.real] = True
     bdt = bound_dtype(ctx.precision, dtype)
-    rv = getattr(truth, "round_var", None)
-    other = other_points(emu.value, rv, bdt) if rv is not None and not ctx.rules.points_only else None
+    other_rows = other_points_rows(emu.value, getattr(truth, "round_var", None), written, bdt, ctx.rules.points_only)
     ratios = row_ratios(ctx.rows.to(torch.float64), truth.value, emu.value, truth.scale, written, None,
                         dtype=bdt, k_plus_r=ctx.k_plus_r, underflow=truth.underflow, work_dtype=dtype,
-                        acc_var=truth.acc_var, other=other, tail=other_points_tail(truth.value.shape[0] + 1))
-    # as the verdict's rule 3 (layer_judge._compare)
+                        acc_var=truth.acc_var, other_rows=other_rows)   # as the verdict's rule 3 (layer_judge._compare)
     over = [int(t) for t in (ratios > RATIO).nonzero()[:, 0]]
     shown = over or [int(t) for t in ratios.argsort(descending=True)[:ROWS_SHOWN]]
     by_slot: dict = {}
