@@ -182,11 +182,10 @@ def _oracle_fails(out: torch.Tensor, truth: torch.Tensor) -> bool:
     return bool(bad.any() or not torch.isfinite(o).all())
 
 
-def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None,
-            tiles: bool = True) -> PowerReport:
+def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
     """Thresholds of the judge and the oracle for each slip on one expert-level case, `spec` (an expert backend
-    that claims the case) computing the slipped inputs in this process; `tiles`: the working-dtype accumulator's
-    outputs (the declared model's emulation with that mistake) judged too."""
+    that claims the case) computing the slipped inputs in this process; and the working-dtype accumulator's outputs
+    (the declared model's emulation with that mistake) judged."""
     from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
     t0 = time.time()
     precision, points_only = declared_rounding(spec, case, device)
@@ -237,7 +236,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
         res.append(SlipPower(slip.name, j, o, only, len(cache)))
         if progress:
             progress(f"{slip.name}: judge {j.multiple}, oracle {o.multiple}")
-    exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok) if tiles else []
+    exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok)
     return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, oracle_ok, res,
                        time.time() - t0, exact)
 
