@@ -59,13 +59,8 @@ def _forward(call, *, tile: int | None, transformers: bool) -> None:
     cache3 = torch.zeros(T * k, H, dtype=dt, device=x.device)
     for e in torch.unique(flat).tolist():
         rows = (flat == e).nonzero().squeeze(1)
-        w = weights.reshape(-1)[rows].unsqueeze(1)
-        if transformers:     # the expert's output, then times the (dt) weight: two roundings
-            cache3[rows] = (_gemm(a[rows], call.w2[e], None).float() * w).to(dt)
-        elif tile is None:
-            cache3[rows] = ((a[rows].float() @ call.w2[e].float().t()) * w).to(dt)
-        else:
-            cache3[rows] = (_gemm(a[rows], call.w2[e], tile).float() * w).to(dt)
+        w = weights.reshape(-1)[rows].unsqueeze(1)     # the expert's output rounded, then times the weight
+        cache3[rows] = (_gemm(a[rows], call.w2[e], tile).float() * w).to(dt)
     if args is not None:
         fused_moe_lora(cache3.view(T, k, H), a, call.w2_lora_a, call.w2_lora_b, **args, mul_routed_weight=True,
                        max_lora_rank=int(call.w2_lora_a[0].shape[2]))

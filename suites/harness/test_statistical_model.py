@@ -386,7 +386,7 @@ def test_the_power_judge_is_the_runners_for_a_declared_tf32_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_rounding_exposure_is_the_spacing_at_the_value(dtype):
+def test_the_rounding_exposure_is_the_spacing_at_the_value(dtype, monkeypatch):
     """eps_dt^2 spacing_sq(v) is the square of dt's spacing at a normal-range v (the step to the next value up),
     the next binade's within SPACING_GUARD below a power of two: at most (1 + SPACING_GUARD)^2 v^2 and about 0.57 of
     v^2 (what the exposure counted before the twenty-ninth session) on average, so rule 4's default allowance (one
@@ -405,11 +405,8 @@ def test_the_rounding_exposure_is_the_spacing_at_the_value(dtype):
     assert float(spacing_sq(torch.zeros(1, dtype=F64))) == 0.0
     import moe_lora_harness.reference.precision as precision_module     # a large tensor, computed in slices
     whole = spacing_sq(v)
-    precision_module.ROUND_CHUNK, saved = 1000, precision_module.ROUND_CHUNK
-    try:
-        assert torch.equal(spacing_sq(v), whole)
-    finally:
-        precision_module.ROUND_CHUNK = saved
+    monkeypatch.setattr(precision_module, "ROUND_CHUNK", 1000)
+    assert torch.equal(spacing_sq(v), whole)
 
 
 STRANGER = '{"level":"expert","T":128,"H":1024,"I":512,"E":8,"top_k":2,"max_rank":16,"dtype":"bfloat16","seed":4}'
