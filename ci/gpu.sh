@@ -26,10 +26,14 @@
 #             the repository): every check row, `check --model` at served shapes, and `fuzz --jobs 8` over it and
 #             over our op, 60 s each (issue 32's throughput figures were taken on vLLM's op); SGLang's op too
 #             where SGLANG_SOURCE is set (examples/sglang_wheel_op); not in `all`
+#   power     issue 30: the judge's power at served shapes (`selftest --power`, our triton_experts): Qwen3-235B-A22B
+#             decode to prefill in bf16/fp16, DeepSeek-V3 and Mixtral-8x7B at 256 and 4113, fp32 and ranks 16/32,
+#             decode as 256 calls of one token; then this build's judge fingerprints re-recorded
+#             (suites/harness/judge_golden_builds.json copied to $OUT: commit it); about 9 min; not in `all`
 #   served    `fuzz --model M --jobs 8` over our triton_experts for each catalogued model (SERVED_BUDGET each, default
 #             60s; SERVED_MODELS to choose): correct kernels fuzzed at served shapes (issue 30 asks for 10,000
 #             examples); the examples and failures per model in served_summary.txt; not in `all`
-#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz|thirdparty|served ...] [-- extra bench_lora_op args]
+#   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz|thirdparty|power|served ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 targets=()
@@ -38,8 +42,8 @@ while [[ $# -gt 0 && $1 != -- ]]; do targets+=("$1"); shift; done
 [[ ${#targets[@]} -eq 0 ]] && targets=(all)
 [[ ${targets[*]} == all ]] && targets=(tests bench experts dual sanitize layer)
 for t in "${targets[@]}"; do
-  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer|models|fp8|thirdparty|served) ;;
-    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer, models, fp8, thirdparty, served)"; exit 2 ;; esac
+  case $t in tests|bench|experts|dual|sanitize|ep|check|fuzz|layer|models|fp8|thirdparty|power|served) ;;
+    *) echo "ci/gpu.sh: unknown target '$t' (all, tests, bench, experts, dual, sanitize, ep, check, fuzz, layer, models, fp8, thirdparty, power, served)"; exit 2 ;; esac
 done
 OUT=${OUT:-bench/results/latest}
 mkdir -p "$OUT"
@@ -110,6 +114,21 @@ for t in "${targets[@]}"; do
       timeout 200 python3 bench/bench_fuzz.py --cli-jobs 8 --only triton --level op --device cuda --budget 60 \
         --no-reach --no-throughput --out "$OUT/fuzz_cli" > "$OUT/fuzz_cli.txt" 2>&1 || rc=1
       tail -1 "$OUT/fuzz_cli.txt" ;;
+    power)
+      P=(python3 -m moe_lora_harness selftest --power --device cuda)
+      while read -r name args; do
+        s0=$(date +%s)
+        timeout ${POWER_TIMEOUT:-170} "${P[@]}" $args --json "$OUT/power_$name.json" > "$OUT/power_$name.txt" 2>&1 || rc=1
+        echo "power $name: $(grep -c "POWER FAILED" "$OUT/power_$name.txt") classes POWER FAILED [$(( $(date +%s) - s0 ))s]"
+      done <<'ROWS'
+q235 --model qwen3-235b-a22b --tokens 1,16,256,4096+17 --dtype bfloat16,float16
+more --model deepseek-v3 --model mixtral-8x7b --tokens 256,4096+17 --dtype bfloat16
+fp32_ranks --model qwen3-30b-a3b --tokens 256,4096+17 --dtype float32,bfloat16 --rank 16,32
+decode --model qwen3-235b-a22b --tokens 1 --calls 256 --dtype bfloat16,float16
+ROWS
+      grep -h "POWER FAILED" "$OUT"/power_*.txt | cut -c1-200
+      python3 -m moe_lora_harness.suites.harness.judge_golden --record > "$OUT/judge_golden.txt" 2>&1 || rc=1
+      cp suites/harness/judge_golden_builds.json "$OUT/" ;;
     served)
       for m in ${SERVED_MODELS:-$(python3 -c "from moe_lora_harness.harness.served.models import MODELS; print(' '.join(m.name for m in MODELS))")}; do
         timeout 400 python3 -m moe_lora_harness fuzz --device cuda --model "$m" --only triton_experts --jobs 8 \
