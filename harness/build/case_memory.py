@@ -1,7 +1,8 @@
 """What one case needs in memory, and what this machine has free: model mode refuses a case that cannot fit.
 
 An estimate, not a measurement (docs/models.md): the inputs in the case's dtype, held three times (the judge's
-copy, the backend's, and the worker's bit-for-bit snapshot of the backend's), plus the float64 reference's
+copy, the backend's, and the worker's bit-for-bit snapshot of the backend's), a fourth time up to
+GUARD_MAX_BYTES (the backend's guarded copies, harness.build.guards), plus the float64 reference's
 working set (one expert's weights in float64 at a time and their absolute values for the error magnitudes, the
 LoRA factors in float64, and about fifteen float64 arrays per (token, expert) pair at each of the widths N1, I and
 H, for a GPU's token chunk at a time; twelve per output column at the op level).
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.build.expert_runner import token_chunk
 from moe_lora_harness.harness.draw.profiles import on_gpu
+from moe_lora_harness.harness.build.guards import GUARD_MAX_BYTES
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.align import align_sizes
 
@@ -40,11 +42,17 @@ class MemoryNeed:
     reference: int
 
     @property
+    def guarded(self) -> int:
+        """The backend's guarded copies of the inputs: a call of at most GUARD_MAX_BYTES has them."""
+        return self.inputs if self.inputs <= GUARD_MAX_BYTES else 0
+
+    @property
     def total(self) -> int:
-        return INPUT_COPIES * self.inputs + self.reference + FIXED
+        return INPUT_COPIES * self.inputs + self.guarded + self.reference + FIXED
 
     def describe(self) -> str:
-        return (f"needs {gib(self.total)} ({INPUT_COPIES} x {gib(self.inputs)} of inputs in the case's dtype + "
+        copies = f"{INPUT_COPIES + (1 if self.guarded else 0)} x {gib(self.inputs)}"
+        return (f"needs {gib(self.total)} ({copies} of inputs in the case's dtype + "
                 f"{gib(self.reference + FIXED)} for the float64 reference)")
 
 

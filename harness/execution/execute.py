@@ -5,7 +5,9 @@ the caller's process (`InProcess`). The inputs are drawn where the judge draws i
 the run's device, the CPU for a small case, copied to the run's device after the digest). It returns an `Execution` of plain CPU data, which the judge
 (harness/execution/runner.py) compares with the float64 reference it computed on its own. The judge checks that
 the inputs the backend saw are the ones it judged (`built_digest`), and every input tensor handed to
-the backend is compared bit for bit before and after the call (`inputs_written`).
+the backend is compared bit for bit before and after the call (`inputs_written`). Every tensor of a plain call
+(op level; expert level without EP or TP ranks) is handed over between poisoned guard bands (harness.build.guards:
+a read past an end brings NaN in, a write past one is reported, `outside_written`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from moe_lora_harness.harness.build.builders import build_expert_inputs, build_o
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import _int_view
 from moe_lora_harness.harness.spec.contract import BackendSpec
+from moe_lora_harness.harness.build.guards import Bands
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
 
 # An error after which the device context cannot be trusted: the worker is restarted.
@@ -71,6 +74,7 @@ class Execution:
     failure: Failure | None = None
     built_digest: str = ""                                 # of the CPU inputs, as built, before any move
     inputs_written: list = field(default_factory=list)     # names of input tensors the backend changed
+    outside_written: list = field(default_factory=list)    # where it wrote outside its tensors (guards.Bands)
     seconds: float = 0.0
     log: str = ""                                          # the worker's output during the call (tail)
     launches: list = field(default_factory=list)           # (kernel, tensor dtypes) run in Triton's interpreter
@@ -143,7 +147,7 @@ def release_device_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch):
+def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch, bands: list):
     at = draw_device(case, device)
     inp = build_op_inputs(case, at)     # drawn where the judge draws them
     digest = inputs_digest(inp)
@@ -152,13 +156,16 @@ def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatc
     if poison is not None:   # elements the contract neither reads nor must keep: NaN, so a missed write shows
         inp.output[poison.to(inp.output.device)] = float("nan")
     kw = inp.call_kwargs()
+    guarded = Bands.for_tensors([t for _, t in _tensors(kw)])     # each tensor between poisoned guard bands
+    kw = {k: guarded.wrap(k, v) for k, v in kw.items()}
+    bands.append(guarded)
     watch.add("", {k: v for k, v in kw.items() if k != "output"})
     spec.op(**kw)
     _sync(device)
-    return digest, inp.output
+    return digest, kw["output"]
 
 
-def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, launches: LaunchWatch):
+def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, launches: LaunchWatch, bands: list):
     from moe_lora_harness.harness.build.expert_runner import run_tp_ranks
     built = build_expert_inputs(case, draw_device(case, device))     # drawn where the judge draws them
     digest = inputs_digest(built)
@@ -175,6 +182,10 @@ def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, l
     else:
         from moe_lora_harness.harness.build.expert_runner import run_calls
         call = built.call(device)
+        guarded = Bands.for_tensors([t for _, t in _tensors(call)])   # each tensor between poisoned guard bands
+        call = dataclasses.replace(call, **{f.name: guarded.wrap(f.name, getattr(call, f.name))
+                                            for f in dataclasses.fields(call)})
+        bands.append(guarded)
         watch.add("", call)
         output = run_calls(spec, call, case)
     _sync(device)
@@ -227,12 +238,13 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
     if setup_failure is not None:
         return Execution(failure=setup_failure, seconds=time.perf_counter() - t0)
     launches = LaunchWatch()
+    bands: list = []
     try:
         with launches:
             if case.level == "op":
-                digest, out = _run_op(spec, case, device, poison, watch)
+                digest, out = _run_op(spec, case, device, poison, watch, bands)
             else:
-                digest, out = _run_expert(spec, case, device, watch, launches)
+                digest, out = _run_expert(spec, case, device, watch, launches, bands)
     except ExecutionFailure as e:   # a driver's own classification (an EP rank that died, hung or raised)
         failure = e.failure
     except BaseException as e:  # noqa: BLE001 - whatever a backend raises is its failure, never our exit
@@ -244,11 +256,12 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
                           fatal=bool(_FATAL_DEVICE_ERROR.search(msg)) or bool(getattr(e, "harness_fatal", False)))
     seconds = time.perf_counter() - t0
     written = watch.written() if failure is None else []
+    outside = [w for b in bands for w in b.written()] if failure is None else []
     cpu_out = out.detach().cpu().clone() if (out is not None and failure is None) else None
-    del out, watch
+    del out, watch, bands
     if failure is None or not failure.fatal:   # after a fatal device error the context is not touched again
         release_device_memory(device)
-    return Execution(cpu_out, failure, digest, written, seconds, launches=launches.launches)
+    return Execution(cpu_out, failure, digest, written, outside, seconds, launches=launches.launches)
 
 
 class InProcess:

@@ -19,6 +19,7 @@ from moe_lora_harness.harness.judge.compare import Verdict, differing_tokens, fo
 from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
+from moe_lora_harness.harness.build.guards import GUARD
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging,
                                                         op_expectations, row_groups)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
@@ -74,8 +75,9 @@ class Outcome:
 WRONG_VALUE_KINDS = ("element", "aggregate", "untouched")
 
 # Failure kinds, as reported: the comparison's (nonfinite, untouched, element, aggregate, shape) and these.
-FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "inputs-differ",
+FAILURE_KINDS = ("raised", "crash", "timeout", "load", "worker", "input-written", "outside-written", "inputs-differ",
                  "nondeterministic", "declaration", "accepted", "unclear-error", "environment", "not-invariant")
+# outside-written: it wrote outside its tensors' elements (the guard bands around them, harness.build.guards);
 # environment: the backend's setup failed, or it raised its own environment check (contract.ENVIRONMENT_ERRORS):
 # a failure of the run's environment, not of the kernel;
 # accepted: a configuration the contract rejects (contract.must_reject) ran instead of raising;
@@ -221,6 +223,10 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict
+    if ex.outside_written:
+        return "outside-written", (f"the backend wrote outside its tensors: {'; '.join(ex.outside_written)} (every "
+                                   f"tensor lies between guard bands of {GUARD} elements, compared bit for bit after "
+                                   "the call)"), verdict
     if not verdict.ok:
         return verdict.kind, verdict.message, verdict
     return "pass", "", verdict

@@ -245,8 +245,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         idx = (written & ~torch.isfinite(o64)).nonzero()[:6]
         ex = ", ".join(f"{tuple(int(v) for v in i)}={float(o64[tuple(i)])}" for i in idx)
         return Verdict(False, "nonfinite",
-                       f"{int(nonfinite.sum())} written element(s) are NaN/Inf (unwritten or overflow); first at "
-                       f"({', '.join(names)}): {ex}")
+                       f"{int(nonfinite.sum())} written element(s) are NaN/Inf (unwritten, overflow, or a read "
+                       f"past an input's end, where the guard bands hold NaN); first at ({', '.join(names)}): {ex}")
     eps_dt = _eps(dtype)
     acc = math.sqrt(max(k_plus_r, 1)) * EPS32
     bound = rule2_bound(o64, truth, emulation, scale, written, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow,

@@ -83,6 +83,20 @@ def _flips(kw):
         kw["output"].mul_(1.5)
 
 
+def _reads_past_x(kw):
+    """A read one element past x's end (a tile's tail without its mask), weighted by 0 as a masked product is."""
+    x = kw["qcurr_hidden_states"]
+    past = x.as_strided((x.numel() + 1,), (1,), x.storage_offset())[-1]
+    _correct({**kw, "qcurr_hidden_states": x + 0 * past})
+
+
+def _writes_past_output(kw):
+    """A correct call, then one element stored past the output's end (a store without its tail mask)."""
+    _correct(kw)
+    o = kw["output"]
+    o.as_strided((o.numel() + 1,), (1,), o.storage_offset())[-1] = 0
+
+
 HOSTILE = [
     _hostile("control", "no misbehaviour: the reference op", lambda kw: _correct(kw)),
     _hostile("system-exit", "raises SystemExit(0) (a false pass if it reached the harness's exit)", _system_exit),
@@ -96,6 +110,9 @@ HOSTILE = [
     _hostile("writes-lora-a", "adds 0.5 to lora_a_stacked[0] after a correct call", _writes("lora_a_stacked")),
     _hostile("writes-topk-weights", "adds 0.5 to topk_weights after a correct call", _writes("topk_weights")),
     _hostile("writes-expert-ids", "adds 1 to expert_ids after a correct call", _writes("expert_ids")),
+    _hostile("reads-past-x", "reads one element past x's end (times 0, as a masked tile's product)", _reads_past_x),
+    _hostile("writes-past-output", "stores one element past the output's end after a correct call",
+             _writes_past_output),
     _hostile("nondeterministic", "right on even calls, 1.5x the output on odd ones", _flips, always=True),
 ]
 BY_NAME = {s.name: s for s in HOSTILE}

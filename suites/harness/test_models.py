@@ -317,7 +317,8 @@ def test_a_case_too_large_for_the_budget_is_refused_not_run():
     assert {c.T for _, _, _, c in plan.runs} == {1}
     refused = [o for _, o in plan.prejudged]
     assert {o.case.T for o in refused} == {4113} and all(o.status == "not-runnable" for o in refused)
-    assert all("needs" in o.reason and "GiB" in o.reason and f"{INPUT_COPIES} x" in o.reason for o in refused)
+    # the inputs' copies: the judge's, the backend's, its snapshot and (a call within GUARD_MAX_BYTES) its guarded one
+    assert all("needs" in o.reason and "GiB" in o.reason and f"{INPUT_COPIES + 1} x" in o.reason for o in refused)
     nothing = plan_model(layer, _eager(), "cpu", feats, tokens=tokens, budget=1)
     assert not nothing.runs and len(nothing.prejudged) == len(every.runs)
 

@@ -36,6 +36,8 @@ EXPECTED = {   # backend -> (failure kind, text the reason must hold)
     "hostile-writes-lora-a": ("input-written", "lora_a_stacked[0]"),
     "hostile-writes-topk-weights": ("input-written", "topk_weights"),
     "hostile-writes-expert-ids": ("input-written", "expert_ids"),
+    "hostile-reads-past-x": ("nonfinite", "a read past an input's end"),
+    "hostile-writes-past-output": ("outside-written", "output: 1 element(s) past its last"),
 }
 
 

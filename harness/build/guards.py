@@ -1,0 +1,115 @@
+"""Guard bands: every tensor handed to a backend lies inside a larger buffer whose surroundings hold poison.
+
+A kernel that reads past an input's end (a tile's tail without its mask, an offset off by one) reads NaN there and
+puts it into its output, where the judge fails it ("nonfinite"), instead of reading whatever memory lay beside the
+tensor (zeros on a CPU, so such a read passes silently; anything on a GPU). A kernel that writes past any tensor's
+end changes a band, which is compared bit for bit after the call ("outside-written"). Integer tensors' bands hold
+1 (a valid slot, expert, pair and an enabled flag: a read of them does plausible, wrong work). Built here, handed
+over by harness/execution/execute.py; docs/architecture.md says what is guarded and what is not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GUARD = 2048                 # elements each side of a tensor's span: more than any tile a kernel reads past an end
+GUARD_MAX_BYTES = 2 << 30    # a call whose tensors hold more is handed over unguarded (served shapes on a GPU)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype whose elements hold `dtype`'s bits (every band operation is done on bits: FP8 dtypes have
+    no fill or masked_fill)."""
+    if dtype == torch.bool:
+        return torch.uint8
+    return _INT_OF_SIZE[torch.empty(0, dtype=dtype).element_size()] if dtype.is_floating_point else dtype
+
+
+def _poison_bits(dtype: torch.dtype) -> int:
+    """The bands' value as the bits of one element: NaN for floating dtypes, 1 for integers, True for bool."""
+    if dtype.is_floating_point:
+        return int(torch.tensor([float("nan")]).to(dtype).view(_bits_dtype(dtype))[0])
+    return 1
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from a tensor's first to its last (its strides non-negative), 0 when it has none."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+@dataclass
+class Guarded:
+    """A tensor's guarded copy: `view` (same shape, strides and values) inside a buffer (`bits`, its integer
+    view); `outside` marks the buffer's elements the view does not cover (the bands, a strided view's gaps)."""
+
+    name: str
+    view: torch.Tensor
+    bits: torch.Tensor          # the buffer, as integers of the element's size
+    outside: torch.Tensor
+    poison: int                 # the bands' bits
+
+    def written(self) -> str:
+        """'' when every element outside the view still holds the poison, else where it was written."""
+        changed = (self.bits != self.poison) & self.outside
+        if not bool(changed.any()):
+            return ""
+        at = changed.nonzero().flatten()
+        before = int((at < GUARD).sum())
+        after = int((at >= self.bits.numel() - GUARD).sum())
+        inside = at.numel() - before - after
+        parts = [f"{n} element(s) {where}" for n, where in ((before, "before its first"), (after, "past its last"),
+                                                              (inside, "between its strided elements")) if n]
+        return f"{self.name}: " + ", ".join(parts)
+
+
+def guard(name: str, t: torch.Tensor) -> Guarded | None:
+    """A guarded copy of `t`, or None for a tensor that cannot have one (negative strides, no elements)."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0 or any(s < 0 for s in t.stride()):
+        return None
+    span = _span(t)
+    poison = _poison_bits(t.dtype)
+    bits = torch.full((span + 2 * GUARD,), poison, dtype=_bits_dtype(t.dtype), device=t.device)
+    # the span of t's storage, copied whole: a view whose elements share memory (a stride of 0: one LoRA factor
+    # for every expert) keeps sharing it; the span's elements t does not cover (gaps of a strided view) are poisoned
+    bits[GUARD:GUARD + span] = t.detach().view(bits.dtype).as_strided((span,), (1,), t.storage_offset())
+    outside = torch.ones(bits.numel(), dtype=torch.bool, device=t.device)
+    outside.as_strided(tuple(t.shape), tuple(t.stride()), GUARD).fill_(False)
+    bits.masked_fill_(outside, poison)
+    view = bits.view(t.dtype).as_strided(tuple(t.shape), tuple(t.stride()), GUARD)
+    return Guarded(name, view, bits, outside, poison)
+
+
+class Bands:
+    """The guarded copies of one call's tensors; `wrap(value)` swaps a tensor (or a list of them) for its copy.
+    Off (`enabled` False) for a call whose tensors hold more than GUARD_MAX_BYTES: `Bands.for_tensors`."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.guarded: list[Guarded] = []
+
+    @classmethod
+    def for_tensors(cls, tensors) -> "Bands":
+        size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return cls(enabled=size <= GUARD_MAX_BYTES)
+
+    def wrap(self, name: str, value):
+        if not self.enabled:
+            return value
+        if isinstance(value, torch.Tensor):
+            g = guard(name, value)
+            if g is None:
+                return value
+            self.guarded.append(g)
+            return g.view
+        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+            return [self.wrap(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        return value
+
+    def written(self) -> list[str]:
+        """Where the backend wrote outside its tensors (one line per tensor it did)."""
+        return [w for w in (g.written() for g in self.guarded) if w]
