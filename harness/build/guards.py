@@ -17,28 +17,21 @@ GUARD = 2048                 # elements each side of a tensor's span: more than 
 GUARD_MAX_BYTES = 2 << 30    # a call whose tensors hold more is handed over unguarded (served shapes on a GPU)
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype whose elements hold `dtype`'s bits (every band operation is done on bits: FP8 dtypes have
-    no fill or masked_fill)."""
-    if dtype == torch.bool:
-        return torch.uint8
-    return _INT_OF_SIZE[torch.empty(0, dtype=dtype).element_size()] if dtype.is_floating_point else dtype
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of `dtype`'s size, whose view of a tensor holds its bits (NaN payloads compared as bits;
+    every band operation is done on them: FP8 dtypes have no fill or masked_fill)."""
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
 
 
 def _poison_bits(dtype: torch.dtype) -> int:
     """The bands' value as the bits of one element: NaN for floating dtypes, 1 for integers, True for bool."""
     if dtype.is_floating_point:
-        return int(torch.tensor([float("nan")]).to(dtype).view(_bits_dtype(dtype))[0])
+        return int(torch.tensor([float("nan")]).to(dtype).view(bits_dtype(dtype))[0])
     return 1
 
 
 def _span(t: torch.Tensor) -> int:
-    """Elements from a tensor's first to its last (its strides non-negative), 0 when it has none."""
-    if t.numel() == 0:
-        return 0
+    """Elements from a tensor's first to its last (it has elements, its strides non-negative)."""
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
@@ -73,7 +66,7 @@ def guard(name: str, t: torch.Tensor) -> Guarded | None:
         return None
     span = _span(t)
     poison = _poison_bits(t.dtype)
-    bits = torch.full((span + 2 * GUARD,), poison, dtype=_bits_dtype(t.dtype), device=t.device)
+    bits = torch.full((span + 2 * GUARD,), poison, dtype=bits_dtype(t.dtype), device=t.device)
     # the span of t's storage, copied whole: a view whose elements share memory (a stride of 0: one LoRA factor
     # for every expert) keeps sharing it; the span's elements t does not cover (gaps of a strided view) are poisoned
     bits[GUARD:GUARD + span] = t.detach().view(bits.dtype).as_strided((span,), (1,), t.storage_offset())

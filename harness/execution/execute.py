@@ -22,9 +22,8 @@ import torch
 
 from moe_lora_harness.harness.build.builders import build_expert_inputs, build_op_inputs, draw_device
 from moe_lora_harness.harness.spec.case import Case
-from moe_lora_harness.harness.judge.compare import _int_view
 from moe_lora_harness.harness.spec.contract import BackendSpec
-from moe_lora_harness.harness.build.guards import Bands
+from moe_lora_harness.harness.build.guards import Bands, bits_dtype
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
 
 # An error after which the device context cannot be trusted: the worker is restarted.
@@ -97,7 +96,7 @@ def _tensors(obj, prefix: str = ""):
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous()
-    return t.view(_int_view(t)) if t.is_floating_point() else t
+    return t.view(bits_dtype(t.dtype)) if t.is_floating_point() else t
 
 
 def inputs_digest(built) -> str:
@@ -147,6 +146,14 @@ def release_device_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
+def _guarded(fields: dict, bands: list) -> dict:
+    """`fields` with each tensor between poisoned guard bands (harness.build.guards), their bands kept in `bands` to
+    be read after the call."""
+    guarded = Bands.for_tensors([t for _, t in _tensors(fields)])
+    bands.append(guarded)
+    return {k: guarded.wrap(k, v) for k, v in fields.items()}
+
+
 def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch, bands: list):
     at = draw_device(case, device)
     inp = build_op_inputs(case, at)     # drawn where the judge draws them
@@ -155,10 +162,7 @@ def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatc
         inp = inp.to(device)
     if poison is not None:   # elements the contract neither reads nor must keep: NaN, so a missed write shows
         inp.output[poison.to(inp.output.device)] = float("nan")
-    kw = inp.call_kwargs()
-    guarded = Bands.for_tensors([t for _, t in _tensors(kw)])     # each tensor between poisoned guard bands
-    kw = {k: guarded.wrap(k, v) for k, v in kw.items()}
-    bands.append(guarded)
+    kw = _guarded(inp.call_kwargs(), bands)
     watch.add("", {k: v for k, v in kw.items() if k != "output"})
     spec.op(**kw)
     _sync(device)
@@ -182,10 +186,8 @@ def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, l
     else:
         from moe_lora_harness.harness.build.expert_runner import run_calls
         call = built.call(device)
-        guarded = Bands.for_tensors([t for _, t in _tensors(call)])   # each tensor between poisoned guard bands
-        call = dataclasses.replace(call, **{f.name: guarded.wrap(f.name, getattr(call, f.name))
-                                            for f in dataclasses.fields(call)})
-        bands.append(guarded)
+        call = dataclasses.replace(call, **_guarded({f.name: getattr(call, f.name) for f in dataclasses.fields(call)},
+                                                    bands))
         watch.add("", call)
         output = run_calls(spec, call, case)
     _sync(device)

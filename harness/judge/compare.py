@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lora_harness.harness.build.guards import bits_dtype      # a tensor's bits, for the bit-exact rules
 from moe_lora_harness.harness.build.properties import plain_rows   # a view's rows in the plain run's order
 from moe_lora_harness.reference.precision import spacing_sq, tiny   # rule 4's rounding and underflow units
 
@@ -417,13 +418,9 @@ def _unravel(flat: torch.Tensor, shape) -> torch.Tensor:
     return torch.stack(cols[::-1], dim=1) if cols else flat.reshape(-1, 0)
 
 
-def _int_view(t: torch.Tensor):
-    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-
-
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise bit-for-bit equality of two tensors of one dtype (NaN payloads, the sign of zero)."""
-    return a.contiguous().view(_int_view(a)) == b.contiguous().view(_int_view(b))
+    return a.contiguous().view(bits_dtype(a.dtype)) == b.contiguous().view(bits_dtype(b.dtype))
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
