@@ -147,7 +147,9 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
             return out
     hows = {how for _, how in jobs.values()}
     for e, rows in groups:
-        we = w[e].to(_F64)
+        # a fresh copy, float64 weights too: a CPU BLAS sums an unaligned view (w[e] of an odd-sized layer) in
+        # another order, last bits that a float64 layer handed over would otherwise not share with a converted one
+        we = w[e].to(_F64, copy=True)
         forms = {None: we}
         if "abs" in hows:
             forms["abs"] = we.abs()
