@@ -174,7 +174,8 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
             lambda s: dict(activation="relu2_no_mul", bias=True, ep_size=2, ep_rank=1, E=2 * s.E)),
     Feature("experts: TP 2 (sliced weights, outputs all-reduced)", "expert", lambda s: dict(tp_size=2)),
     Feature("experts: fully-sharded LoRA, TP 2", "expert", lambda s: dict(tp_size=2, fully_sharded=True)),
-    Feature("experts: int4 g128", "expert", lambda s: dict(quant="int4_g128", H=128, I=128)),
+    # two groups of 128 along both GEMMs' K: a wrong group index shows (bench/mutation_score.py, thirtieth session)
+    Feature("experts: int4 g128", "expert", lambda s: dict(quant="int4_g128", H=256, I=256)),
     Feature("experts: int8 per-channel", "expert", lambda s: dict(quant="int8_channel")),
     # FP8 with quantized activations (reference.fp8): the base GEMMs read e4m3 activations, the LoRA the unquantized
     # (one massive-activation token: a scale shared across tokens, not per token, rounds the others away)
@@ -182,7 +183,7 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
             small_cases=1, note=f"e4m3 weights per channel, activations per token (dynamic), one token "
                                 f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16; the LoRA reads the unquantized "
                                 f"activations"),
-    Feature("experts: fp8 block", "expert", lambda s: dict(quant="fp8_block", H=128, I=128, **_MASSIVE_TOKEN),
+    Feature("experts: fp8 block", "expert", lambda s: dict(quant="fp8_block", H=256, I=256, **_MASSIVE_TOKEN),
             per_case=_fp8_dtype, small_cases=1,
             note=f"DeepSeek-V3's 128x128 weight blocks, activations per token-group of 128 (dynamic), one token "
                  f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16"),
