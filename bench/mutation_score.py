@@ -48,8 +48,12 @@ TARGETS = {
                           ("triton", "triton_two_kernel")),
     "two_kernel_expand": ("moe_lora_harness.kernels.triton.two_kernel", "_expand_kernel",
                           ("triton", "triton_two_kernel")),
-    "moe_gemm": ("moe_lora_harness.kernels.triton.fused_moe_gemm", "_moe_gemm_kernel", ("triton_experts",)),
-    "moe_sum": ("moe_lora_harness.kernels.triton.moe_sum", "_sum_pairs_kernel", ("triton_experts",)),
+    # the GEMM: triton_experts and marlin_experts (its int4 weights); moe_sum: the indexed path is oai_experts'
+    # scatter_sum
+    "moe_gemm": ("moe_lora_harness.kernels.triton.fused_moe_gemm", "_moe_gemm_kernel",
+                 ("triton_experts", "marlin_experts")),
+    "moe_sum": ("moe_lora_harness.kernels.triton.moe_sum", "_sum_pairs_kernel",
+                ("triton_experts", "oai_experts", "marlin_experts")),
 }
 _SWAP = {ast.Add: "-", ast.Sub: "+", ast.Mult: "+", ast.FloorDiv: "*", ast.Mod: "//", ast.BitAnd: "|",
          ast.BitOr: "&", ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">", ast.Eq: "!=", ast.NotEq: "=="}
@@ -238,6 +242,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write every mutant's result as JSON")
     p.add_argument("--tests", default="", help="comma-separated test paths each check survivor then meets under "
                    "pytest (the CPU gate's profile), e.g. src/moe_lora_harness/suites/kernels")
+    p.add_argument("--index", help="only these mutants (comma-separated indices; with one target)")
     p.add_argument("--edits", help="only the mutants whose edit's description contains this text (e.g. mask)")
     p.add_argument("--unguarded", action="store_true", help="hand the tensors over without guard bands (to "
                    "measure what the bands add)")
@@ -266,7 +271,8 @@ def main(argv=None) -> int:
                 json.dump(results, f, indent=1)
         return 0
     for target in args.targets.split(","):
-        ms = [m for m in mutants(target) if not args.edits or args.edits in m.what]
+        ms = [m for m in mutants(target) if (not args.edits or args.edits in m.what)
+              and (not args.index or str(m.index) in args.index.split(","))]
         chosen = ms if not args.limit or len(ms) <= args.limit else sorted(
             random.Random(args.seed).sample(ms, args.limit), key=lambda m: m.index)
         print(f"{target}: {len(ms)} mutants, running {len(chosen)}", flush=True)

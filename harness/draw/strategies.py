@@ -274,6 +274,11 @@ def _call_tokens(draw, T: int) -> int:
     return draw(st.sampled_from(sizes))
 
 
+# H and I of the schemes scaled per group of 128 along K (int4_g128, fp8_block): one group, or two, so that a wrong
+# group index (the scale of group 0 read for group 1) can show; shrinks toward one
+_GROUPED_DIMS = st.sampled_from((128, 256))
+
+
 @st.composite
 def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max_dim=CPU_DRAWS["expert"].max_dim,
                  activations=EXPERT_ACTIVATIONS,
@@ -290,7 +295,7 @@ def expert_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["expert"].max_T, max
     if shape.classed:
         H, I = shape.fixed["H"], shape.fixed["I"]
     elif quant == "int4_g128":
-        H, I = 128, 128
+        H, I = draw(_GROUPED_DIMS), draw(_GROUPED_DIMS)
     else:   # 128 as before (the wide-tile paths; gated_fast_experts needs I % 128 == 0), cheap regimes only
         dims = (_dims(max_dim, aligned=(16, 32, 64, 128), min_dim=2) if regime == "base"
                 else _dims(min(max_dim, 64), aligned=(16, 32), min_dim=2))
@@ -337,12 +342,12 @@ FP8_INPUTS = ("plain", "massive")
 @st.composite
 def fp8_cases(draw, schemes=FP8_QUANTS, dtypes=FP8_DTYPES, max_T=CPU_DRAWS["expert"].max_T,
               max_dim=CPU_DRAWS["expert"].max_dim, activations=EXPERT_ACTIVATIONS):
-    """Expert-level cases with FP8 activations: a scheme of `schemes` (fp8_block: H = I = 128, its smallest), a
+    """Expert-level cases with FP8 activations: a scheme of `schemes` (fp8_block: H, I of _GROUPED_DIMS), a
     16-bit dtype of `dtypes`, the LoRA mix, biases, router weight on input, an expert_map (EP), plain or massive-
     activation inputs. Free shapes: the compile-class palettes hold no FP8 scheme."""
     scheme = draw(st.sampled_from(tuple(schemes)))
     if scheme == "fp8_block":
-        H = I = 128
+        H, I = draw(_GROUPED_DIMS), draw(_GROUPED_DIMS)
     else:
         dims = _dims(max_dim, aligned=(16, 32, 64, 128), min_dim=2)
         H, I = draw(dims), draw(dims)
@@ -400,7 +405,7 @@ def ep_cases(draw, dtypes=DTYPES_DRAWN, max_T=CPU_DRAWS["ep"].max_T, max_dim=CPU
     if shape.classed:
         H, I = shape.fixed["H"], shape.fixed["I"]
     elif quant == "int4_g128":
-        H, I = 128, 128
+        H, I = draw(_GROUPED_DIMS), draw(_GROUPED_DIMS)
     else:
         dims = (_dims(min(max_dim, 64), aligned=(16, 32), min_dim=2) if regime != "base"
                 else st.one_of(st.sampled_from(ALIGNED_DIMS), st.integers(2, max_dim)))
