@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from moe_lora_harness.harness.build.builders import build_expert_inputs, torch_dtype
+from moe_lora_harness.harness.build.guards import guard_calls
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.spec.contract import BackendSpec
 from moe_lora_harness.reference.activations import is_gated
@@ -152,13 +153,18 @@ def _rank_call(inp, case: Case, rank: int, device):
     return dataclasses.replace(call, tp_rank=rank, tp_size=case.tp_size, fully_sharded=fs)
 
 
-def run_tp_ranks(spec: BackendSpec, inp, case: Case, device, watch=None) -> torch.Tensor:
+def run_tp_ranks(spec: BackendSpec, inp, case: Case, device, watch=None, bands: list | None = None) -> torch.Tensor:
     """Every simulated TP rank's forward, their (T, H) outputs all-reduced (float64 sum, one rounding):
     what the layer returns after vLLM's final reduction. Each pass writes fresh NaN-poisoned outputs.
-    `watch` (an execute.InputWatch) snapshots each rank's inputs before the first pass."""
+    `watch` (an execute.InputWatch) snapshots each rank's inputs before the first pass. With `bands` (a list), each
+    rank's tensors, and each pass's fresh output, are handed over between guard bands, kept there to be read."""
     fs = case.fully_sharded and case.lora
     group = SimulatedTPGroup(case.tp_size)
     calls = [_rank_call(inp, case, r, device) for r in range(case.tp_size)]
+    guarded = [None] * len(calls)
+    if bands is not None:
+        calls, guarded = guard_calls(calls, [f"rank{r}." for r in range(case.tp_size)])
+        bands.extend(guarded)
     if watch is not None:
         for r, call in enumerate(calls):
             watch.add(f"rank{r}", call)
@@ -166,8 +172,10 @@ def run_tp_ranks(spec: BackendSpec, inp, case: Case, device, watch=None) -> torc
     for pass_no in range(1, (SimulatedTPGroup.PASSES if fs else 1) + 1):
         outs = []
         for r, call in enumerate(calls):
-            call = dataclasses.replace(call, output=torch.full_like(call.output, float("nan")),
-                                       lora_collective=group.hook(r, pass_no) if fs else None)
+            fresh = torch.full_like(call.output, float("nan"))
+            if guarded[r] is not None:
+                fresh = guarded[r].wrap(f"rank{r}.output" + (f" (pass {pass_no})" if fs else ""), fresh)
+            call = dataclasses.replace(call, output=fresh, lora_collective=group.hook(r, pass_no) if fs else None)
             spec.experts(call)
             outs.append(call.output)
     if str(device).startswith("cuda"):

@@ -9,6 +9,7 @@ over by harness/execution/execute.py; docs/architecture.md says what is guarded 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,16 +80,11 @@ def guard(name: str, t: torch.Tensor) -> Guarded | None:
 
 class Bands:
     """The guarded copies of one call's tensors; `wrap(value)` swaps a tensor (or a list of them) for its copy.
-    Off (`enabled` False) for a call whose tensors hold more than GUARD_MAX_BYTES: `Bands.for_tensors`."""
+    Off (`enabled` False) for a call whose tensors hold more than GUARD_MAX_BYTES: `guard_fields`."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.guarded: list[Guarded] = []
-
-    @classmethod
-    def for_tensors(cls, tensors) -> "Bands":
-        size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        return cls(enabled=size <= GUARD_MAX_BYTES)
 
     def wrap(self, name: str, value):
         if not self.enabled:
@@ -99,10 +95,38 @@ class Bands:
                 return value
             self.guarded.append(g)
             return g.view
-        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        if isinstance(value, list) and _tensors_of(value):
             return [self.wrap(f"{name}[{i}]", v) for i, v in enumerate(value)]
         return value
 
     def written(self) -> list[str]:
         """Where the backend wrote outside its tensors (one line per tensor it did)."""
         return [w for w in (g.written() for g in self.guarded) if w]
+
+
+def _tensors_of(value) -> list:
+    """The tensors `Bands.wrap` guards in one value: a tensor, or each of a list of tensors."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return []
+
+
+def guard_fields(fields: list[dict], prefixes: list[str]) -> tuple[list[dict], list[Bands]]:
+    """Each dict of call fields (one per rank, or one) with its tensors guarded; one decision for all of them (their
+    tensors together against GUARD_MAX_BYTES, as harness.build.case_memory counts them). Names carry the prefix."""
+    size = sum(t.numel() * t.element_size() for f in fields for v in f.values() for t in _tensors_of(v))
+    out, bands = [], []
+    for f, prefix in zip(fields, prefixes):
+        b = Bands(enabled=size <= GUARD_MAX_BYTES)
+        out.append({k: b.wrap(prefix + k, v) for k, v in f.items()})
+        bands.append(b)
+    return out, bands
+
+
+def guard_calls(calls: list, prefixes: list[str]) -> tuple[list, list[Bands]]:
+    """`guard_fields` for dataclass calls (harness.build.expert_runner.ExpertCall, one per EP or TP rank)."""
+    fields, bands = guard_fields([{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in calls],
+                                 prefixes)
+    return [dataclasses.replace(c, **f) for c, f in zip(calls, fields)], bands

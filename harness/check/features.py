@@ -113,6 +113,8 @@ OP_FEATURES = (
     # K / N and every other pair of the risky axes meet in the pairwise rows below); one case each when small
     Feature("op: top_k 8, E 16", "op", lambda s: dict(top_k=8, E=16, T=max(3, s.T // 2)), small_cases=1),
     Feature("op: many experts, few tokens (E=64, T=5)", "op", lambda s: dict(E=64, T=5), small_cases=1),
+    Feature("op: one token, top-1 (one expert, one block of pairs)", "op", lambda s: dict(T=1, top_k=1),
+            small_cases=1, note="the grid's first block is its last: a block-skipping test off by a block skips all"),
     Feature("op: K, N multiples of 8, not of 16", "op", lambda s: dict(H=s.H - 24, I=s.I - 24), small_cases=1),
     Feature("op: subnormal deltas (float16, x times 2^-20, add_inputs=False)", "op",
             lambda s: dict(dtype="float16", magnitude=SUBNORMAL_OP_MAGNITUDE, add_inputs=False), small_cases=1,
@@ -212,6 +214,8 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature("experts: top_k 8, E 16", "expert", lambda s: dict(top_k=8, E=16, T=max(4, s.T * 2 // 3), H=s.H * 3 // 4,
                                                          I=s.I * 2 // 3), small_cases=1),
     Feature("experts: many experts, few tokens (E=64, T=5)", "expert", lambda s: dict(E=64, T=5), small_cases=1),
+    Feature("experts: one token, top-1 (one expert, one block of pairs)", "expert", lambda s: dict(T=1, top_k=1),
+            small_cases=1, note="the grid's first block is its last: a block-skipping test off by a block skips all"),
     Feature(f"experts: swigluoai at its clamp (magnitude {CLAMP_MAGNITUDE:g}, biases)", "expert",
             lambda s: dict(activation="swigluoai", magnitude=CLAMP_MAGNITUDE, bias=True), small_cases=1,
             note="pre-activations ~ N(0, 8^2): about half pass swigluoai's limit 7"),

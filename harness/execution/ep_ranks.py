@@ -24,6 +24,7 @@ import torch
 from moe_lora_harness.harness.execution import fork_server
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec, ExpertCall
+from moe_lora_harness.harness.build.guards import guard_calls
 from moe_lora_harness.harness.execution.execute import (ExecutionFailure, Failure, InputWatch, inputs_digest,
                                                        raised_text)
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
@@ -100,11 +101,16 @@ def driver_problem(case: Case, device: str) -> str:
 # ----------------------------------------------------------------------------- simulated ranks
 
 
-def run_simulated(spec: BackendSpec, built, case: Case, device: str, watch: InputWatch | None = None) -> torch.Tensor:
-    """Every rank's call on a SimulatedGroup (threads taking turns); their outputs concatenated."""
+def run_simulated(spec: BackendSpec, built, case: Case, device: str, watch: InputWatch | None = None,
+                  bands: list | None = None) -> torch.Tensor:
+    """Every rank's call on a SimulatedGroup (threads taking turns); their outputs concatenated. With `bands` (a
+    list), each rank's tensors are handed over between guard bands, kept there to be read after the call."""
     from moe_lora_harness.harness.execution.communicator import SimulatedGroup
     group = SimulatedGroup(case.ep_size, timeout_s=collective_timeout())
     calls = [rank_call(built, case, r, device, group.rank_communicator(r)) for r in range(case.ep_size)]
+    if bands is not None:
+        calls, guarded = guard_calls(calls, [f"rank{r}." for r in range(case.ep_size)])
+        bands.extend(guarded)
     if watch is not None:
         for r, call in enumerate(calls):
             watch.add(f"rank{r}", call)

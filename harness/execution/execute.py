@@ -5,9 +5,10 @@ the caller's process (`InProcess`). The inputs are drawn where the judge draws i
 the run's device, the CPU for a small case, copied to the run's device after the digest). It returns an `Execution` of plain CPU data, which the judge
 (harness/execution/runner.py) compares with the float64 reference it computed on its own. The judge checks that
 the inputs the backend saw are the ones it judged (`built_digest`), and every input tensor handed to
-the backend is compared bit for bit before and after the call (`inputs_written`). Every tensor of a plain call
-(op level; expert level without EP or TP ranks) is handed over between poisoned guard bands (harness.build.guards:
-a read past an end brings NaN in, a write past one is reported, `outside_written`).
+the backend is compared bit for bit before and after the call (`inputs_written`). Every tensor of a call (op
+level; expert level, each simulated EP or TP rank's call too) is handed over between poisoned guard bands
+(harness.build.guards: a read past an end brings NaN in, a write past one is reported, `outside_written`); EP
+ranks run as processes and the layer level are not guarded.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from moe_lora_harness.harness.build.builders import build_expert_inputs, build_op_inputs, draw_device
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec
-from moe_lora_harness.harness.build.guards import Bands, bits_dtype
+from moe_lora_harness.harness.build.guards import bits_dtype, guard_calls, guard_fields
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
 
 # An error after which the device context cannot be trusted: the worker is restarted.
@@ -146,14 +147,6 @@ def release_device_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _guarded(fields: dict, bands: list) -> dict:
-    """`fields` with each tensor between poisoned guard bands (harness.build.guards), their bands kept in `bands` to
-    be read after the call."""
-    guarded = Bands.for_tensors([t for _, t in _tensors(fields)])
-    bands.append(guarded)
-    return {k: guarded.wrap(k, v) for k, v in fields.items()}
-
-
 def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch, bands: list):
     at = draw_device(case, device)
     inp = build_op_inputs(case, at)     # drawn where the judge draws them
@@ -162,7 +155,8 @@ def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatc
         inp = inp.to(device)
     if poison is not None:   # elements the contract neither reads nor must keep: NaN, so a missed write shows
         inp.output[poison.to(inp.output.device)] = float("nan")
-    kw = _guarded(inp.call_kwargs(), bands)
+    (kw,), guarded = guard_fields([inp.call_kwargs()], [""])
+    bands.extend(guarded)
     watch.add("", {k: v for k, v in kw.items() if k != "output"})
     spec.op(**kw)
     _sync(device)
@@ -180,14 +174,13 @@ def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, l
             watch.extra_written.extend(written)
             launches.launches.extend(remote)     # the ranks' interpreted kernels count as this call's
         else:
-            output = ep_ranks.run_simulated(spec, built, case, device, watch)
+            output = ep_ranks.run_simulated(spec, built, case, device, watch, bands)
     elif case.tp_size > 1:
-        output = run_tp_ranks(spec, built, case, device, watch)
+        output = run_tp_ranks(spec, built, case, device, watch, bands)
     else:
         from moe_lora_harness.harness.build.expert_runner import run_calls
-        call = built.call(device)
-        call = dataclasses.replace(call, **_guarded({f.name: getattr(call, f.name) for f in dataclasses.fields(call)},
-                                                    bands))
+        (call,), guarded = guard_calls([built.call(device)], [""])
+        bands.extend(guarded)
         watch.add("", call)
         output = run_calls(spec, call, case)
     _sync(device)

@@ -81,8 +81,49 @@ def test_lists_are_guarded_each_and_big_calls_are_not(monkeypatch):
     assert [g.name for g in bands.guarded] == ["lora_a[0]", "lora_a[1]"]
     assert bands.wrap("n", 3) == 3 and bands.wrap("none", None) is None
     monkeypatch.setattr(guards, "GUARD_MAX_BYTES", 7)
-    off = Bands.for_tensors([torch.randn(2)])        # 8 bytes: over the limit, handed over as it is
-    assert not off.enabled and off.wrap("x", a) is a
+    (kw,), (off,) = guards.guard_fields([{"x": a[:2]}], [""])     # 8 bytes: over the limit, handed over as it is
+    assert not off.enabled and kw["x"] is not None and kw["x"].data_ptr() == a.data_ptr()
+
+
+def test_ranks_calls_are_guarded_together_or_not_at_all(monkeypatch):
+    """One decision for every rank's call (their tensors together, as case_memory counts the guarded copies); each
+    name says its rank."""
+    calls = [{"x": torch.randn(3), "w": [torch.randn(2)]}, {"x": torch.randn(3), "w": [torch.randn(2)]}]
+    _, bands = guards.guard_fields(calls, ["rank0.", "rank1."])
+    assert [g.name for b in bands for g in b.guarded] == ["rank0.x", "rank0.w[0]", "rank1.x", "rank1.w[0]"]
+    monkeypatch.setattr(guards, "GUARD_MAX_BYTES", 39)           # each rank's 20 bytes fit; the two together not
+    _, bands = guards.guard_fields(calls, ["rank0.", "rank1."])
+    assert not any(b.enabled for b in bands)
+
+
+def _writes_past_rank_output(call):
+    """triton_experts' correct rank call, then one element stored past the rank's output (a store without its tail
+    mask)."""
+    from moe_lora_harness.harness.spec.registry import available_backends
+    available_backends()["triton_experts"].experts(call)
+    o = call.output
+    o.as_strided((o.numel() + 1,), (1,), o.storage_offset())[-1] = 0.0
+
+
+@pytest.mark.parametrize("ranks", ['"ep_size":2,"ep_tokens":[3,4],"E":8', '"tp_size":2',
+                                   '"tp_size":2,"fully_sharded":true,"max_rank":8,"ranks":[8,4]'])
+def test_a_write_past_an_ep_or_tp_ranks_output_is_reported(ranks, device):
+    """Each simulated EP or TP rank's call lies between bands too: a store past one rank's output (unguarded, it
+    would land in the next rank's rows or in memory no one reads) is `outside-written`, naming the rank."""
+    import dataclasses
+    from moe_lora_harness.harness.execution.execute import execute
+    from moe_lora_harness.harness.spec.case import Case
+    from moe_lora_harness.harness.spec.registry import available_backends
+    pytest.importorskip("triton")
+    case = Case.from_json('{"level":"expert","T":7,"H":32,"I":32,"dtype":"float32",' + ranks + '}')
+    assert not case.problems()
+    correct = available_backends()["triton_experts"]      # runs dispatched EP and both TP forms
+    assert execute(correct, case, device).outside_written == []
+    hostile = dataclasses.replace(correct, name="writes-past-rank-output", experts=_writes_past_rank_output)
+    got = execute(hostile, case, device)
+    assert got.failure is None and got.outside_written
+    assert all(w.startswith("rank") and "output" in w and "1 element(s) past its last" in w
+               for w in got.outside_written), got.outside_written
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's reads are what this shows")
