@@ -130,3 +130,13 @@ def guard_calls(calls: list, prefixes: list[str]) -> tuple[list, list[Bands]]:
     fields, bands = guard_fields([{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in calls],
                                  prefixes)
     return [dataclasses.replace(c, **f) for c, f in zip(calls, fields)], bands
+
+
+@dataclass
+class ReportedBands:
+    """Band writes found elsewhere (an EP rank's process guards its own call and reports them), read as Bands are."""
+
+    lines: list
+
+    def written(self) -> list[str]:
+        return list(self.lines)

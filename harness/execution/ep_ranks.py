@@ -138,8 +138,9 @@ def _tail(path: str, lines: int = 15) -> str:
 
 
 def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
-                  timeout_s: float | None = None) -> tuple[torch.Tensor, list, str]:
-    """Every rank as a process of its own over torch.distributed; (output, inputs written, digest seen).
+                  timeout_s: float | None = None) -> tuple[torch.Tensor, list, str, list, list]:
+    """Every rank as a process of its own over torch.distributed; (output, inputs written, digest seen, the ranks'
+    interpreted launches, writes into their guard bands: each rank guards its own call).
 
     The backend is loaded in each rank from `spec.origin`. A rank that raises, dies or hangs becomes an
     ExecutionFailure naming it (the earliest failure is the root cause; the other ranks are then stopped).
@@ -212,8 +213,9 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
             if results[r]["digest"] != digest:
                 seen = results[r]["digest"]
         written = [w for r in range(world) for w in results[r]["written"]]
+        outside = [w for r in range(world) for w in results[r]["outside"]]
         launches = [x for r in range(world) for x in results[r].get("launches", [])]
-        return torch.cat([results[r]["output"] for r in range(world)], dim=0), written, seen, launches
+        return torch.cat([results[r]["output"] for r in range(world)], dim=0), written, seen, launches, outside
 
 
 def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
@@ -231,7 +233,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
-    result: dict = {"rank": rank, "failure": None, "written": [], "digest": "", "output": None}
+    result: dict = {"rank": rank, "failure": None, "written": [], "outside": [], "digest": "", "output": None}
     joined = False
     try:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
@@ -253,6 +255,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         built = build_expert_inputs(case, draw_device(case, device))   # drawn as the judge draws (a GPU: this rank's)
         result["digest"] = inputs_digest(built)
         call = rank_call(built, case, rank, device, TorchDistributedCommunicator())
+        (call,), bands = guard_calls([call], [f"rank{rank}."])     # this rank's tensors: its own decision
         watch = InputWatch()
         watch.add(f"rank{rank}", call)
         with LaunchWatch() as launches:
@@ -261,6 +264,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         result["written"] = watch.written()
+        result["outside"] = [w for b in bands for w in b.written()]
         result["output"] = call.output.detach().cpu().clone()
     except BaseException as e:  # noqa: BLE001 - the backend's failure is this rank's result
         result["failure"] = dict(rank=rank, time=time.time(), exc_type=type(e).__name__, message=raised_text(e),

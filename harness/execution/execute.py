@@ -6,9 +6,9 @@ the run's device, the CPU for a small case, copied to the run's device after the
 (harness/execution/runner.py) compares with the float64 reference it computed on its own. The judge checks that
 the inputs the backend saw are the ones it judged (`built_digest`), and every input tensor handed to
 the backend is compared bit for bit before and after the call (`inputs_written`). Every tensor of a call (op
-level; expert level, each simulated EP or TP rank's call too) is handed over between poisoned guard bands
-(harness.build.guards: a read past an end brings NaN in, a write past one is reported, `outside_written`); EP
-ranks run as processes and the layer level are not guarded.
+level; expert level, each EP or TP rank's call too) is handed over between poisoned guard bands
+(harness.build.guards: a read past an end brings NaN in, a write past one is reported, `outside_written`); the
+layer level is not guarded.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 from moe_lora_harness.harness.build.builders import build_expert_inputs, build_op_inputs, draw_device
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec
-from moe_lora_harness.harness.build.guards import bits_dtype, guard_calls, guard_fields
+from moe_lora_harness.harness.build.guards import ReportedBands, bits_dtype, guard_calls, guard_fields
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
 
 # An error after which the device context cannot be trusted: the worker is restarted.
@@ -170,8 +170,9 @@ def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, l
     if case.dispatched:
         from moe_lora_harness.harness.execution import ep_ranks
         if case.ep_comm == "processes":
-            output, written, digest, remote = ep_ranks.run_processes(spec, case, device, digest)
+            output, written, digest, remote, outside = ep_ranks.run_processes(spec, case, device, digest)
             watch.extra_written.extend(written)
+            bands.append(ReportedBands(outside))
             launches.launches.extend(remote)     # the ranks' interpreted kernels count as this call's
         else:
             output = ep_ranks.run_simulated(spec, built, case, device, watch, bands)
