@@ -49,6 +49,10 @@ class Guarded:
 
     def written(self) -> str:
         """'' when every element outside the view still holds the poison, else where it was written."""
+        if self.view.is_contiguous() and self.view.numel() + 2 * GUARD == self.bits.numel():
+            # no gaps: the two bands are all there is outside (read alone: a layer's weights are checked every step)
+            if not bool((self.bits[:GUARD] != self.poison).any() or (self.bits[-GUARD:] != self.poison).any()):
+                return ""
         changed = (self.bits != self.poison) & self.outside
         if not bool(changed.any()):
             return ""

@@ -8,7 +8,7 @@ the inputs the backend saw are the ones it judged (`built_digest`), and every in
 the backend is compared bit for bit before and after the call (`inputs_written`). Every tensor of a call (op
 level; expert level, each EP or TP rank's call too) is handed over between poisoned guard bands
 (harness.build.guards: a read past an end brings NaN in, a write past one is reported, `outside_written`); the
-layer level is not guarded.
+layer level's in harness/execution/layer_execute.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The layer side of a scenario run: build the layer and its LoRA-disabled twin, drive both through the
-steps, hand back every output as CPU data (in the supervised worker, or in the caller's process).
+steps, hand back every output as CPU data (in the supervised worker, or in the caller's process). The weights,
+batches and mappings are handed over between guard bands (harness.build.guards); adapters are handed over as a
+checkpoint is loaded, on the CPU, unguarded.
 
 One live session is kept per process, so a search that extends a scenario step by step runs only the new
 steps (a request whose earlier steps differ from the live session's starts a new layer and replays them).
@@ -11,6 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from moe_lora_harness.harness.build.guards import GUARD, guard_calls, guard_fields
 from moe_lora_harness.harness.spec.contract import BackendSpec
 from moe_lora_harness.harness.execution.execute import Failure, HarnessInterrupt, _FATAL_DEVICE_ERROR, run_setup
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
@@ -36,10 +39,16 @@ def session_key(spec: BackendSpec, scenario: Scenario, device: str) -> tuple:
     return spec.origin, spec.name, device, scenario.config, scenario.seed
 
 
+class BandsWritten(Exception):
+    """A step wrote outside the tensors it was handed (the guard bands around them, harness.build.guards)."""
+
+
 class _Session:
     def __init__(self, spec: BackendSpec, scenario: Scenario, device: str):
         config = dataclasses.replace(scenario.config, device=device)
-        weights = base_weights(scenario, device)
+        # the weights lie between guard bands for the layer's whole life (it keeps them), each batch and mapping for
+        # its step's: a read past an end brings NaN into an output, a write past one fails the step that made it
+        (weights,), self._bands = guard_calls([base_weights(scenario, device)], ["weights."])
         self.key = session_key(spec, scenario, device)
         self._config = config
         self.steps: list = []
@@ -53,7 +62,7 @@ class _Session:
 
     def run(self, step: dict, device: str):
         kind, c = step["do"], self.layer
-        out = None
+        out, step_bands = None, []
         if kind == "load":
             c.load_adapter(step["slot"], on_cpu(adapter(self._config, step, device)))
         elif kind == "unload":
@@ -62,11 +71,18 @@ class _Session:
             c.capture(step["size"])
             _twin(self.twin.capture, step["size"])
         else:
-            b = batch(self._config, step, device)
-            c.set_mapping(mapping(step, device))
+            (b,), batch_bands = guard_calls([batch(self._config, step, device)], ["batch."])
+            (m,), mapping_bands = guard_fields([{"mapping": mapping(step, device)}], [""])
+            c.set_mapping(m["mapping"])
             call = c.forward if kind == "forward" else c.replay
             rows = _cpu(call(b))
             out = (rows, _cpu(_twin(self.twin.forward if kind == "forward" else self.twin.replay, b)))
+            step_bands = batch_bands + mapping_bands      # read after this step (a later one has its own)
+        written = [w for band in self._bands + step_bands for w in band.written()]
+        if written:
+            raise BandsWritten(f"the layer wrote outside its tensors: {'; '.join(written)} (every tensor it is "
+                               f"handed lies between guard bands of {GUARD} elements, compared bit for bit after "
+                               f"each step)")
         self.steps.append(step)
         return out
 
@@ -117,7 +133,8 @@ def execute_scenario(spec: BackendSpec, scenario: Scenario, device: str, start: 
             raise
         _LIVE.pop("session", None)
         msg = f"{e}"
-        result.failure = Failure("raised", msg[:4000], type(e).__name__,
+        result.failure = Failure("outside-written" if isinstance(e, BandsWritten) else "raised", msg[:4000],
+                                 type(e).__name__,
                                  "".join(traceback.format_exception(e)[-6:])[-6000:],
                                  fatal=bool(_FATAL_DEVICE_ERROR.search(msg)))
         result.failed_step = index

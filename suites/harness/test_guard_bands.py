@@ -161,3 +161,42 @@ def test_a_dropped_slot_check_fails_between_the_bands():
         out = run_case(TRITON_ONE_SHOT, case, "cpu", executor=InProcess(), reruns=0, diagnose=False)
     assert out.status == "fail" and out.kind == "untouched", (out.status, out.kind, out.detail)
     assert run_case(TRITON_ONE_SHOT, case, "cpu", executor=InProcess(), reruns=0).status == "pass"   # the original
+
+
+class _StoresPast:
+    """A layer that runs `inner` and then stores one element past the end of what `where` names in its batch
+    ("hidden_states") or its weights ("w2")."""
+
+    def __init__(self, inner, weights, where: str):
+        self._inner, self._weights, self._where = inner, weights, where
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def forward(self, b):
+        out = self._inner.forward(b)
+        t = getattr(b, self._where) if self._where == "hidden_states" else getattr(self._weights, self._where)
+        t.as_strided((t.numel() + 1,), (1,), t.storage_offset())[-1] = 0
+        return out
+
+
+@pytest.mark.parametrize("where", ["hidden_states", "w2"])
+def test_a_layer_writing_past_its_batch_or_weights_fails_that_step(where, device):
+    """At the layer level the weights (for the layer's life), each batch and each mapping lie between bands: a
+    store past the batch's hidden states or the w2 weights fails the first step that made it, outside-written."""
+    import dataclasses
+    from moe_lora_harness.harness.layer.layer_runner import run_scenario
+    from moe_lora_harness.harness.layer.layer_scenarios import claimed_scenario, layer_scenarios
+    from moe_lora_harness.harness.spec.registry import available_backends
+    pytest.importorskip("triton")
+    correct = available_backends()["layer_triton"]
+    hostile = dataclasses.replace(correct, name=f"stores-past-{where}",
+                                  layer=lambda config, weights: _StoresPast(correct.layer(config, weights), weights,
+                                                                            where))
+    label, sc = layer_scenarios(device)[0]
+    sc = claimed_scenario(correct, sc, device)
+    assert run_scenario(correct, sc, device).status == "pass"
+    got = run_scenario(hostile, sc, device)
+    assert got.status == "fail" and got.kind == "outside-written", (got.status, got.kind, got.reason)
+    name = "batch.hidden_states" if where == "hidden_states" else "weights.w2"
+    assert f"{name}: 1 element(s) past its last" in got.reason, got.reason
