@@ -257,6 +257,10 @@ def test_check_rows_reach_the_axes():
     assert 17 in {c.T for c in cpu if c.level == "expert"} and {17, 33} <= {c.T for c in cpu if c.level == "op"}
     assert any(c.top_k == 8 and c.E == 16 for c in cpu if c.level == "expert")
     assert any(c.E == 64 and c.T == 5 for c in cpu if c.level == "expert")
+    # found by planted source mutants (bench/mutation_score.py): a grid whose first block is its last, and a K loop
+    # that advances (a CPU's K tile is 128 from K = 128: only a K over 128 takes a second tile)
+    assert {"op", "expert"} <= {c.level for c in cpu if c.T == 1 and c.top_k == 1}
+    assert any(c.K > 128 for c in cpu if c.level == "op")
     assert any(c.outliers for c in cpu if c.level == "expert") and any(c.magnitude == 8 for c in cpu)
     assert len({c.H for c in cpu}) >= 6                          # check's H is not always 64
     for act in SUPPORTED_ACTIVATIONS:                             # every activation in fp16 and in fp32
