@@ -25,7 +25,9 @@ INPUT_COPIES = 3         # the judge's, the backend's, the worker's snapshot (ha
 OP_PAIR_ARRAYS = 12
 # 13 are alive at the peak in a fresh process (10 before the statistical model's acc_var and round_var, issue 30);
 # the peak RSS of the same case moves with what the process ran before (0.92-1.02 of the 13-array figure: a CI
-# run's test process measured 840 MB against its 827 MB), so two arrays more: the estimate is a bound, not a mean
+# run's test process measured 840 MB against its 827 MB), so two arrays more: the estimate is a bound, not a mean, for
+# a fresh process (672-840 MB against 910); a test worker that had run many other tests peaked at 951 MB (its heap's
+# history): a long-lived judge process may pass it by a few percent
 EXPERT_PAIR_ARRAYS = 15
 # what the judge allocates whatever the case's size (the reference's chunked weight gathers, its temporaries):
 # 60-120 MiB measured at small cases
