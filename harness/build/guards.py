@@ -49,7 +49,7 @@ class Guarded:
 
     def written(self) -> str:
         """'' when every element outside the view still holds the poison, else where it was written."""
-        if self.view.is_contiguous() and self.view.numel() + 2 * GUARD == self.bits.numel():
+        if self.view.is_contiguous():
             # no gaps: the two bands are all there is outside (read alone: a layer's weights are checked every step)
             if not bool((self.bits[:GUARD] != self.poison).any() or (self.bits[-GUARD:] != self.poison).any()):
                 return ""
@@ -134,6 +134,17 @@ def guard_calls(calls: list, prefixes: list[str]) -> tuple[list, list[Bands]]:
     fields, bands = guard_fields([{f.name: getattr(c, f.name) for f in dataclasses.fields(c)} for c in calls],
                                  prefixes)
     return [dataclasses.replace(c, **f) for c, f in zip(calls, fields)], bands
+
+
+def written_outside(bands) -> list[str]:
+    """Every line of `bands` (Bands or ReportedBands) saying where a backend wrote outside its tensors."""
+    return [w for b in bands for w in b.written()]
+
+
+def outside_message(who: str, lines: list[str], when: str) -> str:
+    """The failure `outside-written`'s text: who wrote where, and how the bands saw it (`when`: after what)."""
+    return (f"{who} wrote outside its tensors: {'; '.join(lines)} (every tensor it is handed lies between guard "
+            f"bands of {GUARD} elements, compared bit for bit after {when})")
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from moe_lora_harness.harness.execution import fork_server
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec, ExpertCall
-from moe_lora_harness.harness.build.guards import guard_calls
+from moe_lora_harness.harness.build.guards import guard_calls, written_outside
 from moe_lora_harness.harness.execution.execute import (ExecutionFailure, Failure, InputWatch, inputs_digest,
                                                        raised_text)
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
@@ -264,7 +264,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         result["written"] = watch.written()
-        result["outside"] = [w for b in bands for w in b.written()]
+        result["outside"] = written_outside(bands)
         result["output"] = call.output.detach().cpu().clone()
     except BaseException as e:  # noqa: BLE001 - the backend's failure is this rank's result
         result["failure"] = dict(rank=rank, time=time.time(), exc_type=type(e).__name__, message=raised_text(e),

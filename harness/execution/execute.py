@@ -24,7 +24,8 @@ import torch
 from moe_lora_harness.harness.build.builders import build_expert_inputs, build_op_inputs, draw_device
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec
-from moe_lora_harness.harness.build.guards import ReportedBands, bits_dtype, guard_calls, guard_fields
+from moe_lora_harness.harness.build.guards import (ReportedBands, bits_dtype, guard_calls, guard_fields,
+                                                   written_outside)
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
 
 # An error after which the device context cannot be trusted: the worker is restarted.
@@ -252,7 +253,7 @@ def execute(spec: BackendSpec, case: Case, device: str, poison=None, *, catch_in
                           fatal=bool(_FATAL_DEVICE_ERROR.search(msg)) or bool(getattr(e, "harness_fatal", False)))
     seconds = time.perf_counter() - t0
     written = watch.written() if failure is None else []
-    outside = [w for b in bands for w in b.written()] if failure is None else []
+    outside = written_outside(bands) if failure is None else []
     cpu_out = out.detach().cpu().clone() if (out is not None and failure is None) else None
     del out, watch, bands
     if failure is None or not failure.fatal:   # after a fatal device error the context is not touched again

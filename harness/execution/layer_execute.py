@@ -13,7 +13,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from moe_lora_harness.harness.build.guards import GUARD, guard_calls, guard_fields
+from moe_lora_harness.harness.build.guards import guard_calls, guard_fields, outside_message, written_outside
 from moe_lora_harness.harness.spec.contract import BackendSpec
 from moe_lora_harness.harness.execution.execute import Failure, HarnessInterrupt, _FATAL_DEVICE_ERROR, run_setup
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
@@ -78,11 +78,9 @@ class _Session:
             rows = _cpu(call(b))
             out = (rows, _cpu(_twin(self.twin.forward if kind == "forward" else self.twin.replay, b)))
             step_bands = batch_bands + mapping_bands      # read after this step (a later one has its own)
-        written = [w for band in self._bands + step_bands for w in band.written()]
+        written = written_outside(self._bands + step_bands)
         if written:
-            raise BandsWritten(f"the layer wrote outside its tensors: {'; '.join(written)} (every tensor it is "
-                               f"handed lies between guard bands of {GUARD} elements, compared bit for bit after "
-                               f"each step)")
+            raise BandsWritten(outside_message("the layer", written, "each step"))
         self.steps.append(step)
         return out
 

@@ -19,7 +19,7 @@ from moe_lora_harness.harness.judge.compare import Verdict, differing_tokens, fo
 from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
-from moe_lora_harness.harness.build.guards import GUARD
+from moe_lora_harness.harness.build.guards import outside_message
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging,
                                                         op_expectations, row_groups)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
@@ -224,9 +224,7 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict
     if ex.outside_written:
-        return "outside-written", (f"the backend wrote outside its tensors: {'; '.join(ex.outside_written)} (every "
-                                   f"tensor lies between guard bands of {GUARD} elements, compared bit for bit after "
-                                   "the call)"), verdict
+        return "outside-written", outside_message("the backend", ex.outside_written, "the call"), verdict
     if not verdict.ok:
         return verdict.kind, verdict.message, verdict
     return "pass", "", verdict
