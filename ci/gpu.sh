@@ -33,8 +33,10 @@
 #             the q235 row took 111 s, the fp32_ranks row 104 s, and `more` 120 s for DeepSeek-V3 at 256 tokens
 #             alone: over one call's 10 minutes in all, so POWER_ROWS (default "q235 decode more fp32_ranks") picks rows
 #   served    `fuzz --model M --jobs 8` over our triton_experts for each catalogued model (SERVED_BUDGET each, default
-#             60s; SERVED_MODELS to choose): correct kernels fuzzed at served shapes (issue 30 asks for 10,000
-#             examples); the examples and failures per model in served_summary.txt; not in `all`
+#             60s; SERVED_MODELS to choose; SERVED_JOBS campaigns, default 8, fewer where the memory rule says so):
+#             correct kernels fuzzed at served shapes (issue 30 asks for 10,000 examples); the examples and
+#             failures per model in served_summary.txt; not in `all`. A job's start (imports, compiles) is paid once:
+#             on an H100 Qwen3-30B-A3B gave 5.1 examples/s over 225 s and 4.1/s over 51 s
 #   usage: bash ci/gpu.sh [all|tests|bench|experts|dual|sanitize|ep|check|fuzz|thirdparty|power|served ...] [-- extra bench_lora_op args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,7 +136,7 @@ ROWS
       cp suites/harness/judge_golden_builds.json "$OUT/" ;;
     served)
       for m in ${SERVED_MODELS:-$(python3 -c "from moe_lora_harness.harness.served.models import MODELS; print(' '.join(m.name for m in MODELS))")}; do
-        timeout 400 python3 -m moe_lora_harness fuzz --device cuda --model "$m" --only triton_experts --jobs 8 \
+        timeout 400 python3 -m moe_lora_harness fuzz --device cuda --model "$m" --only triton_experts --jobs ${SERVED_JOBS:-8} \
           --budget ${SERVED_BUDGET:-60s} -q --no-db --out "$OUT/served_$m" > "$OUT/served_$m.txt" 2>&1 || rc=1
         echo "$m: $(tail -1 "$OUT/served_$m.txt" | cut -c1-160)"
       done | tee "$OUT/served_summary.txt" ;;
