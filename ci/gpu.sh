@@ -30,8 +30,11 @@
 #             decode to prefill in bf16/fp16, DeepSeek-V3 and Mixtral-8x7B at 256 and 4113, fp32 and ranks 16/32,
 #             decode as 256 calls of one token; then this build's judge fingerprints re-recorded
 #             (suites/harness/judge_golden_builds.json copied to $OUT: commit it); not in `all`. On an H100 (2026-12-05)
-#             the q235 row took 111 s, the fp32_ranks row 104 s, and `more` 120 s for DeepSeek-V3 at 256 tokens
-#             alone: over one call's 10 minutes in all, so POWER_ROWS (default "q235 decode more fp32_ranks") picks rows
+#             the q235 row took 111 s, the fp32_ranks row 104 s, `more` 120 s for DeepSeek-V3 at 256 tokens alone,
+#             pooled16 68 s, and decode (bf16 alone) more than 160 s: over one call's 10 minutes in all, so POWER_ROWS
+#             (default "q235 decode more fp32_ranks") picks rows, each under its own limit (POWER_TIMEOUT overrides);
+#             decode_fp16, pooled16, others (the four models no row had: 256 tokens, bf16) and long (16384 tokens)
+#             only when named
 #   served    `fuzz --model M --jobs 8` over our triton_experts for each catalogued model (SERVED_BUDGET each, default
 #             60s; SERVED_MODELS to choose; SERVED_JOBS campaigns, default 8, fewer where the memory rule says so):
 #             correct kernels fuzzed at served shapes (issue 30 asks for 10,000 examples); the examples and
@@ -120,16 +123,20 @@ for t in "${targets[@]}"; do
       tail -1 "$OUT/fuzz_cli.txt" ;;
     power)
       P=(python3 -m moe_lora_harness selftest --power --device cuda)
-      while read -r name args; do
+      while read -r name limit args; do     # limit: the row's seconds on an H100, POWER_TIMEOUT overrides
         [[ " ${POWER_ROWS:-q235 decode more fp32_ranks} " == *" $name "* ]] || continue
         s0=$(date +%s)
-        timeout ${POWER_TIMEOUT:-170} "${P[@]}" $args --json "$OUT/power_$name.json" > "$OUT/power_$name.txt" 2>&1 || rc=1
+        timeout ${POWER_TIMEOUT:-$limit} "${P[@]}" $args --json "$OUT/power_$name.json" > "$OUT/power_$name.txt" 2>&1 || rc=1
         echo "power $name: $(grep -c "POWER FAILED" "$OUT/power_$name.txt") classes POWER FAILED [$(( $(date +%s) - s0 ))s]"
       done <<'ROWS'
-q235 --model qwen3-235b-a22b --tokens 1,16,256,4096+17 --dtype bfloat16,float16
-decode --model qwen3-235b-a22b --tokens 1 --calls 256 --dtype bfloat16,float16
-more --model deepseek-v3 --model mixtral-8x7b --tokens 256,4096+17 --dtype bfloat16
-fp32_ranks --model qwen3-30b-a3b --tokens 256,4096+17 --dtype float32,bfloat16 --rank 16,32
+q235 170 --model qwen3-235b-a22b --tokens 1,16,256,4096+17 --dtype bfloat16,float16
+decode 240 --model qwen3-235b-a22b --tokens 1 --calls 256 --dtype bfloat16
+decode_fp16 240 --model qwen3-235b-a22b --tokens 1 --calls 256 --dtype float16
+more 170 --model deepseek-v3 --model mixtral-8x7b --tokens 256,4096+17 --dtype bfloat16
+fp32_ranks 170 --model qwen3-30b-a3b --tokens 256,4096+17 --dtype float32,bfloat16 --rank 16,32
+pooled16 120 --model qwen3-235b-a22b --tokens 16 --calls 16 --dtype bfloat16,float16
+others 300 --model mixtral-8x22b --model gpt-oss-20b --model gpt-oss-120b --model nemotron-3-nano-30b-a3b --tokens 256 --dtype bfloat16
+long 300 --model qwen3-30b-a3b --tokens 16384 --dtype bfloat16,float16
 ROWS
       grep -h "POWER FAILED" "$OUT"/power_*.txt | cut -c1-200
       python3 -m moe_lora_harness.suites.harness.judge_golden --record > "$OUT/judge_golden.txt" 2>&1 || rc=1
