@@ -16,7 +16,7 @@ output's per-element bound is the smallest number of spacings its deviation cann
             every column of its pair, so they are taken at their worst (a shift), which is what makes the bound
             valid; STUDY_OPTIMISTIC=1 takes them as independent terms instead (not valid: shows what sharing costs).
 Printed beside what a correct kernel (eager) does, rule 2's present bound and assert_close(2e-2). Measured
-(thirty-second session, bf16): bennett 49 spacings at the median against rule 2's 23; chernoff, see
+(thirty-second session, bf16): bennett 49 spacings at the median against rule 2's 23; chernoff over 200; see
 bench/results/2026-12-05-cpu-s32/. docs/error-model.md, "Where the power table stands".
 
     python bench/flip_bound_study.py [--dtype bfloat16] [--tokens 256] [--model bennett|chernoff]
@@ -197,7 +197,7 @@ class Terms:
                     cs = torch.minimum(cs, 2 * torch.exp((psi - lam * ta).clamp(max=0)))
                 cs = torch.where(self.mom[0] > 0, cs, (ta <= 0).to(F64))
             else:
-                cs = (self.mom[0] <= 0).to(F64)                   # no terms: nothing left for them to pass
+                cs = (self.mom[0] > 0).to(F64)                    # no share of t: 1 where there are terms, 0 where none
             tg = (1 - a_) * t
             pg = torch.where(v > 0, 2 * torch.exp(-tg.clamp_min(0) ** 2 / (2 * v.clamp_min(1e-300))), (tg <= 0).to(F64))
             best = torch.minimum(best, (pg + cs).clamp(max=1.0))
