@@ -38,7 +38,8 @@ from moe_lora_harness.reference.accumulation import ACT_ULPS, U32
 from moe_lora_harness.reference.precision import rnd
 
 F64 = torch.float64
-P_MIN = float(os.environ.get("STUDY_P_MIN", "1e-15"))       # flips less likely than this are left out of the sums (their total is reported)
+# flips less likely than this are left out of the sums (their total is reported)
+P_MIN = float(os.environ.get("STUDY_P_MIN", "1e-15"))
 
 
 class Point:
@@ -69,18 +70,21 @@ def _bennett(t, var, big):
     return torch.where(t <= 0, torch.ones_like(p), p)
 
 
-def bernstein_tail(t: torch.Tensor, sigma2: torch.Tensor, var: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
-    """P(|X| >= t) for X = G + S, G sub-Gaussian (sigma2: the point's own fp32 error) and S a sum of independent
-    centred terms (variance var, each at most big: the upstream flips): the smallest over splits t = (1 - a) t + a t
-    of P(|G| >= (1 - a) t) + P(|S| >= a t) (Gaussian tail and Bennett's)."""
+SPLITS = (0.0, 0.25, 0.5, 0.7, 0.85, 0.95, 1.0)
+
+
+def split_tail(t, v, terms_tail, at_zero):
+    """P(|G + S| >= t), G Gaussian of variance v (the fp32 errors) and S the flip terms: the smallest over splits
+    t = (1 - a) t + a t of P(|G| >= (1 - a) t) + P(|S| >= a t), the latter `terms_tail(a t)` (`at_zero` where a is
+    0); 1 where t <= 0."""
     best = torch.ones_like(t)
-    for a_ in (0.0, 0.25, 0.5, 0.7, 0.85, 0.95, 1.0):
+    for a_ in SPLITS:
         tg = (1 - a_) * t
-        pg = torch.where(sigma2 > 0, (2 * torch.exp(-tg * tg / (2 * sigma2.clamp_min(1e-300)))).clamp(max=1.0),
+        pg = torch.where(v > 0, (2 * torch.exp(-tg.clamp_min(0) ** 2 / (2 * v.clamp_min(1e-300)))).clamp(max=1.0),
                          (tg <= 0).to(F64))
-        ps = _bennett(a_ * t, var, big)
+        ps = at_zero if a_ == 0 else terms_tail(a_ * t)
         best = torch.minimum(best, (pg + ps).clamp(max=1.0))
-    return best
+    return torch.where(t <= 0, torch.ones_like(best), best)
 
 
 class Dev:
@@ -111,13 +115,15 @@ class Dev:
         r = lambda z: z.reshape(T, k, -1)
         return Dev(r(self.var).sum(1), r(self.mean).sum(1), r(self.big).amax(1), r(self.l1).sum(1))
 
-    def tail(self, t, sigma2):
-        """P(|G + S| >= t): Bennett's split, or where t passes the terms' summed sizes, the Gaussian part alone."""
+    def tail(self, t, sigma2, unit=None):
+        """P(|G + S| >= t): Bennett's split, or where t passes the terms' summed sizes, the Gaussian part alone
+        (`unit` is the Chernoff model's)."""
         t = (t - self.mean).clamp_min(0)
         capped = torch.where(sigma2 > 0, (2 * torch.exp(-((t - self.l1).clamp_min(0)) ** 2
                                                         / (2 * sigma2.clamp_min(1e-300)))).clamp(max=1.0),
                              (t <= self.l1).to(F64))
-        return torch.minimum(bernstein_tail(t, sigma2, self.var, self.big), capped)
+        bennett = split_tail(t, sigma2, lambda ta: _bennett(ta, self.var, self.big), torch.ones_like(t))
+        return torch.minimum(bennett, capped)
 
     def rounded(self, pt: "Point", sigma2, p, live, wide, shared):
         """The deviation after the point's rounding: a narrow point's own flip (variance p s^2, mean p s, size s); a
@@ -126,9 +132,7 @@ class Dev:
         q = torch.where(live, p, torch.zeros_like(p))
         narrow = Dev(q * pt.s * pt.s, q * pt.s, pt.s * live, pt.s * live)
         passing = Dev(self.var + sigma2 + pt.s * pt.s, self.mean, torch.maximum(self.big, pt.s), self.l1 + pt.s)
-        pick = lambda a, b: torch.where(wide, a, b)
-        return Dev(pick(passing.var, narrow.var), pick(passing.mean, narrow.mean), pick(passing.big, narrow.big),
-                   pick(passing.l1, narrow.l1))
+        return fieldwise(lambda a, b: torch.where(wide, a, b), passing, narrow)
 
 
 MOMENTS = 12                                            # the Chernoff model's series, up to this power
@@ -177,31 +181,21 @@ class Terms:
     def tail(self, t, sigma2, unit):
         """P(|dev| >= t): the Gaussian part's own tail beside Chernoff's for the terms (over LAMBDAS / unit, both
         signs), at the best of a few splits of t between them."""
-        t = t - self.shift
-        v = self.var + sigma2
-        chern = {}
-        best = torch.ones_like(t)
-        for a_ in (0.0, 0.25, 0.5, 0.7, 0.85, 0.95, 1.0):
-            ta = a_ * t
-            cs = torch.ones_like(t)
-            if a_ > 0:
-                for g in LAMBDAS.tolist():
-                    lam = g / unit
-                    x = lam * self.big
-                    psi = torch.zeros_like(t)
-                    term = torch.ones_like(t)
-                    for m in range(1, MOMENTS + 1):
-                        term = term * lam / m                     # lambda^m / m!
-                        psi = psi + term * self.mom[m]
-                    psi = psi + self.mom[0] * x ** (MOMENTS + 1) / math.factorial(MOMENTS + 1) * torch.exp(x.clamp(max=700))
-                    cs = torch.minimum(cs, 2 * torch.exp((psi - lam * ta).clamp(max=0)))
-                cs = torch.where(self.mom[0] > 0, cs, (ta <= 0).to(F64))
-            else:
-                cs = (self.mom[0] > 0).to(F64)                    # no share of t: 1 where there are terms, 0 where none
-            tg = (1 - a_) * t
-            pg = torch.where(v > 0, 2 * torch.exp(-tg.clamp_min(0) ** 2 / (2 * v.clamp_min(1e-300))), (tg <= 0).to(F64))
-            best = torch.minimum(best, (pg + cs).clamp(max=1.0))
-        return torch.where(t <= 0, torch.ones_like(best), best)
+        def chernoff(ta):
+            cs = torch.ones_like(ta)
+            for g in LAMBDAS.tolist():
+                lam = g / unit
+                x = lam * self.big
+                psi = torch.zeros_like(ta)
+                term = torch.ones_like(ta)
+                for m in range(1, MOMENTS + 1):
+                    term = term * lam / m                         # lambda^m / m!
+                    psi = psi + term * self.mom[m]
+                psi = psi + self.mom[0] * x ** (MOMENTS + 1) / math.factorial(MOMENTS + 1) * torch.exp(x.clamp(max=700))
+                cs = torch.minimum(cs, 2 * torch.exp((psi - lam * ta).clamp(max=0)))
+            return torch.where(self.mom[0] > 0, cs, (ta <= 0).to(F64))
+        # no share of t for the terms: 1 where there are terms, 0 where none
+        return split_tail(t - self.shift, self.var + sigma2, chernoff, (self.mom[0] > 0).to(F64))
 
     def rounded(self, pt: "Point", sigma2, p, live, wide, shared):
         """After the point's rounding: a narrow point's flip, a term of its own (probability p, size s), or where
@@ -215,24 +209,27 @@ class Terms:
         narrow = Terms(z, [q] + [q * pt.s ** m for m in range(1, MOMENTS + 1)], pt.s * live, z)
         passing = Terms(self.shift, [self.mom[0] + 1] + [self.mom[m] + pt.s ** m for m in range(1, MOMENTS + 1)],
                         torch.maximum(self.big, pt.s), self.var + sigma2)
-        pick = lambda a, b: torch.where(wide, a, b)
-        return Terms(pick(passing.shift, narrow.shift), [pick(a, b) for a, b in zip(passing.mom, narrow.mom)],
-                     pick(passing.big, narrow.big), pick(passing.var, narrow.var))
+        return fieldwise(lambda a, b: torch.where(wide, a, b), passing, narrow)
 
 
 def _quantile(up, pt, sigma2):
     """The smallest multiple of the point's spacing that its deviation passes with probability <= P_MIN."""
     q = torch.full_like(pt.s, math.inf)
     for m in range(0, 200):
-        ok = _tail(up, m * pt.s, sigma2, pt.s) <= P_MIN
+        ok = up.tail(m * pt.s, sigma2, pt.s) <= P_MIN
         q = torch.where(ok & torch.isinf(q), m * pt.s, q)
         if not torch.isinf(q).any():
             break
     return q
 
 
-def _tail(up, t, sigma2, unit):
-    return up.tail(t, sigma2, unit) if isinstance(up, Terms) else up.tail(t, sigma2)
+def fieldwise(fn, first, *rest):
+    """A model's deviation (Dev or Terms) with `fn` applied to each field, elementwise across `rest` (a list field:
+    each of its tensors)."""
+    fields = []
+    for vals in zip(*(vars(o).values() for o in (first, *rest))):
+        fields.append([fn(*xs) for xs in zip(*vals)] if isinstance(vals[0], list) else fn(*vals))
+    return type(first)(*fields)
 
 
 def _bmv(M, v):
@@ -250,8 +247,8 @@ LOST = [0.0]
 def round_point(pt: "Point", sigma2: torch.Tensor, up, shared: bool = False):
     """(the deviation after the point's rounding, (its flip probability, wide)). Wide: the deviation may pass the
     boundary beyond the nearest with probability over P_MIN, so it is not one spacing at most."""
-    p = _tail(up, pt.d, sigma2, pt.s)
-    wide = _tail(up, pt.d + pt.s, sigma2, pt.s) > P_MIN
+    p = up.tail(pt.d, sigma2, pt.s)
+    wide = up.tail(pt.d + pt.s, sigma2, pt.s) > P_MIN
     live = p > P_MIN
     LOST[0] += float(p[~live & ~wide].sum())
     return up.rounded(pt, sigma2, p, live, wide, shared), (torch.where(wide, torch.ones_like(p), p), wide)
@@ -306,7 +303,7 @@ def study(dtype: str = "bfloat16", tokens: int = 256, model: str = "bennett"):
         gs = slice(s_i * I, (s_i + 1) * I)
         yc = g1.v[:, gs] + dd.v
         c = Point(yc, dt)
-        gpart = Z(*[[t[:, gs] for t in f] if isinstance(f, list) else f[:, gs] for f in vars(dg1).values()])
+        gpart = fieldwise(lambda f: f[:, gs], dg1)
         dc, probs[f"cache1 {s_i}"] = round_point(c, U32 * U32 * yc * yc, gpart + ddd)
         cache.append((c, dc))
     (cg, dcg), (cu, dcu) = cache
@@ -359,7 +356,7 @@ def study(dtype: str = "bfloat16", tokens: int = 256, model: str = "bennett"):
     steps = torch.full_like(yo, math.inf)
     for m in range(0, 200):      # |out - emu| <= m spacings unless the pre-value moved past d + (m - 1) s
         reach = o.d + max(m - 1, 0) * o.s if m else o.d
-        ok = _tail(up, reach, sig, o.s) <= target
+        ok = up.tail(reach, sig, o.s) <= target
         steps = torch.where(ok & torch.isinf(steps), torch.full_like(steps, float(m)), steps)
         if not torch.isinf(steps).any():
             break
