@@ -7,7 +7,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 C=${C:-c1}; L=$OUT/$C; mkdir -p $L
 T0=$(date +%s)
 TOTAL=${TOTAL:-540}; J=${J:-16}
-BUDGETS=${BUDGETS:-"qwen3-30b-a3b:200 mixtral-8x7b:60 gpt-oss-20b:60 nemotron-3-nano:60 qwen3-235b-a22b:0"}
+BUDGETS=${BUDGETS:-"qwen3-30b-a3b:230 gpt-oss-20b:60 mixtral-8x7b:50 nemotron-3-nano-30b-a3b:60 qwen3-235b-a22b:0"}
 for mb in $BUDGETS; do
   m=${mb%%:*}; b=${mb##*:}
   left=$(( TOTAL - ($(date +%s) - T0) ))
