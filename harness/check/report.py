@@ -34,7 +34,9 @@ def cell(outcomes: list[Outcome]) -> dict:
             "failures": [o.detail for o in outcomes if o.failed], "probed_failing": dict(probed),
             "probed_messages": [f"{o.kind}: {o.message[:300]} | CASE: {o.case.to_json()}"
                                 for o in outcomes if o.probed],
-            "no_verdict": list(declined.values())}
+            "no_verdict": list(declined.values()),
+            # judged cases with row sets too small for rule 4 to fail (Verdict.unseen: rules 2 and 3 alone there)
+            "rule4_unseen": sum(1 for o in outcomes if o.verdict is not None and o.verdict.unseen)}
 
 
 def build_matrix(outcomes: list[Outcome], feature_of) -> dict:

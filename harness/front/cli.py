@@ -357,6 +357,13 @@ def cmd_check(args) -> int:
                   f"model_points_only declared for {device_kind(device)}): rules 3 and 4 allow one more rounding of "
                   f"every value, at its worst-case tail; a kernel that rounds only at its model's points may declare "
                   f"it, for aggregate verdicts several times sharper (docs/error-model.md)")
+        passed = [o for o in outcomes if o.status == "pass"]
+        unseen = sum(1 for o in passed if o.verdict is not None and o.verdict.unseen)
+        if unseen:
+            print(f"NOTE in {unseen} of {len(passed)} passing runs some rows were too few for rule 4 "
+                  f"(a decode call's, one expert's or one slot's): a mistake confined to them is judged by rules 2 "
+                  f"and 3 alone, which pass one up to about 2.8 times those rows' own error (each cell's "
+                  f"'rule4_unseen' in --json; docs/error-model.md, \"What the judge cannot see\")")
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},

@@ -189,3 +189,19 @@ def test_check_says_which_backends_are_judged_as_rounding_anywhere(capsys):
     assert rc == 0, out
     assert "NOTE transformers_style_experts is judged as a kernel that may round where its model does not" in out, out
     assert "model_points_only" in out and "NOTE eager is judged" not in out, out
+
+
+def test_check_counts_the_runs_whose_rows_rule_4_could_not_judge(capsys, tmp_path):
+    """A decode row's calls pool too few rows on the CPU profile for rule 4 (or its one-expert sets are small): check
+    says in how many passing runs rules 2 and 3 alone judged some rows, and each cell's JSON counts them."""
+    import json
+    from moe_lora_harness.harness.front import cli
+    report = tmp_path / "check.json"
+    rc = cli.main(["check", "--in-process", "--device", "cpu", "--only", "eager", "--feature", "decode calls",
+                   "--cases-per-feature", "1", "-q", "--json", str(report)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    cells = json.loads(report.read_text())["matrix"]["eager"]
+    (cell,) = cells.values()
+    assert cell["rule4_unseen"] == cell["counts"]["pass"] >= 1, cell
+    assert f"NOTE in {cell['rule4_unseen']} of {cell['counts']['pass']} passing runs some rows were too few" in out, out

@@ -322,6 +322,28 @@ def test_the_excess_rule_is_silent_below_its_row_count():
     assert over == rows == 80 and 0 < stat <= math.sqrt(80) / compare.EXCESS_SIGMAS
 
 
+def test_a_verdict_names_the_row_sets_rule_4_cannot_judge():
+    """Verdict.unseen says where rule 4 is silent (a set of n rows cannot fail when sqrt(n) is within its threshold),
+    exactly as `excess` drops them: every row of an 80-row output; one expert's set one row short of what the
+    threshold over its three sets needs, and not when it has that many. A correct output's summary carries it."""
+    assert "every row (80 rows, it needs 83)" in compare.rule4_unseen(torch.ones(80, 4, dtype=torch.bool))
+    need = math.floor(compare.excess_sigmas(3) ** 2) + 1
+    for n, silent in ((need - 1, True), (need, False)):
+        written = torch.ones(600, 4, dtype=torch.bool)
+        experts = (torch.arange(600) >= n).long()          # expert 0 holds n rows, expert 1 the rest
+        said = compare.rule4_unseen(written, {"routed expert": experts})
+        assert (f"1 of 2 routed expert sets (each under {need} rows)" in said) == silent, (n, said)
+        assert ("every row" in said) is False
+    for T in (40, 300):
+        case = Case.from_json(ROWS).replace(T=T)
+        inp, truth, emu = expert_expectations(case, "one_shot")
+        call = inp.call("cpu")
+        EAGER.experts(call)
+        v = _judge(case, call.output, truth, emu)
+        assert v.ok and bool(v.unseen) == (T < compare.EXCESS_MIN_ROWS), (T, v.unseen)
+        assert v.unseen in v.summary()
+
+
 def test_the_excess_rule_holds_per_slot_group():
     """Noise on the rows of one slot's tokens only, of 1.2 times the kernel's own error over the whole tensor: with
     the tokens' slots as row groups rule 4 fails it over that slot's rows; over every row alone it passes."""
