@@ -183,7 +183,21 @@ def test_the_power_table_on_a_small_layer():
     assert by["scaling"].judge.multiple is not None and by["scaling"].judge.multiple < 3.5
     assert by["scaling"].oracle.multiple is None or by["scaling"].oracle.multiple > 3 * by["scaling"].judge.multiple
     assert "scaling" in power.power_table([rep])
+    assert 0 < rep.oracle_use <= 1 and f"at {rep.oracle_use:.2f} of the oracle's tolerance" in power.power_table([rep])
     assert U32 == 2.0 ** -24
+
+
+def test_the_oracles_use_of_its_tolerance_is_what_it_fails_at():
+    """power.oracle_use is assert_close(atol=rtol=2e-2)'s worst |out - truth| / (atol + rtol |truth|): an output
+    just inside its tolerance is under 1 and passes, just outside over 1 and fails, a NaN fails."""
+    from moe_lora_harness.harness.selftest import power
+    truth = torch.tensor([[0.5, -2.0], [1.0, 0.0]], dtype=F64)
+    tol = power.ORACLE_TOL * (1 + truth.abs())
+    for frac, fails in ((0.9, False), (1.1, True)):
+        out = (truth + frac * tol * torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=F64)).to(torch.float32)
+        use = power.oracle_use(out, truth)
+        assert (use > 1) == fails == power._oracle_fails(out, truth) and abs(use - frac) < 1e-5, (frac, use)
+    assert power._oracle_fails(torch.full((2, 2), float("nan")), truth)
 
 
 def test_the_power_table_leaves_out_an_oracle_that_fails_the_correct_kernel():
