@@ -356,6 +356,11 @@ def test_a_verdict_names_the_row_sets_rule_4_cannot_judge():
         v = _judge(case, call.output, truth, emu)
         assert v.ok and bool(v.unseen) == (T < compare.EXCESS_MIN_ROWS), (T, v.unseen)
         assert v.unseen in v.summary()
+    # FP8 activations carry no rounding variance: rule 4 judges no row, at any size, and the verdict says so
+    fp8 = Case(level="expert", T=300, H=256, I=128, E=4, top_k=2, dtype="bfloat16", max_rank=16, quant="fp8_w8a8")
+    out, truth, emu = _eager(fp8)
+    v = _judge(fp8, out, truth, emu)
+    assert v.ok and v.unseen == compare.RULE4_OFF, v.summary()
 
 
 def test_the_excess_rule_holds_per_slot_group():
