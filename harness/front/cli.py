@@ -360,10 +360,10 @@ def cmd_check(args) -> int:
         passed = [o for o in outcomes if o.status == "pass"]
         unseen = sum(1 for o in passed if o.verdict is not None and o.verdict.unseen)
         if unseen:
-            print(f"NOTE in {unseen} of {len(passed)} passing runs some rows were too few for rule 4 "
-                  f"(a decode call's, one expert's or one slot's): a mistake confined to them is judged by rules 2 "
-                  f"and 3 alone, which pass one up to about 2.8 times those rows' own error (each cell's "
-                  f"'rule4_unseen' in --json; docs/error-model.md, \"What the judge cannot see\")")
+            print(f"NOTE in {unseen} of {len(passed)} passing runs some rows were beyond rule 4 (too few: a decode "
+                  f"call's, one expert's or one slot's; or FP8 activations, where it is off): a mistake confined to "
+                  f"them is judged by rules 2 and 3 alone, which pass one up to about 2.8 times those rows' own error "
+                  f"(each cell's 'rule4_unseen' in --json; docs/error-model.md, \"What the judge cannot see\")")
     counts = {s: sum(o.status == s for o in outcomes) for s in STATUSES}
     meta = {"device": device, "cases_per_feature": n, "seconds": round(time.time() - t0, 1),
             "backends": {s.name: {"description": s.description, "origin": s.origin} for s in specs.values()},

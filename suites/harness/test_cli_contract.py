@@ -204,4 +204,4 @@ def test_check_counts_the_runs_whose_rows_rule_4_could_not_judge(capsys, tmp_pat
     cells = json.loads(report.read_text())["matrix"]["eager"]
     (cell,) = cells.values()
     assert cell["rule4_unseen"] == cell["counts"]["pass"] >= 1, cell
-    assert f"NOTE in {cell['rule4_unseen']} of {cell['counts']['pass']} passing runs some rows were too few" in out, out
+    assert f"NOTE in {cell['rule4_unseen']} of {cell['counts']['pass']} passing runs some rows were beyond rule 4" in out, out
