@@ -943,8 +943,12 @@ def _power(args, device: str) -> int:
     bad = [r for r in reports if not r.kernel_ok or any(s.oracle_only for s in r.slips)
            or any(p.oracle_fails and not p.judge_fails for p in r.precision_slips)]
     for r in bad:
+        missed = [s for s in r.slips if s.oracle_only]
+        where = ("" if not missed else " (" + "; ".join(
+            f"{s.slip}: {s.oracle_only}, " + ("within the judge's declared limit" if power.within_declared_limit(s)
+                                              else "beyond its declared limits") for s in missed) + ")")
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
-                                                       "an output assert_close fails passes the judge"))
+                                                       "an output assert_close fails passes the judge" + where))
     return 1 if bad else 0
 
 

@@ -161,6 +161,8 @@ class SlipPower:
     oracle: Threshold
     oracle_only: int          # outputs the oracle failed and the judge passed (must be 0)
     evaluated: int
+    oracle_only_rows: int = 0  # the most token rows any of those outputs changed (below EXCESS_MIN_ROWS: a mistake
+                               # confined to fewer rows than rule 4 needs, the judge's declared limit)
 
 
 @dataclass
@@ -224,9 +226,11 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
         def at(alpha):
             if alpha not in cache:
                 out = run(slip.make(inp, alpha))
-                size = float(torch.linalg.vector_norm((out.to(torch.float64) - out0.to(torch.float64))))
+                diff = out.to(torch.float64) - out0.to(torch.float64)
+                size = float(torch.linalg.vector_norm(diff))
+                rows = int((diff != 0).reshape(diff.shape[0], -1).any(dim=1).sum())
                 cache[alpha] = (not judge(out).ok, _oracle_fails(out.to(truth.value.device), truth.value),
-                                size / ref_err if ref_err > 0 else math.inf)
+                                size / ref_err if ref_err > 0 else math.inf, rows)
             return cache[alpha]
 
         def threshold(which: int) -> Threshold:
@@ -242,8 +246,8 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
 
         j = threshold(0)
         o = threshold(1) if oracle_ok else Threshold(None, None)
-        only = sum(1 for f_j, f_o, _ in cache.values() if f_o and not f_j) if oracle_ok else 0
-        res.append(SlipPower(slip.name, j, o, only, len(cache)))
+        missed = [rows for f_j, f_o, _, rows in cache.values() if f_o and not f_j] if oracle_ok else []
+        res.append(SlipPower(slip.name, j, o, len(missed), len(cache), max(missed, default=0)))
         if progress:
             progress(f"{slip.name}: judge {j.multiple}, oracle {o.multiple}")
     exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok)
@@ -278,6 +282,21 @@ def _fmt(t: Threshold) -> str:
     return ("<=" if t.smallest else "") + (f"{x:.3g}" if x < 1e4 else f"{x:.2e}")
 
 
+def _missed(s: SlipPower) -> str:
+    """Where outputs only the oracle failed lie: within the judge's declared limit (a mistake confined to fewer rows
+    than rule 4 needs: docs/error-model.md, "What the judge cannot see") or not."""
+    rows = f"{s.oracle_only_rows} row{'' if s.oracle_only_rows == 1 else 's'}"
+    if within_declared_limit(s):
+        return f"at most {rows} changed: fewer than rule 4 needs, the judge's declared limit"
+    return f"up to {rows} changed: enough for rule 4"
+
+
+def within_declared_limit(s: SlipPower) -> bool:
+    """Every output only the oracle failed changed fewer token rows than rule 4 can ever fail (EXCESS_MIN_ROWS)."""
+    from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
+    return s.oracle_only_rows < EXCESS_MIN_ROWS
+
+
 def power_table(reports) -> str:
     """One row per (case, slip): the judge's and the oracle's threshold (a multiple of the kernel's own error)."""
     lines = [f"{'case':<44} {'slip':<20} {'judge x':>8} {'oracle x':>9} {'oracle-only':>11}",
@@ -295,7 +314,8 @@ def power_table(reports) -> str:
             lines.append(f"{'':<44} (assert_close fails the correct kernel here: no oracle column, n/a)")
         for s in r.slips:
             oracle, only = (_fmt(s.oracle), s.oracle_only) if r.oracle_ok else ("n/a", "n/a")
-            lines.append(f"{'':<44} {s.slip:<20} {_fmt(s.judge):>8} {oracle:>9} {only:>11}")
+            lines.append(f"{'':<44} {s.slip:<20} {_fmt(s.judge):>8} {oracle:>9} {only:>11}"
+                         + (f"  ({_missed(s)})" if r.oracle_ok and s.oracle_only else ""))
         for p in r.precision_slips:
             oracle = ("FAIL" if p.oracle_fails else "pass") if r.oracle_ok else "n/a"
             only = int(p.oracle_fails and not p.judge_fails) if r.oracle_ok else "n/a"
@@ -312,7 +332,8 @@ def to_json(reports) -> list:
                              judge_smallest=s.judge.smallest, oracle_smallest=s.oracle.smallest,
                              no_effect=s.judge.no_effect and s.oracle.no_effect,
                              oracle_alpha=s.oracle.alpha, oracle_multiple=s.oracle.multiple,
-                             oracle_only=s.oracle_only, evaluated=s.evaluated) for s in r.slips],
+                             oracle_only=s.oracle_only, oracle_only_rows=s.oracle_only_rows,
+                             evaluated=s.evaluated) for s in r.slips],
                  precision_slips=[dataclasses.asdict(p) for p in r.precision_slips])
             for r in reports]
 

@@ -187,6 +187,29 @@ def test_the_power_table_on_a_small_layer():
     assert U32 == 2.0 ** -24
 
 
+def test_the_power_table_says_whether_outputs_only_the_oracle_fails_lie_within_the_declared_limit(monkeypatch,
+                                                                                                   capsys):
+    """An output only assert_close fails is within the judge's declared limit when its slip changed fewer token rows
+    than rule 4 can ever fail (EXCESS_MIN_ROWS), and beyond it otherwise; the table and POWER FAILED say which (and
+    the run still fails: the issue's goal is that none exist)."""
+    from moe_lora_harness.harness.selftest import power
+    from moe_lora_harness.harness.front.cli import main
+    case = Case.from_json(ROWS)
+    t = power.Threshold(0.1, 0.5)
+    few = power.SlipPower("one-expert-w13", t, t, 3, 20, compare.EXCESS_MIN_ROWS - 1)
+    many = power.SlipPower("scaling", t, t, 2, 20, compare.EXCESS_MIN_ROWS)
+    assert power.within_declared_limit(few) and not power.within_declared_limit(many)
+    table = power.power_table([power.PowerReport(case, "eager", 0.01, 1.0, True, True, [few, many], 0.0)])
+    assert f"at most {compare.EXCESS_MIN_ROWS - 1} rows changed: fewer than rule 4 needs" in table
+    assert f"up to {compare.EXCESS_MIN_ROWS} rows changed: enough for rule 4" in table
+    monkeypatch.setattr(power, "measure", lambda spec, c, device, **kw: power.PowerReport(
+        c, spec.name, 0.01, 1.0, True, True, [few, many], 0.0))
+    assert main(["selftest", "--power", "--device", "cpu", "--dtype", "float16"]) == 1
+    out = capsys.readouterr().out
+    assert ("POWER FAILED" in out and "one-expert-w13: 3, within the judge's declared limit" in out
+            and "scaling: 2, beyond its declared limits" in out), out
+
+
 def test_the_oracles_use_of_its_tolerance_is_what_it_fails_at():
     """power.oracle_use is assert_close(atol=rtol=2e-2)'s worst |out - truth| / (atol + rtol |truth|): an output
     just inside its tolerance is under 1 and passes, just outside over 1 and fails, a NaN fails."""
