@@ -338,8 +338,8 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
     a = (allowed * w).sum(dim=dims)
     live = w.sum(dim=dims) > 0
-    names, member, sizes, keep, z, _ = _judged_sets(row_groups, live)
-    m = member[:, keep].to(torch.float64)
+    names, _, member, sizes, keep, z, _ = _judged_sets(row_groups, live)
+    m = member[:, keep]
     dm = d[:, None] * m
     total, spread = dm.sum(dim=0), torch.linalg.vector_norm(dm, dim=0)
     over, allow = ((dm > 0).to(torch.float64)).sum(dim=0), (a[:, None] * m).sum(dim=0)
@@ -351,15 +351,15 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
 
 
 def _judged_sets(row_groups, live: torch.Tensor):
-    """(names, membership, sizes, kept set indices, threshold, the threshold sets were dropped at): rule 4's row sets
-    (`_row_sets`) and those it judges. A set of n rows cannot fail (the statistic is at most sqrt(n)): dropped before
-    the union bound counts it (the sets follow the routing and the mapping, never the output judged); every row (set
-    0) is always kept."""
-    names, member = _row_sets(row_groups, live)      # member: (rows, sets) bool, "every row" first
-    sizes = member.sum(dim=0).tolist()
+    """(names, kinds, row weights, sizes, kept set indices, threshold, the threshold sets were dropped at): rule 4's
+    row sets (`_row_sets`) and those it judges. A set of n rows cannot fail (the statistic is at most sqrt(n), with
+    any weights): dropped before the union bound counts it (the sets follow the routing and the mapping, never the
+    output judged); every row (set 0) is always kept."""
+    names, kinds, member = _row_sets(row_groups, live)    # member: (rows, sets) weights, "every row" first
+    sizes = (member > 0).sum(dim=0).tolist()
     z_drop = excess_sigmas(len(sizes))
     keep = [0] + [i for i in range(1, len(sizes)) if math.sqrt(sizes[i]) > z_drop]
-    return names, member, sizes, keep, excess_sigmas(len(keep)), z_drop
+    return names, kinds, member, sizes, keep, excess_sigmas(len(keep)), z_drop
 
 
 # a verdict's `unseen` where the truth carries no rounding-variance model (FP8 activations: their e4m3 steps are rule
@@ -375,11 +375,11 @@ def rule4_unseen(written: torch.Tensor, row_groups=None) -> str:
     if written.dim() < 2:
         return ""
     live = written.reshape(written.shape[0], -1).any(dim=1)
-    names, _, sizes, keep, z, z_drop = _judged_sets(row_groups, live)
+    _, kinds, _, sizes, keep, z, z_drop = _judged_sets(row_groups, live)
     parts = [f"every row ({sizes[0]} rows, it needs {math.floor(z * z) + 1})"] if math.sqrt(sizes[0]) <= z else []
     dropped: dict[str, list] = {}
     for i in range(1, len(sizes)):
-        kind = names[i].rsplit(" ", 1)[0].removeprefix("the rows of ")
+        kind = kinds[i]
         dropped.setdefault(kind, [0, 0])[1] += 1
         if i not in keep:
             dropped[kind][0] += 1
@@ -389,26 +389,55 @@ def rule4_unseen(written: torch.Tensor, row_groups=None) -> str:
             ) if parts else ""
 
 
-def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, torch.Tensor]:
-    """Rule 4's row sets: (names, (rows, sets) membership), every live row first, then for each labelling (name ->
-    labels, (rows,) or (rows, m): a row is in the set of each of its labels) the live rows of each label that are
-    neither one row nor all of them. A bare tensor is the tokens' LoRA slots."""
-    names, cols = ["every row"], [live[:, None]]
+@dataclass(frozen=True)
+class ByInverseWeight:
+    """A labelling of rule 4's rows whose sets weight each row by the inverse of the row's weight for the label (a
+    token's routing weight to an expert): a mistake in one expert's computation reaches each of its rows scaled by
+    that weight, so the plain sum over its rows is held back by their unevenness (at most sqrt(n) E[w^2] / sqrt(E[w^4])
+    of a slip that dominates) and can miss it at any size; weighted, the rows contribute evenly. Weights fixed by the
+    routing keep the rule's tail (docs/error-model.md, "Rule 4 over an expert's rows, weighted")."""
+
+    labels: torch.Tensor       # (rows, m)
+    weights: torch.Tensor      # (rows, m): each label's weight in the row (a row's weight for a label: their sum)
+    of: str                    # what the labels are, for the sets' names
+
+    def clone(self) -> "ByInverseWeight":
+        return ByInverseWeight(self.labels.clone(), self.weights.clone(), self.of)
+
+
+def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, list, torch.Tensor]:
+    """Rule 4's row sets: (names, kinds, (rows, sets) float64 row weights), every live row first, then for each
+    labelling (kind -> labels, (rows,) or (rows, m): a row is in the set of each of its labels, weight 1; or a
+    ByInverseWeight) the live rows of each label that are neither one row nor all of them. A bare tensor is the
+    tokens' LoRA slots."""
+    names, kinds, cols = ["every row"], ["every row"], [live[:, None].to(torch.float64)]
     if isinstance(row_groups, torch.Tensor):
         row_groups = {"LoRA slot": row_groups}
     n_live = int(live.sum())
-    for name, labels in (row_groups or {}).items():
-        if n_live < 3 or labels is None or labels.shape[0] != live.numel():
+    for kind, labels in (row_groups or {}).items():
+        weighted = isinstance(labels, ByInverseWeight)
+        g = labels.labels if weighted else labels
+        if n_live < 3 or g is None or g.shape[0] != live.numel():
             continue
-        g = labels.to(live.device)
+        g = g.to(live.device)
         g = g[:, None] if g.dim() == 1 else g.reshape(g.shape[0], -1)
         values = torch.unique(g[live])
-        m = (g[:, :, None] == values[None, None, :]).any(dim=1) & live[:, None]      # (rows, labels)
-        n = m.sum(dim=0)
+        hit = g[:, :, None] == values[None, None, :]                                  # (rows, m, labels)
+        if weighted:
+            w = labels.weights.to(live.device, torch.float64).reshape(g.shape).abs()
+            w = (hit * w[:, :, None]).sum(dim=1)                                      # (rows, labels)
+            m = torch.where((w > 0) & live[:, None], 1.0 / w.clamp_min(torch.finfo(torch.float64).tiny),
+                            torch.zeros_like(w))
+        else:
+            m = (hit.any(dim=1) & live[:, None]).to(torch.float64)
+        n = (m > 0).sum(dim=0)
         ok = ((n > 1) & (n < n_live)).tolist()
-        names += [f"the rows of {name} {int(v)}" for v, k in zip(values.tolist(), ok) if k]
+        label = (lambda v: f"the rows of {labels.of} {v}, each by 1/its weight") if weighted else (
+            lambda v: f"the rows of {kind} {v}")
+        names += [label(int(v)) for v, k in zip(values.tolist(), ok) if k]
+        kinds += [kind] * sum(ok)
         cols.append(m[:, torch.tensor(ok, dtype=torch.bool, device=m.device)])
-    return names, torch.cat(cols, dim=1)
+    return names, kinds, torch.cat(cols, dim=1)
 
 
 def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,

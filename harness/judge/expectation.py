@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lora_harness.harness.judge.compare import ByInverseWeight
 from moe_lora_harness.harness.build.builders import build_device, build_op_inputs, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.op_contract.validate import validate_call
@@ -92,7 +93,8 @@ def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, 
 
 def row_groups(inputs, truth) -> dict | None:
     """The labellings of the output rows rule 4 also holds for (harness.judge.compare.excess): each token's LoRA slot (-1:
-    none) and its routed experts, so that a mistake confined to one slot's or one expert's tokens is measured against
+    none) and its routed experts, plain and each row by the inverse of its routing weight to the expert
+    (compare.ByInverseWeight), so that a mistake confined to one slot's or one expert's tokens is measured against
     those rows' own allowance. None where rows are not tokens."""
     m = getattr(inputs, "token_lora_mapping", None)
     if m is None or truth.value.dim() < 2 or m.numel() != truth.value.shape[0]:
@@ -101,6 +103,9 @@ def row_groups(inputs, truth) -> dict | None:
     ids = getattr(inputs, "topk_ids", None)
     if ids is not None and ids.dim() == 2 and ids.shape[0] == m.numel():
         groups["routed expert"] = ids
+        w = getattr(inputs, "topk_weights", None)
+        if w is not None and tuple(w.shape) == tuple(ids.shape):
+            groups["weighted routed expert"] = ByInverseWeight(ids, w, "routed expert")
     return groups
 
 

@@ -303,7 +303,7 @@ def test_a_released_expectation_judges_without_rebuilding_its_inputs(monkeypatch
     case = Case.from_json('{"T":9,"H":64,"max_rank":8,"seed":2}' if level == "op"
                           else '{"level":"expert","T":9,"H":64,"I":32,"E":4,"top_k":2,"max_rank":8,"seed":2}')
     exp = runner.expectations(EAGER, case, "cpu")
-    assert set(exp.groups) == {"LoRA slot", "routed expert"}
+    assert set(exp.groups) == {"LoRA slot", "routed expert", "weighted routed expert"}
     ex = InProcess().execute(EAGER, case, "cpu", exp.poison)
     exp.release_inputs()
     monkeypatch.setattr(runner, "_build", lambda *a: pytest.fail("the judge rebuilt the inputs"))

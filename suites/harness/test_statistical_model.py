@@ -168,6 +168,30 @@ def test_sigmas_is_a_union_bound_at_one_in_a_billion():
     assert 7.0 < compare.sigmas(100) < 7.5 and 8.5 < compare.sigmas(10 ** 8) < 9.0
 
 
+def test_the_excess_rule_weighs_an_experts_rows_by_their_inverse_routing_weight():
+    """One expert's w13 LoRA delta 1.6 % short (power's `one-expert-w13` slip) reaches each of the expert's 512 rows
+    scaled by the row's routing weight (top-8 of 16: 0.01-0.8), so rule 4's plain sum over those rows stays under its
+    threshold at this size (and under sqrt(n) E[w^2] / sqrt(E[w^4]) at any size); over the same rows weighted by the
+    inverse of that weight (compare.ByInverseWeight) it fails. The correct output passes with every set."""
+    from moe_lora_harness.harness.judge.expectation import row_groups
+    from moe_lora_harness.harness.selftest import power
+    case = Case.from_json('{"level":"expert","T":1024,"H":256,"I":128,"E":16,"top_k":8,"max_rank":16,'
+                          '"dtype":"bfloat16","seed":7}')
+    inp, truth, emu = expert_expectations(case, "one_shot")
+    groups = row_groups(inp, truth)
+    assert isinstance(groups["weighted routed expert"], compare.ByInverseWeight)
+    plain = {k: v for k, v in groups.items() if k != "weighted routed expert"}
+    call = inp.call("cpu")
+    EAGER.experts(call)
+    assert _judge(case, call.output, truth, emu, row_groups=groups, model_points_only=True).ok
+    slip = next(s for s in power.SLIPS if s.name == "one-expert-w13")
+    call = slip.make(inp, 0.016).call("cpu")
+    EAGER.experts(call)
+    assert _judge(case, call.output, truth, emu, row_groups=plain, model_points_only=True).ok
+    v = _judge(case, call.output, truth, emu, row_groups=groups, model_points_only=True)
+    assert not v.ok and "rows of routed expert 0, each by 1/its weight" in v.message, v.summary()
+
+
 def test_the_power_table_on_a_small_layer():
     """selftest --power's measurement (harness.selftest.power) on a small layer: the correct kernel passes both the judge and
     assert_close, no output the oracle fails passes the judge, and the scaling slip fails the judge below 3x the
@@ -418,7 +442,7 @@ def test_the_excess_rule_holds_per_routed_expert():
     EAGER.experts(call)
     out = call.output
     groups = row_groups(inp, truth)
-    assert set(groups) == {"LoRA slot", "routed expert"}
+    assert set(groups) == {"LoRA slot", "routed expert", "weighted routed expert"}
     e = int(inp.topk_ids[0, 0])
     rows = (inp.topk_ids == e).any(dim=1)
     own = float(torch.linalg.vector_norm(out.to(F64) - truth.value))
