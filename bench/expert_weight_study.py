@@ -10,7 +10,7 @@ independent rows of mean <= 0 as before. This measures, on a CPU case with many 
 assert_close(2e-2), every weighting at the union bound of all of them, and each weighting's statistic on the correct
 output (it must stay <= 1). docs/error-model.md, "What the judge cannot see".
 
-    python bench/expert_weight_study.py [--tokens 1024] [--dtype bfloat16] [--experts 8] [--top-k 2]
+    python bench/expert_weight_study.py [--tokens 1024] [--dtype bfloat16] [--experts 8] [--top-k 2] [--judge]
 """
 from __future__ import annotations
 
@@ -85,11 +85,35 @@ def study(tokens: int, dtype: str, E: int, top_k: int) -> None:
         print(f"  {k:8s} fails from {at(hi)[1]:.3f} times the kernel's own error")
 
 
+def whole_judge(tokens: int, dtype: str, E: int, top_k: int) -> None:
+    """The one-expert slip's threshold through the whole judge (power.measure), with rule 4's weighted expert sets
+    and without them."""
+    from moe_lora_harness.harness.judge import expectation
+    case = power.power_cases("cpu", tokens=(tokens,), dtypes=(dtype,))[0].replace(E=E, top_k=top_k)
+    spec = next(b for b in BUILTINS if b.name == "eager")
+    slips = [s for s in power.SLIPS if s.name == "one-expert-w13"]
+    full = expectation.row_groups
+    plain = lambda i, t: {k: v for k, v in (full(i, t) or {}).items()               # noqa: E731
+                          if not isinstance(v, compare.ByInverseWeight)}
+    try:
+        for label, groups in (("with the weighted expert sets", full), ("plain sets only", plain)):
+            power.row_groups = groups
+            (s,) = power.measure(spec, case, "cpu", slips=slips, steps=12).slips
+            print(f"  whole judge, {label}: fails from {s.judge.multiple:.3g}, assert_close from "
+                  f"{s.oracle.multiple:.3g}, {s.oracle_only} outputs only assert_close fails")
+    finally:
+        power.row_groups = full
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--judge", action="store_true", help="also through the whole judge (power.measure), with and "
+                    "without the weighted expert sets")
     a = ap.parse_args()
     study(a.tokens, a.dtype, a.experts, a.top_k)
+    if a.judge:
+        whole_judge(a.tokens, a.dtype, a.experts, a.top_k)
