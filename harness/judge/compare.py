@@ -421,15 +421,15 @@ def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, list, torch.Tensor]
             continue
         g = g.to(live.device)
         g = g[:, None] if g.dim() == 1 else g.reshape(g.shape[0], -1)
-        values = torch.unique(g[live])
-        hit = g[:, :, None] == values[None, None, :]                                  # (rows, m, labels)
-        if weighted:
-            w = labels.weights.to(live.device, torch.float64).reshape(g.shape).abs()
-            w = (hit * w[:, :, None]).sum(dim=1)                                      # (rows, labels)
-            m = torch.where((w > 0) & live[:, None], 1.0 / w.clamp_min(torch.finfo(torch.float64).tiny),
-                            torch.zeros_like(w))
+        values, where = torch.unique(g, return_inverse=True)          # a label only dead rows hold has n = 0 below
+        per = torch.zeros(g.shape[0], values.numel(), dtype=torch.float64, device=g.device)
+        if weighted:     # a row's weight for a label: the sum of its weights there (rows, labels)
+            per.scatter_add_(1, where, labels.weights.to(live.device, torch.float64).reshape(g.shape).abs())
+            m = torch.where((per > 0) & live[:, None], 1.0 / per.clamp_min(torch.finfo(torch.float64).tiny),
+                            torch.zeros_like(per))
         else:
-            m = (hit.any(dim=1) & live[:, None]).to(torch.float64)
+            per.scatter_add_(1, where, torch.ones_like(g, dtype=torch.float64))
+            m = ((per > 0) & live[:, None]).to(torch.float64)
         n = (m > 0).sum(dim=0)
         ok = ((n > 1) & (n < n_live)).tolist()
         label = (lambda v: f"the rows of {labels.of} {v}, each by 1/its weight") if weighted else (
