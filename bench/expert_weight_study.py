@@ -31,11 +31,10 @@ WEIGHTINGS = {"plain": lambda w: torch.ones_like(w), "w": lambda w: w, "w^2": la
 
 
 def row_excess(out, truth, emu, dt) -> torch.Tensor:
-    """Rule 4's D_r for a backend that declares model_points_only (the accumulation's share alone)."""
-    allowed = compare.ACC_SHARE * truth.acc_var.clamp_min(0)
-    if truth.underflow is not None:
-        allowed = allowed + (compare.tiny(dt) * truth.underflow) ** 2
-    return ((out.to(F64) - truth.value) ** 2 - (emu - truth.value) ** 2 - allowed).sum(dim=1)
+    """Rule 4's D_r (compare.row_excess) for a backend that declares model_points_only, as eager does on the CPU."""
+    return compare.row_excess(out.to(F64), truth.value, emu, torch.ones_like(truth.value, dtype=torch.bool),
+                              truth.acc_var, truth.round_var, dtype=dt, underflow=truth.underflow,
+                              model_points_only=True)[0]
 
 
 def statistic(d: torch.Tensor, c: torch.Tensor, z: float) -> float:

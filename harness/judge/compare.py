@@ -287,12 +287,14 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     idx = _unravel(order, rel.shape)
     worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
     agg = max(ratio, row_ratio)      # the aggregate statistic: the whole tensor's, or its worst row's
+    modelled = acc_var is not None and round_var is not None        # rule 4 holds (FP8 activations: off)
+    sets = _judged_sets(row_groups, _live_rows(written)) if modelled and truth.dim() > 1 else None
     exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                 work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only) \
-        if acc_var is not None and round_var is not None else None
+                 work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only, sets=sets) \
+        if modelled else None
     x = 0.0 if exc is None else exc[0]
-    unseen = rule4_unseen(written, row_groups) if exc is not None else (
-        RULE4_OFF if truth.dim() > 1 and int(written.reshape(truth.shape[0], -1).any(dim=1).sum()) > 1 else "")
+    unseen = _unseen(sets) if sets is not None else (
+        RULE4_OFF if not modelled and truth.dim() > 1 and int(_live_rows(written).sum()) > 1 else "")
     if max_ulps > 1.0:
         return Verdict(False, "element", f"{int((rel > 1).sum())} element(s) exceed the per-element bound "
                        f"(worst {max_ulps:.3g}x); aggregate ratio {agg:.3g}", agg, max_ulps, worst, x, unseen)
@@ -320,25 +322,18 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
 def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
            acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
            underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-           row_groups=None, model_points_only: bool = False):
+           row_groups=None, model_points_only: bool = False, sets=None):
     """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
     the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
     The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
     its allowance; > 1 fails. A 1-D output has none. `model_points_only`: the allowance is the accumulation's alone
-    (a kernel that rounds exactly where its model does flips roundings, a mean-zero change: docs/error-model.md)."""
+    (a kernel that rounds exactly where its model does flips roundings, a mean-zero change: docs/error-model.md).
+    `sets`: `_judged_sets` of these rows and groups, when the caller has them already."""
     if truth.dim() < 2:
         return 0.0, 0, 1, 0.0, "no rows"
-    dims = tuple(range(1, truth.dim()))
-    w = written.to(torch.float64)
-    allowed = ACC_SHARE * acc_var.clamp_min(0)
-    if not model_points_only:
-        allowed = allowed + other_points(emulation, round_var, dtype)
-    if underflow is not None:
-        allowed = allowed + (tiny(work_dtype or dtype) * underflow) ** 2
-    d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
-    a = (allowed * w).sum(dim=dims)
-    live = w.sum(dim=dims) > 0
-    names, _, member, sizes, keep, z, _ = _judged_sets(row_groups, live)
+    d, a = row_excess(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
+                      work_dtype=work_dtype, model_points_only=model_points_only)
+    names, _, member, sizes, keep, z, _ = sets if sets is not None else _judged_sets(row_groups, _live_rows(written))
     m = member[:, keep]
     dm = d[:, None] * m
     total, spread = dm.sum(dim=0), torch.linalg.vector_norm(dm, dim=0)
@@ -348,6 +343,28 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
         stat = t / (z * sp) if t > 0 and sp > 0 else 0.0
         found.append((stat, int(o), int(sizes[i]), t / max(al, 1e-300), names[i]))
     return max(found, key=lambda f: f[0])     # the first (every row) among equals
+
+
+def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
+               acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
+               underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
+               model_points_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
+    emulation's minus its allowance; the allowance)."""
+    dims = tuple(range(1, truth.dim()))
+    w = written.to(torch.float64)
+    allowed = ACC_SHARE * acc_var.clamp_min(0)
+    if not model_points_only:
+        allowed = allowed + other_points(emulation, round_var, dtype)
+    if underflow is not None:
+        allowed = allowed + (tiny(work_dtype or dtype) * underflow) ** 2
+    d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
+    return d, (allowed * w).sum(dim=dims)
+
+
+def _live_rows(written: torch.Tensor) -> torch.Tensor:
+    """The rows (dim 0) with a written element: the rows rule 4 judges."""
+    return written.reshape(written.shape[0], -1).any(dim=1)
 
 
 def _judged_sets(row_groups, live: torch.Tensor):
@@ -372,17 +389,18 @@ def rule4_unseen(written: torch.Tensor, row_groups=None) -> str:
     """Which of rule 4's row sets hold too few rows for it to fail (`_judged_sets`), in words ('' when it judges every
     one): there a mistake confined to those rows is judged by rules 2 and 3 alone, whose aggregate factor 3 lets one
     up to about 2.8 times the rows' own error pass (docs/error-model.md, "What the judge cannot see")."""
-    if written.dim() < 2:
-        return ""
-    live = written.reshape(written.shape[0], -1).any(dim=1)
-    _, kinds, _, sizes, keep, z, z_drop = _judged_sets(row_groups, live)
+    return _unseen(_judged_sets(row_groups, _live_rows(written))) if written.dim() > 1 else ""
+
+
+def _unseen(sets) -> str:
+    """`rule4_unseen`'s words for the `_judged_sets` already taken."""
+    _, kinds, _, sizes, keep, z, z_drop = sets
     parts = [f"every row ({sizes[0]} rows, it needs {math.floor(z * z) + 1})"] if math.sqrt(sizes[0]) <= z else []
+    kept = set(keep)
     dropped: dict[str, list] = {}
-    for i in range(1, len(sizes)):
-        kind = kinds[i]
+    for i, kind in enumerate(kinds[1:], 1):
         dropped.setdefault(kind, [0, 0])[1] += 1
-        if i not in keep:
-            dropped[kind][0] += 1
+        dropped[kind][0] += i not in kept
     parts += [f"{d} of {n} {kind} sets (each under {math.floor(z_drop * z_drop) + 1} rows)"
               for kind, (d, n) in dropped.items() if d]
     return ("rule 4 cannot fail over " + ", ".join(parts) + ": rules 2 and 3 alone judge a mistake confined there"

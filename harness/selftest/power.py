@@ -23,6 +23,7 @@ import torch
 
 from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
 from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_output, row_groups
 from moe_lora_harness.reference.precision import precision as make_precision
 
@@ -293,7 +294,6 @@ def _missed(s: SlipPower) -> str:
 
 def within_declared_limit(s: SlipPower) -> bool:
     """Every output only the oracle failed changed fewer token rows than rule 4 can ever fail (EXCESS_MIN_ROWS)."""
-    from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
     return s.oracle_only_rows < EXCESS_MIN_ROWS
 
 
