@@ -61,6 +61,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (bf16 and real shapes)")
     config.addinivalue_line("markers", "slow: the full tier only (a claim's further cross-products, or an end-to-end "
                                        "campaign whose parts the gate tests): not run in the CPU gate tier")
+    config.addinivalue_line("markers", "gpu_alone: production-size CUDA cases that need the GPU to themselves (run "
+                                       "them apart from a parallel run: -m gpu_alone without xdist)")
     # our suites read these when their modules are imported (hypothesis settings are set per test, never
     # globally, so a user's own hypothesis tests in the same session keep their profile)
     if config.getoption("moe_lora_profile"):

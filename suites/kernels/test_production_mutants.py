@@ -9,7 +9,9 @@ are bound again and compute the same bits as before it.
 Marked `gpu` (the lead's H200 lane): each mutant fails its production case as its table row says, passes the
 same path just below its gate, and our unmodified triton_experts passes every production case. Memory: the
 DeepSeek-V3 cases hold about 22 GB of bf16 weights (w13 256 x 4096 x 7168, w2 256 x 7168 x 2048) in the worker
-and as much in the judge; the other models' cases 1-5 GB each.
+and as much in the judge; the other models' cases 1-5 GB each. Two DeepSeek-V3 cases at once do not fit an H100
+(80 GB: on one, under 12 xdist workers, three such tests ran out of memory together), so these are also marked
+`gpu_alone`: ci/gpu.sh runs them one at a time after the parallel run.
 """
 from __future__ import annotations
 
@@ -190,6 +192,7 @@ def test_the_production_corpus_is_not_run_on_the_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 @needs_cuda
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_each_mutant_fails_its_production_case(name, specs, executor):
@@ -201,6 +204,7 @@ def test_each_mutant_fails_its_production_case(name, specs, executor):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 @needs_cuda
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_each_mutant_passes_just_below_its_gate(name, specs, executor):
@@ -210,6 +214,7 @@ def test_each_mutant_passes_just_below_its_gate(name, specs, executor):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 @needs_cuda
 @pytest.mark.parametrize("case", sorted({m.fails_on for m in PRODUCTION}, key=lambda c: c.to_json()),
                          ids=lambda c: f"{c.H}x{c.I}xE{c.E}-T{c.T}")
