@@ -24,6 +24,8 @@ TIERS = ("gate", "full")
 TIER_ENV = "MOE_LORA_HARNESS_TIER"
 _NEVER_RAN = pytest.StashKey[list]()
 _FULL_TIER = pytest.StashKey[int]()
+_ALONE = pytest.StashKey[int]()
+ALONE_COMMAND = "pytest -m gpu_alone -p no:xdist --moe-lora-device cuda"
 
 
 def pytest_addoption(parser):
@@ -96,16 +98,37 @@ def full_tier_marks(spec, device: str) -> tuple:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The gate tier deselects our tests marked `slow` (counted in the summary, never silent)."""
+    """The gate tier deselects our tests marked `slow`; a parallel session on a CUDA device, those marked
+    `gpu_alone` (production-size cases: two at once do not fit an 80 GB GPU). Each counted in the summary, never
+    silent."""
     ours = [i for i in items if is_ours(i)]
-    if not ours or tier(config) == "full":
+    if not ours:
         return
-    slow = [i for i in ours if i.get_closest_marker("slow")]
-    config.stash[_FULL_TIER] = len(slow)
-    if slow:
-        keep = set(map(id, slow))
+    left_out = []
+    if tier(config) != "full":
+        slow = [i for i in ours if i.get_closest_marker("slow")]
+        config.stash[_FULL_TIER] = len(slow)
+        left_out += slow
+    if parallel(config) and selected_device(config) != "cpu":
+        alone = [i for i in ours if i.get_closest_marker("gpu_alone") and i not in left_out]
+        config.stash[_ALONE] = len(alone)
+        left_out += alone
+    if left_out:
+        keep = set(map(id, left_out))
         items[:] = [i for i in items if id(i) not in keep]
-        config.hook.pytest_deselected(items=slow)
+        config.hook.pytest_deselected(items=left_out)
+
+
+def parallel(config) -> bool:
+    """Whether this session's tests run in more than one pytest-xdist worker (asked in a worker or the controller)."""
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if count is not None:
+        return int(count) > 1
+    n = getattr(getattr(config, "option", None), "numprocesses", None)
+    try:
+        return n in ("auto", "logical") or (n is not None and int(n) > 1)
+    except (TypeError, ValueError):
+        return False
 
 
 def _only_our_suites(config) -> bool:
@@ -266,6 +289,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if _LEDGER.ours and tier(config) == "gate" and n != 0:
         terminalreporter.line(f"moe-lora-harness: the gate tier ran; {'any' if n is None else n} tests marked slow "
                               f"(the full tier) were deselected: --moe-lora-tier full runs every test")
+    alone = config.stash.get(_ALONE, None)
+    if _LEDGER.ours and alone != 0 and (alone is not None or (parallel(config) and selected_device(config) != "cpu")):
+        terminalreporter.line(f"moe-lora-harness: {'any' if alone is None else alone} production-size tests (marked "
+                              f"gpu_alone) were deselected: they need the GPU to themselves; run them apart: "
+                              f"{ALONE_COMMAND}")
     never = config.stash.get(_NEVER_RAN, [])
     if not never:
         return

@@ -303,6 +303,35 @@ def test_the_gate_tier_deselects_the_full_tier_and_says_so():
     assert len(items) == 1
 
 
+def test_a_parallel_cuda_session_leaves_the_gpu_alone_tests_out_and_says_how_to_run_them(monkeypatch):
+    """Production-size cases (marked gpu_alone) do not fit an 80 GB GPU two at once: a session of several xdist
+    workers on CUDA deselects them and its summary names the command that runs them apart; one worker, or the CPU,
+    keeps them."""
+    from types import SimpleNamespace
+
+    from moe_lora_harness.harness.front import pytest_plugin
+
+    def item(mark):
+        return SimpleNamespace(path=pytest_plugin.SUITES_DIR / "x.py", get_closest_marker=lambda name: name == mark)
+
+    deselected = []
+    config = SimpleNamespace(getoption=lambda name: "full" if name == "moe_lora_tier" else None, stash=pytest.Stash(),
+                             hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+    for workers, device, kept in (("4", "cuda", 1), ("1", "cuda", 2), ("4", "cpu", 2)):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
+        monkeypatch.setattr(pytest_plugin, "selected_device", lambda config, d=device: d)
+        items, deselected[:] = [item("gpu_alone"), item("gpu")], []
+        pytest_plugin.pytest_collection_modifyitems(config, items)
+        assert len(items) == kept and len(deselected) == 2 - kept, (workers, device)
+        assert all(i.get_closest_marker("gpu_alone") for i in deselected)
+    lines = []
+    monkeypatch.setattr(pytest_plugin._LEDGER, "ours", True)
+    config.stash[pytest_plugin._ALONE] = 1
+    pytest_plugin.pytest_terminal_summary(SimpleNamespace(line=lines.append), 0, config)
+    assert any("1 production-size tests (marked gpu_alone) were deselected" in x and pytest_plugin.ALONE_COMMAND in x
+               for x in lines), lines
+
+
 def test_a_worker_profiles_its_requests_where_asked(tmp_path, monkeypatch):
     """MOE_LORA_HARNESS_WORKER_PROFILE=DIR (bench/profile_paths.py): the worker writes a cProfile of its requests
     into DIR, and the case's outcome is the same; unset, it writes none."""
