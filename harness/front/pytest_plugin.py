@@ -25,7 +25,7 @@ TIER_ENV = "MOE_LORA_HARNESS_TIER"
 _NEVER_RAN = pytest.StashKey[list]()
 _FULL_TIER = pytest.StashKey[int]()
 _ALONE = pytest.StashKey[int]()
-ALONE_COMMAND = "pytest -m gpu_alone -p no:xdist --moe-lora-device cuda"
+ALONE_ARGS = "-m gpu_alone -p no:xdist"     # what runs the gpu_alone tests apart, added to the session's own arguments
 
 
 def pytest_addoption(parser):
@@ -292,8 +292,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     alone = config.stash.get(_ALONE, None)
     if _LEDGER.ours and alone != 0 and (alone is not None or (parallel(config) and selected_device(config) != "cpu")):
         terminalreporter.line(f"moe-lora-harness: {'any' if alone is None else alone} production-size tests (marked "
-                              f"gpu_alone) were deselected: they need the GPU to themselves; run them apart: "
-                              f"{ALONE_COMMAND}")
+                              f"gpu_alone) were deselected: they need the GPU to themselves; run them apart: the "
+                              f"same command without -n, with {ALONE_ARGS}")
     never = config.stash.get(_NEVER_RAN, [])
     if not never:
         return

@@ -328,7 +328,7 @@ def test_a_parallel_cuda_session_leaves_the_gpu_alone_tests_out_and_says_how_to_
     monkeypatch.setattr(pytest_plugin._LEDGER, "ours", True)
     config.stash[pytest_plugin._ALONE] = 1
     pytest_plugin.pytest_terminal_summary(SimpleNamespace(line=lines.append), 0, config)
-    assert any("1 production-size tests (marked gpu_alone) were deselected" in x and pytest_plugin.ALONE_COMMAND in x
+    assert any("1 production-size tests (marked gpu_alone) were deselected" in x and pytest_plugin.ALONE_ARGS in x
                for x in lines), lines
 
 
