@@ -120,10 +120,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def parallel(config) -> bool:
-    """Whether this session's tests run in more than one pytest-xdist worker (asked in a worker or the controller)."""
-    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if count is not None:
-        return int(count) > 1
+    """Whether this session's tests run in more than one pytest-xdist worker (asked in a worker or the controller;
+    not from $PYTEST_XDIST_WORKER_COUNT, which a worker's children inherit: a pytest a test starts is not parallel)."""
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        return int(worker.get("workercount", 1)) > 1
     n = getattr(getattr(config, "option", None), "numprocesses", None)
     try:
         return n in ("auto", "logical") or (n is not None and int(n) > 1)
@@ -290,7 +291,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.line(f"moe-lora-harness: the gate tier ran; {'any' if n is None else n} tests marked slow "
                               f"(the full tier) were deselected: --moe-lora-tier full runs every test")
     alone = config.stash.get(_ALONE, None)
-    if _LEDGER.ours and alone != 0 and (alone is not None or (parallel(config) and selected_device(config) != "cpu")):
+    ours = _LEDGER.ours or _only_our_suites(config)     # (a run of gpu_alone tests alone reports none of ours)
+    if ours and alone != 0 and (alone is not None or (parallel(config) and selected_device(config) != "cpu")):
         terminalreporter.line(f"moe-lora-harness: {'any' if alone is None else alone} production-size tests (marked "
                               f"gpu_alone) were deselected: they need the GPU to themselves; run them apart: the "
                               f"same command without -n, with {ALONE_ARGS}")

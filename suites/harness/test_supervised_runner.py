@@ -317,8 +317,9 @@ def test_a_parallel_cuda_session_leaves_the_gpu_alone_tests_out_and_says_how_to_
     deselected = []
     config = SimpleNamespace(getoption=lambda name: "full" if name == "moe_lora_tier" else None, stash=pytest.Stash(),
                              hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
-    for workers, device, kept in (("4", "cuda", 1), ("1", "cuda", 2), ("4", "cpu", 2)):
-        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
+    for workers, device, kept in ((4, "cuda", 1), (1, "cuda", 2), (4, "cpu", 2), (None, "cuda", 2)):
+        config.workerinput = {"workercount": workers} if workers else None      # an xdist worker's; None: no xdist
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")      # inherited by a pytest a worker starts: not parallel
         monkeypatch.setattr(pytest_plugin, "selected_device", lambda config, d=device: d)
         items, deselected[:] = [item("gpu_alone"), item("gpu")], []
         pytest_plugin.pytest_collection_modifyitems(config, items)
