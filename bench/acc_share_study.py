@@ -19,9 +19,7 @@ import math
 import torch
 
 from moe_lora_harness.backends import BUILTINS
-from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
 from moe_lora_harness.harness.judge.compare import ACC_SHARE
-from moe_lora_harness.harness.judge.expectation import declared_rounding
 from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.harness.served.models import model_named
 
@@ -31,9 +29,9 @@ F64 = torch.float64
 def share(spec, case, device: str) -> dict:
     """The correct kernel's squared error from the truth, the emulation's, and the kernel's excess over the
     emulation's as a share of sum acc_var (k), with the floor sqrt(ACC_SHARE / k - 1) it sets."""
-    precision, _ = declared_rounding(spec, case, device)
-    inp, truth, emu = expert_expectations(case, precision, device=device)
-    out = run_calls(spec, inp.call(device), case).to(truth.value.device, F64)
+    c = power.correct_run(spec, case, device)
+    truth, emu = c.truth, c.emulation
+    out = c.out.to(truth.value.device, F64)
     kernel = float(((out - truth.value) ** 2).sum())
     emulation = float(((emu.value - truth.value) ** 2).sum())
     acc = float(truth.acc_var.clamp_min(0).sum())

@@ -20,9 +20,8 @@ import math
 import torch
 
 from moe_lora_harness.backends import BUILTINS
-from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
+from moe_lora_harness.harness.build.expert_runner import run_calls
 from moe_lora_harness.harness.judge import compare
-from moe_lora_harness.harness.judge.expectation import declared_rounding
 from moe_lora_harness.harness.selftest import power
 
 F64 = torch.float64
@@ -47,11 +46,9 @@ def study(tokens: int, dtype: str, E: int, top_k: int) -> None:
     dt = getattr(torch, dtype)
     case = power.power_cases("cpu", tokens=(tokens,), dtypes=(dtype,))[0].replace(E=E, top_k=top_k)
     spec = next(b for b in BUILTINS if b.name == "eager")
-    precision, points_only = declared_rounding(spec, case, "cpu")
-    assert points_only, "eager declares model_points_only on the CPU"
-    inp, truth, emu = expert_expectations(case, precision, device="cpu")
-    emu = emu.value.to(F64)
-    out0 = run_calls(spec, inp.call("cpu"), case)
+    c = power.correct_run(spec, case, "cpu")
+    assert c.points_only, "eager declares model_points_only on the CPU"
+    inp, truth, emu, out0 = c.inputs, c.truth, c.emulation.value.to(F64), c.out
     own = float(torch.linalg.vector_norm(out0.to(F64) - truth.value))
     ids, w = inp.topk_ids.long(), inp.topk_weights.to(F64)
     rows = (ids == 0).any(dim=1)                                          # expert 0: the slip's expert

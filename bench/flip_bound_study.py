@@ -30,9 +30,7 @@ import os
 import torch
 
 from moe_lora_harness.backends import BUILTINS
-from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
 from moe_lora_harness.harness.judge import compare
-from moe_lora_harness.harness.judge.expectation import declared_rounding
 from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.reference.accumulation import ACT_ULPS, U32
 from moe_lora_harness.reference.precision import rnd
@@ -258,10 +256,9 @@ def study(dtype: str = "bfloat16", tokens: int = 256, model: str = "bennett"):
     dt = getattr(torch, dtype)
     case = power.power_cases("cpu", tokens=(tokens,), dtypes=(dtype,))[0]
     spec = [b for b in BUILTINS if b.name == "eager"][0]
-    precision, _ = declared_rounding(spec, case, "cpu")
-    assert precision == "one_shot", precision
-    inp, truth, emu = expert_expectations(case, precision, device="cpu")
-    out = run_calls(spec, inp.call("cpu"), case).to(F64)
+    c = power.correct_run(spec, case, "cpu")
+    assert c.precision == "one_shot", c.precision
+    inp, truth, emu, out = c.inputs, c.truth, c.emulation, c.out.to(F64)
     LOST[0] = 0.0
     Z = Dev if model == "bennett" else Terms
 

@@ -15,9 +15,7 @@ import argparse
 import torch
 
 from moe_lora_harness.backends import BUILTINS
-from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
 from moe_lora_harness.harness.judge import compare
-from moe_lora_harness.harness.judge.expectation import declared_rounding
 from moe_lora_harness.harness.selftest import power
 
 F64 = torch.float64
@@ -34,9 +32,8 @@ def study(dtype: str, tokens: int) -> None:
     dt = getattr(torch, dtype)
     case = power.power_cases("cpu", tokens=(tokens,), dtypes=(dtype,))[0]
     spec = next(b for b in BUILTINS if b.name == "eager")
-    precision, _ = declared_rounding(spec, case, "cpu")
-    inp, truth, emu = expert_expectations(case, precision, device="cpu")
-    out = run_calls(spec, inp.call("cpu"), case).to(F64)
+    c = power.correct_run(spec, case, "cpu")
+    inp, truth, emu, out = c.inputs, c.truth, c.emulation, c.out.to(F64)
     t, e = truth.value, emu.value.to(F64)
     model = compare.other_points(e, truth.round_var, dt).sum(dim=1)       # A_r: one rounding at every point
     kern, emul = ((out - t) ** 2).sum(dim=1), ((e - t) ** 2).sum(dim=1)

@@ -173,11 +173,15 @@ class PowerReport:
     kernel_rel_error: float   # ||out_0 - truth|| / ||truth||
     kernel_ratio: float       # the judge's statistic on the correct output
     kernel_ok: bool
-    oracle_ok: bool           # the oracle on the correct output
+    oracle_use: float         # the correct output's worst element as a fraction of the oracle's tolerance there
     slips: list
     seconds: float
     precision_slips: list = dataclasses.field(default_factory=list)   # PrecisionSlip per accumulator tile
-    oracle_use: float = 0.0   # the correct output's worst element as a fraction of the oracle's tolerance there
+
+    @property
+    def oracle_ok(self) -> bool:
+        """The oracle passes the correct output."""
+        return oracle_passes(self.oracle_use)
 
 
 def oracle_use(out: torch.Tensor, truth: torch.Tensor) -> float:
@@ -190,19 +194,47 @@ def oracle_use(out: torch.Tensor, truth: torch.Tensor) -> float:
     return float(((o - t).abs() / (ORACLE_TOL + ORACLE_TOL * t.abs())).max())
 
 
+def oracle_passes(use: float) -> bool:
+    """The oracle's verdict from `oracle_use`'s fraction."""
+    return use <= 1.0
+
+
 def _oracle_fails(out: torch.Tensor, truth: torch.Tensor) -> bool:
-    return oracle_use(out, truth) > 1.0
+    return not oracle_passes(oracle_use(out, truth))
+
+
+@dataclass(frozen=True)
+class CorrectRun:
+    """A backend's output on one expert-level case beside what the judge holds it to: the case's inputs, the float64
+    truth, the emulation of the backend's declared rounding model (`precision`), and whether it declares it rounds
+    only at that model's points."""
+
+    precision: str
+    points_only: bool
+    inputs: ExpertInputs
+    truth: object             # reference.experts.ExpertExpected
+    emulation: object         # its emulation (`.value`)
+    out: torch.Tensor         # the backend's output, in its dtype and on its device
+
+
+def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
+    """`spec`'s output on `case` (run in this process) with its truth and declared model's emulation: what `measure`
+    starts from, and the studies under bench/ read."""
+    from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
+    precision, points_only = declared_rounding(spec, case, device)
+    inp, truth, emu = expert_expectations(case, precision, device=device)
+    return CorrectRun(precision, points_only, inp, truth, emu, run_calls(spec, inp.call(device), case))
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
     """Thresholds of the judge and the oracle for each slip on one expert-level case, `spec` (an expert backend
     that claims the case) computing the slipped inputs in this process; and the working-dtype accumulator's outputs
     (the declared model's emulation with that mistake) judged."""
-    from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
+    from moe_lora_harness.harness.build.expert_runner import run_calls
     t0 = time.time()
-    precision, points_only = declared_rounding(spec, case, device)
-    inp, truth, emu = expert_expectations(case, precision, device=device)
-    rules = Rules(device, points_only, row_groups(inp, truth))      # the runner's (Expectation.rules)
+    c = correct_run(spec, case, device)
+    precision, inp, truth, emu, out0 = c.precision, c.inputs, c.truth, c.emulation, c.out
+    rules = Rules(device, c.points_only, row_groups(inp, truth))      # the runner's (Expectation.rules)
 
     def run(i: ExpertInputs) -> torch.Tensor:
         return run_calls(spec, i.call(device), case)
@@ -210,12 +242,11 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
     def judge(out):     # the runner's verdict
         return judge_output(case, out, truth, emu.value, precision, rules)
 
-    out0 = run(inp)
     v0 = judge(out0)
     # an oracle that fails the correct kernel (FP8 rows: e4m3 steps exceed its tolerance) fails every slip too: its
     # thresholds and the outputs only it fails would say nothing about the judge
     use = oracle_use(out0.to(truth.value.device), truth.value)
-    oracle_ok = use <= 1.0
+    oracle_ok = oracle_passes(use)
     ref_err = float(torch.linalg.vector_norm(out0.to(truth.value.device, torch.float64) - truth.value))
     tnorm = float(torch.linalg.vector_norm(truth.value))
     res = []
@@ -252,8 +283,8 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
         if progress:
             progress(f"{slip.name}: judge {j.multiple}, oracle {o.multiple}")
     exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok)
-    return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, oracle_ok, res,
-                       time.time() - t0, exact, use)
+    return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, use, res,
+                       time.time() - t0, exact)
 
 
 def _accumulator_slips(case: Case, inp, truth, emu: torch.Tensor, precision: str, judge, oracle_ok: bool) -> list:

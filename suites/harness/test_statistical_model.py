@@ -223,11 +223,11 @@ def test_the_power_table_says_whether_outputs_only_the_oracle_fails_lie_within_t
     few = power.SlipPower("one-expert-w13", t, t, 3, 20, compare.EXCESS_MIN_ROWS - 1)
     many = power.SlipPower("scaling", t, t, 2, 20, compare.EXCESS_MIN_ROWS)
     assert power.within_declared_limit(few) and not power.within_declared_limit(many)
-    table = power.power_table([power.PowerReport(case, "eager", 0.01, 1.0, True, True, [few, many], 0.0)])
+    table = power.power_table([power.PowerReport(case, "eager", 0.01, 1.0, True, 0.5, [few, many], 0.0)])
     assert f"at most {compare.EXCESS_MIN_ROWS - 1} rows changed: fewer than rule 4 needs" in table
     assert f"up to {compare.EXCESS_MIN_ROWS} rows changed: enough for rule 4" in table
     monkeypatch.setattr(power, "measure", lambda spec, c, device, **kw: power.PowerReport(
-        c, spec.name, 0.01, 1.0, True, True, [few, many], 0.0))
+        c, spec.name, 0.01, 1.0, True, 0.5, [few, many], 0.0))
     assert main(["selftest", "--power", "--device", "cpu", "--dtype", "float16"]) == 1
     out = capsys.readouterr().out
     assert ("POWER FAILED" in out and "one-expert-w13: 3, within the judge's declared limit" in out
@@ -270,7 +270,7 @@ def test_selftest_power_takes_the_ranks_asked_for(monkeypatch, capsys):
 
     def measured(spec, case, device, **kw):
         seen.append((case.max_rank, case.dtype, case.T, case.quant))
-        return power.PowerReport(case, spec.name, 0.01, 1.0, True, True, [], 0.0)
+        return power.PowerReport(case, spec.name, 0.01, 1.0, True, 0.5, [], 0.0)
     monkeypatch.setattr(power, "measure", measured)
     assert main(["selftest", "--power", "--device", "cpu", "--rank", "16,32", "--dtype", "float16"]) == 0
     assert seen == [(16, "float16", 16, "none"), (32, "float16", 16, "none")]
