@@ -38,8 +38,7 @@ def row_excess(out, truth, emu, dt) -> torch.Tensor:
 
 def statistic(d: torch.Tensor, c: torch.Tensor, z: float) -> float:
     x = c * d
-    t, sp = float(x.sum()), float(torch.linalg.vector_norm(x))
-    return t / (z * sp) if t > 0 and sp > 0 else 0.0
+    return compare.self_normalised(float(x.sum()), float(torch.linalg.vector_norm(x)), z)
 
 
 def study(tokens: int, dtype: str, E: int, top_k: int) -> None:

@@ -340,9 +340,14 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     over, allow = ((dm > 0).to(torch.float64)).sum(dim=0), (a[:, None] * m).sum(dim=0)
     found = []
     for t, sp, o, al, i in zip(*(x.tolist() for x in (total, spread, over, allow)), keep):
-        stat = t / (z * sp) if t > 0 and sp > 0 else 0.0
-        found.append((stat, int(o), int(sizes[i]), t / max(al, 1e-300), names[i]))
+        found.append((self_normalised(t, sp, z), int(o), int(sizes[i]), t / max(al, 1e-300), names[i]))
     return max(found, key=lambda f: f[0])     # the first (every row) among equals
+
+
+def self_normalised(total: float, spread: float, z: float) -> float:
+    """Rule 4's statistic of a set from its rows' (weighted) excesses: their sum over z times their root sum of
+    squares (> 1 fails); 0 where the sum is not positive."""
+    return total / (z * spread) if total > 0 and spread > 0 else 0.0
 
 
 def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
