@@ -4,8 +4,10 @@ Rule 4 allows `compare.ACC_SHARE` (a quarter) of the truth's `acc_var`, the boun
 expected square in any summation order independent of the values; a kernel that sums in blocks errs by less, and a
 slip spread like the allowance then fails only past sqrt(ACC_SHARE / k - 1) times the kernel's own error, k the
 kernel's share. This prints k for each backend at `selftest --power`'s cases (the default layer, or catalogued
-models' layers): the floor under fp32's power at any token count, and the figure a declared accumulation order would
-have to beat. docs/error-model.md, "What the judge cannot see" (item 2).
+models' layers): the floor under fp32's power at any token count without the twin run. Beside it, where the judge
+runs a twin (the reordered view, compare.TWIN_FACTOR), the twins' squared difference over twice the kernel's excess
+(q): the twin's allowance covers the kernel's accumulation while TWIN_FACTOR 2 q >= 1, and leaves a slip spread like
+it the floor sqrt(2 q TWIN_FACTOR - 1). docs/error-model.md, "The twin run" and "What the judge cannot see".
 
     python bench/acc_share_study.py [--backend eager,triton_experts] [--device cpu] [--tokens 256,4096]
         [--model NAME ...] [--dtype float32] [--json PATH]
@@ -19,7 +21,7 @@ import math
 import torch
 
 from moe_lora_harness.backends import BUILTINS
-from moe_lora_harness.harness.judge.compare import ACC_SHARE
+from moe_lora_harness.harness.judge.compare import ACC_SHARE, TWIN_FACTOR
 from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.harness.served.models import model_named
 
@@ -36,8 +38,12 @@ def share(spec, case, device: str) -> dict:
     emulation = float(((emu.value - truth.value) ** 2).sum())
     acc = float(truth.acc_var.clamp_min(0).sum())
     k = (kernel - emulation) / acc if acc > 0 else math.nan
+    q = math.nan
+    if c.twin is not None and kernel > emulation:
+        q = float(((out - c.twin.to(out.device, F64)) ** 2).sum()) / (2 * (kernel - emulation))
     return dict(backend=spec.name, case=case.to_json(), kernel_sq=kernel, emulation_sq=emulation, acc_var=acc,
-                k=k, floor=math.sqrt(ACC_SHARE / k - 1) if 0 < k < ACC_SHARE else math.nan)
+                k=k, floor=math.sqrt(ACC_SHARE / k - 1) if 0 < k < ACC_SHARE else math.nan,
+                twin_q=q, twin_floor=math.sqrt(2 * q * TWIN_FACTOR - 1) if 2 * q * TWIN_FACTOR > 1 else math.nan)
 
 
 if __name__ == "__main__":
@@ -59,7 +65,9 @@ if __name__ == "__main__":
             rows.append(r)
             print(f"{name:16s} {case.dtype} T{case.T} H{case.H} I{case.I} E{case.E} k{case.top_k}: kernel^2 "
                   f"{r['kernel_sq']:.3e}, emulation^2 {r['emulation_sq']:.3e}, k = {r['k']:.4f} of acc_var, floor "
-                  f"sqrt({ACC_SHARE}/k - 1) = {r['floor']:.2f}", flush=True)
+                  f"sqrt({ACC_SHARE}/k - 1) = {r['floor']:.2f}; twin q = {r['twin_q']:.3f} (covered: "
+                  f"{TWIN_FACTOR} * 2q = {2 * TWIN_FACTOR * r['twin_q']:.2f} >= 1), floor {r['twin_floor']:.2f}",
+                  flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,8 +1,9 @@
 """Metamorphic properties of an expert-level case: a view of its inputs (Case.view) whose output is the plain
 case's output mapped through the view. The view's own output is judged against the reference as any case is;
-the property adds the comparison with the plain run: bit for bit where the backend declares batch invariance
+the token views add the comparison with the plain run: bit for bit where the backend declares batch invariance
 (Capabilities.batch_invariant, as vLLM's batch-invariant mode promises), else reported, never failed, when the
-rows happen to be identical (docs/semantics.md, "Properties").
+rows happen to be identical (docs/semantics.md, "Properties"). The "reordered" view sums every long reduction in
+another order: the judge's twin run of an fp32 case (harness.judge.expectation.twin_applies).
 """
 from __future__ import annotations
 
@@ -16,7 +17,38 @@ VIEW_MEANING = {
     "reversed": "the tokens in reverse order: a token's output must not depend on its place in the batch",
     "slots_rotated": "every adapter moved to the next slot and the mapping relabelled: a token's output must not "
                      "depend on the slot number its adapter sits in",
+    "reordered": "the hidden and intermediate dimensions permuted through every tensor (the output's hidden columns "
+                 "too): the same sums, each reduction over them in another order",
 }
+# the views under which a batch-invariant backend keeps its bits (a token's inputs and sums are the same); the
+# reordered view changes every summation order, so its bits may differ
+TOKEN_VIEWS = ("half", "reversed", "slots_rotated")
+
+
+def contraction_order(n: int) -> torch.Tensor:
+    """The reordered view's permutation of a dimension of size n: fixed by n alone (so an output's columns map back
+    from its shape), scrambling every position."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0x5EED + n))
+
+
+def _reordered(inp):
+    """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order: the
+    plain sums in other orders. Built tensor by tensor, the base weights expert by expert in place (a fresh build's:
+    a served layer is not held twice)."""
+    H, I = inp.hidden.shape[1], inp.w2.shape[2]
+    pi, si = contraction_order(H).to(inp.hidden.device), contraction_order(I).to(inp.hidden.device)
+    rows = torch.cat([si, si + I]) if inp.w13.shape[1] == 2 * I else si
+    for e in range(inp.w13.shape[0]):
+        inp.w13[e] = inp.w13[e][rows][:, pi]
+        inp.w2[e] = inp.w2[e][pi][:, si]
+    s = inp.stacked
+    if s is not None:
+        s = type(s)([a[..., pi].contiguous() for a in s.w13_a], [b[:, :, si, :].contiguous() for b in s.w13_b],
+                    [a[..., si].contiguous() for a in s.w2_a], [b[:, :, pi, :].contiguous() for b in s.w2_b],
+                    s.adapter_enabled)
+    pick = lambda t, idx: None if t is None else t[:, idx].contiguous()  # noqa: E731
+    return dataclasses.replace(inp, hidden=inp.hidden[:, pi].contiguous(), w13_bias=pick(inp.w13_bias, rows),
+                               w2_bias=pick(inp.w2_bias, pi), stacked=s)
 
 
 def half_tokens(T: int) -> int:
@@ -26,9 +58,13 @@ def half_tokens(T: int) -> int:
 
 def view_inputs(inp, view: str):
     """The plain case's inputs `inp` (harness.build.builders.ExpertInputs) seen through `view` (a new object; the
-    tensors of `inp` are not changed)."""
+    tensors of `inp` are not changed, except by "reordered": its base weights are permuted in place)."""
     if not view:
         return inp
+    if view == "reordered":
+        if inp.quantized:
+            raise ValueError("view='reordered' permutes the weights' K: quantized weights' blocks would not follow")
+        return _reordered(inp)
     if view == "half":
         n = half_tokens(inp.hidden.shape[0])
         return dataclasses.replace(inp, hidden=inp.hidden[:n].clone(), topk_weights=inp.topk_weights[:n].clone(),
@@ -50,9 +86,18 @@ def view_inputs(inp, view: str):
 
 
 def plain_rows(out_plain: torch.Tensor, view: str) -> torch.Tensor:
-    """The plain run's output rows that the view's output must equal, in the view's order."""
+    """The plain run's output rows that the view's output must equal, in the view's order (and its columns')."""
     if view == "half":
         return out_plain[:half_tokens(out_plain.shape[0])]
     if view == "reversed":
         return out_plain.flip(0)
+    if view == "reordered":
+        return out_plain[:, contraction_order(out_plain.shape[1]).to(out_plain.device)]
     return out_plain
+
+
+def plain_columns(out_view: torch.Tensor) -> torch.Tensor:
+    """The reordered view's output in the plain case's column order (plain_rows' inverse for that view)."""
+    out = torch.empty_like(out_view)
+    out[:, contraction_order(out_view.shape[1]).to(out_view.device)] = out_view
+    return out

@@ -9,6 +9,7 @@ Every failure carries the case as JSON and a `REPRO:` command that replays it al
 """
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precisi
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.build.guards import outside_message
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging,
-                                                        op_expectations, row_groups)
+                                                        op_expectations, row_groups, twin_applies)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -117,11 +118,14 @@ class Expectation:
     groups: dict | None = None                 # rule 4's row labellings (expectation.row_groups), kept past a release
     points_only: bool = False                  # the backend rounds only where its model does (rule 4's allowance)
     run_device: str | None = None              # where the backend runs (what the FP8 accumulation term follows)
+    twin_digest: str = ""                      # of the reordered view's inputs, where the judge runs a twin
+                                               # (expectation.twin_applies); '' where it does not
+    twin: torch.Tensor | None = None           # the twin run's output the judged run is held to (rule 4)
 
     @property
     def rules(self) -> Rules:
         """How the output is judged beyond the truth (the verdict and every diagnosis alike)."""
-        return Rules(self.run_device, self.points_only, self.groups)
+        return Rules(self.run_device, self.points_only, self.groups, self.twin)
 
     @property
     def inputs(self):
@@ -155,6 +159,10 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str
         # taken while the inputs are alive: reading them after a release rebuilt the whole layer for two small tensors
         groups = row_groups(exp.built, exp.truth)
         exp.groups = None if groups is None else {k: v.clone() for k, v in groups.items()}
+        if twin_applies(case):   # the twin's inputs, digested: the plain ones are permuted in place, then released
+            from moe_lora_harness.harness.build.properties import view_inputs
+            exp.twin_digest = inputs_digest(view_inputs(exp.built, "reordered"))
+            exp.release_inputs()
     if at != "cpu":     # the worker needs the GPU next: keep the (T, H)-sized results, not the layer
         exp.release_inputs()
         release_device_memory(at)
@@ -230,10 +238,41 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     return "pass", "", verdict
 
 
+TWIN_RUN = ("its twin run (view 'reordered': the case with the hidden and intermediate dimensions permuted, every "
+            "long sum in another order), judged with the plain run as its twin")
+
+
+def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | None, spec: BackendSpec
+                 ) -> tuple[str, str, Verdict | None, Execution]:
+    """(kind, message, verdict, the run that verdict is of): the plain run judged with its twin (the reordered view's
+    run, `expectation.twin_applies`; None: no twin), and, if it passes, the twin judged likewise, with the plain run
+    as its twin. Either run's failure is the case's. `exp.twin` is left as the twin the judged run was held to."""
+    from moe_lora_harness.harness.build.properties import plain_columns
+    exp.twin = None
+    if twin is None:
+        return (*_judge_execution(case, exp, ex, spec), ex)
+    usable = twin.failure is None and twin.output is not None and exp.truth is not None \
+        and tuple(twin.output.shape) == tuple(exp.truth.value.shape)
+    mirrored = dataclasses.replace(twin, output=plain_columns(twin.output) if usable else twin.output,
+                                   built_digest=exp.digest if twin.built_digest == exp.twin_digest else "?")
+    exp.twin = mirrored.output if usable else None
+    first = _judge_execution(case, exp, ex, spec)
+    if first[0] != "pass":
+        return (*first, ex)
+    exp.twin = ex.output
+    kind, message, verdict = _judge_execution(case, exp, mirrored, spec)
+    if kind == "pass":
+        exp.twin = mirrored.output
+        return (*first, ex)
+    return kind, f"{TWIN_RUN}: {message}", verdict, mirrored
+
+
 def _judge_view(spec: BackendSpec, case: Case, device: str, executor, ex: Execution) -> tuple[str, str, str]:
     """(kind, message, note) of a view that passed the reference: its rows against the plain case's run, bit for
     bit where the backend declares batch invariance; elsewhere identical rows are only noted."""
-    from moe_lora_harness.harness.build.properties import VIEW_MEANING
+    from moe_lora_harness.harness.build.properties import TOKEN_VIEWS, VIEW_MEANING
+    if case.view not in TOKEN_VIEWS:     # another summation order: its bits may differ, its values are judged
+        return "pass", "", ""
     plain = executor.execute(spec, case.replace(view=""), device, None)
     if plain.failure is not None:
         f = plain.failure
@@ -288,21 +327,31 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         if problem:   # the machine, not the backend: declared as a skip with its reason
             return Outcome(spec.name, case, device, "not-runnable", f"not runnable on this machine: {problem}")
     executor = executor or InProcess()
-    ex = executor.execute(spec, case, device, exp.poison)
+
+    def execute() -> tuple[Execution, Execution | None]:     # the run, and its twin where the judge runs one
+        first = executor.execute(spec, case, device, exp.poison)
+        if not exp.twin_digest or first.failure is not None:
+            return first, None
+        return first, executor.execute(spec, case.replace(view="reordered"), device, None)
+
+    ex, twin = execute()
     not_here = cannot_run_here(ex.launches) if must_reject(case) is None else ""
     if not_here:   # the machine cannot compute what the kernel computes: neither a pass nor a failure
         return Outcome(spec.name, case, device, "not-runnable", not_here, seconds=ex.seconds)
-    kind, message, verdict = _judge_execution(case, exp, ex, spec)
-    seconds = ex.seconds
+    seconds = ex.seconds + (twin.seconds if twin is not None else 0.0)
+    kind, message, verdict, ex = _judge_twins(case, exp, ex, twin, spec)
     runs = []
     if kind not in ("pass", "timeout", "environment") and reruns > 0 and ok:
         # a failure is run again (a hang is not: it would cost the timeout again); a changed outcome means
         # the backend is nondeterministic, and that is the failure reported, with every run's outcome
         runs = [_signature(kind, ex)]
+        twin_judged = exp.twin
         for _ in range(reruns):
-            ex_i = executor.execute(spec, case, device, exp.poison)
-            runs.append(_signature(_judge_execution(case, exp, ex_i, spec)[0], ex_i))
-            seconds += ex_i.seconds
+            ex_i, twin_i = execute()
+            seconds += ex_i.seconds + (twin_i.seconds if twin_i is not None else 0.0)
+            kind_i, _, _, judged_i = _judge_twins(case, exp, ex_i, twin_i, spec)
+            runs.append(_signature(kind_i, judged_i))
+        exp.twin = twin_judged
         if len(set(runs)) > 1:
             kind = "nondeterministic"
             message = (f"the outcome changed between {len(runs)} runs of the same case: "

@@ -27,6 +27,9 @@ Error model (docs/error-model.md): over the elements the contract writes,
      fp32 accumulation's expected square); a correct kernel's D has mean <= 0, a slip's is its squared size; the
      rows' self-normalised sum sum D / sqrt(sum D^2) must stay below EXCESS_SIGMAS (it cannot exceed sqrt(rows):
      silent below EXCESS_MIN_ROWS = 83 rows; a decode batch pools the rows of many calls, Case.call_tokens).
+     With a `twin` (the same backend's output on the case's reordered view, every long sum in another order) a
+     row's accumulation allowance is the smaller of ACC_SHARE acc_var and TWIN_FACTOR times the two runs' squared
+     difference there: the kernel's own accumulation error, measured rather than bounded for every order.
 Elements the contract does not write are compared bit for bit with what the buffer held.
 """
 from __future__ import annotations
@@ -53,6 +56,11 @@ ACC_SIGMAS = 1.2
 # of u^2 S^2, as ACC_SIGMAS takes it): at most 0.21 of acc_var. Sequential fp32 loops measured 0.003-0.095
 # (suites/harness/test_statistical_model.py); docs/error-model.md, "The accumulation's share in rule 4"
 ACC_SHARE = 0.25
+# rule 4 with a twin run (the reordered view): two summation orders' accumulation errors a and b, each of expected
+# square X, differ by E|a - b|^2 = 2 X (1 - rho); TWIN_FACTOR |a - b|^2 covers X while their correlation rho stays
+# under 2/3. Independent roundings of different partial sums have rho 0 (measured: the twins' squared difference
+# is 0.96-1.03 of 2 X on the CPU): docs/error-model.md, "The twin run"
+TWIN_FACTOR = 1.5
 FALSE_VERDICT = 1e-9    # the per-case chance of a false per-element verdict the statistical bound allows
 # rule 4: a self-normalised sum of independent rows exceeds z with probability below exp(-z^2/2) when the rows' excesses
 # are symmetric (Efron 1969), and in general below that at z sqrt(2) once their squares estimate their variances
@@ -200,7 +208,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                     flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None,
                     slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
                     round_var: torch.Tensor | None = None, row_groups=None,
-                    model_points_only: bool = False) -> Verdict:
+                    model_points_only: bool = False, twin: torch.Tensor | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
@@ -213,7 +221,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     (labellings of the rows, name -> labels: each token's LoRA slot, its routed experts; a bare tensor: the slots)
     makes rule 4 hold for each label's rows too. `model_points_only` (the backend declares that it rounds where its
     model rounds and nowhere else): rule 4 allows the accumulation alone, not one more rounding of every value.
-    Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
+    `twin` (the backend's output on the reordered view, in this output's column order): rule 4's accumulation
+    allowance is at most TWIN_FACTOR times the two runs' squared difference. Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
@@ -290,8 +299,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     modelled = acc_var is not None and round_var is not None        # rule 4 holds (FP8 activations: off)
     sets = _judged_sets(row_groups, _live_rows(written)) if modelled and truth.dim() > 1 else None
     exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                 work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only, sets=sets) \
-        if modelled else None
+                 work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only, sets=sets,
+                 twin=None if twin is None else twin.detach().to(dev)) if modelled else None
     x = 0.0 if exc is None else exc[0]
     unseen = _unseen(sets) if sets is not None else (
         RULE4_OFF if not modelled and truth.dim() > 1 and int(_live_rows(written).sum()) > 1 else "")
@@ -322,17 +331,17 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
 def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
            acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
            underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-           row_groups=None, model_points_only: bool = False, sets=None):
+           row_groups=None, model_points_only: bool = False, sets=None, twin: torch.Tensor | None = None):
     """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
     the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
     The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
     its allowance; > 1 fails. A 1-D output has none. `model_points_only`: the allowance is the accumulation's alone
     (a kernel that rounds exactly where its model does flips roundings, a mean-zero change: docs/error-model.md).
-    `sets`: `_judged_sets` of these rows and groups, when the caller has them already."""
+    `sets`: `_judged_sets` of these rows and groups, when the caller has them already. `twin`: compare_written's."""
     if truth.dim() < 2:
         return 0.0, 0, 1, 0.0, "no rows"
     d, a = row_excess(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                      work_dtype=work_dtype, model_points_only=model_points_only)
+                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin)
     names, _, member, sizes, keep, z, _ = sets if sets is not None else _judged_sets(row_groups, _live_rows(written))
     m = member[:, keep]
     dm = d[:, None] * m
@@ -353,18 +362,24 @@ def self_normalised(total: float, spread: float, z: float) -> float:
 def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
                acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-               model_points_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               model_points_only: bool = False, twin: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
-    emulation's minus its allowance; the allowance)."""
+    emulation's minus its allowance; the allowance). With a `twin` run each row's accumulation allowance is the
+    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row."""
     dims = tuple(range(1, truth.dim()))
     w = written.to(torch.float64)
-    allowed = ACC_SHARE * acc_var.clamp_min(0)
+    acc = (ACC_SHARE * acc_var.clamp_min(0) * w).sum(dim=dims)
+    if twin is not None:
+        apart = torch.nan_to_num((out64 - twin.to(torch.float64)) ** 2, nan=math.inf, posinf=math.inf)
+        acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims))
+    allowed = torch.zeros_like(truth)
     if not model_points_only:
         allowed = allowed + other_points(emulation, round_var, dtype)
     if underflow is not None:
         allowed = allowed + (tiny(work_dtype or dtype) * underflow) ** 2
-    d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims)
-    return d, (allowed * w).sum(dim=dims)
+    d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims) - acc
+    return d, (allowed * w).sum(dim=dims) + acc
 
 
 def _live_rows(written: torch.Tensor) -> torch.Tensor:

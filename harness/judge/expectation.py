@@ -73,10 +73,24 @@ class Rules:
     device: str | None = None
     points_only: bool = False
     groups: object = None
+    twin: torch.Tensor | None = None     # the other run of a twin pair, in the plain columns (`twin_applies`)
 
     def kwargs(self, truth) -> dict:
         """compare_written's keyword arguments for `truth` (its allowances) under these rules."""
-        return dict(row_groups=self.groups, model_points_only=self.points_only, **allowances(truth, self.device))
+        return dict(row_groups=self.groups, model_points_only=self.points_only, twin=self.twin,
+                    **allowances(truth, self.device))
+
+
+def twin_applies(case: Case) -> bool:
+    """Whether the judge runs the backend twice on `case`, the second time on its reordered view (every long sum in
+    another order), and judges each run with the other as its twin (compare.row_excess): where rule 4 can act (83
+    rows or more) on an fp32 output, whose accumulation error a bound for every summation order overstates 25 to 60
+    times for a blocked kernel (docs/error-model.md, "The twin run"). Expert level, one rank, unquantized."""
+    from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
+    from moe_lora_harness.harness.spec.contract import must_reject
+    return (case.level == "expert" and not case.view and not case.dispatched and case.tp_size == 1
+            and case.quant == "none" and torch_dtype(case) == torch.float32 and case.T >= EXCESS_MIN_ROWS
+            and must_reject(case) is None)
 
 
 def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, precision: str, rules: Rules,
@@ -89,6 +103,20 @@ def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, 
     return compare_written(out, truth.value, emulation, truth.scale, written, dtype=bound_dtype(precision, dt),
                            k_plus_r=k_plus_r, before=before, names=names, underflow=truth.underflow, work_dtype=dt,
                            **rules.kwargs(truth))
+
+
+def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth, emulation: torch.Tensor,
+                precision: str, rules: Rules):
+    """`judge_output` of a run and, where it passes, of its twin (`twin_applies`; in the plain columns), each held to
+    the other: the first failing verdict, else the run's. The runner's pairing on outputs alone (selftest --power)."""
+    import dataclasses
+    if twin is None:
+        return judge_output(case, out, truth, emulation, precision, rules)
+    v = judge_output(case, out, truth, emulation, precision, dataclasses.replace(rules, twin=twin))
+    if not v.ok:
+        return v
+    v2 = judge_output(case, twin, truth, emulation, precision, dataclasses.replace(rules, twin=out))
+    return v if v2.ok else v2
 
 
 def row_groups(inputs, truth) -> dict | None:

@@ -24,7 +24,8 @@ import torch
 from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
-from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_output, row_groups
+from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
+from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_twins, row_groups, twin_applies
 from moe_lora_harness.reference.precision import precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
@@ -215,6 +216,8 @@ class CorrectRun:
     truth: object             # reference.experts.ExpertExpected
     emulation: object         # its emulation (`.value`)
     out: torch.Tensor         # the backend's output, in its dtype and on its device
+    twin_inputs: ExpertInputs | None = None    # the reordered view's inputs, where the judge runs a twin
+    twin: torch.Tensor | None = None            # the backend's output on them, in the plain columns
 
 
 def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
@@ -223,7 +226,17 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
     precision, points_only = declared_rounding(spec, case, device)
     inp, truth, emu = expert_expectations(case, precision, device=device)
-    return CorrectRun(precision, points_only, inp, truth, emu, run_calls(spec, inp.call(device), case))
+    out = run_calls(spec, inp.call(device), case)
+    if not twin_applies(case):
+        return CorrectRun(precision, points_only, inp, truth, emu, out)
+    twin_inp = reordered_copy(inp)
+    return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
+                      plain_columns(run_calls(spec, twin_inp.call(device), case)))
+
+
+def reordered_copy(inp: ExpertInputs) -> ExpertInputs:
+    """The reordered view of `inp` (harness.build.properties), `inp` left as it is."""
+    return view_inputs(dataclasses.replace(inp, w13=inp.w13.clone(), w2=inp.w2.clone()), "reordered")
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
@@ -239,10 +252,14 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
     def run(i: ExpertInputs) -> torch.Tensor:
         return run_calls(spec, i.call(device), case)
 
-    def judge(out):     # the runner's verdict
-        return judge_output(case, out, truth, emu.value, precision, rules)
+    def judge(out, twin=None):     # the runner's verdict (with the twin run, where it runs one)
+        return judge_twins(case, out, twin, truth, emu.value, precision, rules)
 
-    v0 = judge(out0)
+    def slipped(slip, alpha):      # the slipped kernel's run, and its twin's in the plain columns
+        out = run(slip.make(inp, alpha))
+        return out, None if c.twin_inputs is None else plain_columns(run(slip.make(c.twin_inputs, alpha)))
+
+    v0 = judge(out0, c.twin)
     # an oracle that fails the correct kernel (FP8 rows: e4m3 steps exceed its tolerance) fails every slip too: its
     # thresholds and the outputs only it fails would say nothing about the judge
     use = oracle_use(out0.to(truth.value.device), truth.value)
@@ -257,11 +274,11 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14,
 
         def at(alpha):
             if alpha not in cache:
-                out = run(slip.make(inp, alpha))
+                out, twin = slipped(slip, alpha)
                 diff = out.to(torch.float64) - out0.to(torch.float64)
                 size = float(torch.linalg.vector_norm(diff))
                 rows = int((diff != 0).reshape(diff.shape[0], -1).any(dim=1).sum())
-                cache[alpha] = (not judge(out).ok, _oracle_fails(out.to(truth.value.device), truth.value),
+                cache[alpha] = (not judge(out, twin).ok, _oracle_fails(out.to(truth.value.device), truth.value),
                                 size / ref_err if ref_err > 0 else math.inf, rows)
             return cache[alpha]
 

@@ -28,8 +28,9 @@ WHICH = ("w13", "w2")
 ACTIVE_LORAS = ("all", "unique")
 EP_COMMS = ("simulated", "processes")
 # a metamorphic view of an expert-level case (harness.build.properties): its inputs are the plain case's, then cut to the
-# first half of the tokens, put in reverse token order, or with every adapter moved one slot on; "" = the case
-VIEWS = ("", "half", "reversed", "slots_rotated")
+# first half of the tokens, put in reverse token order, with every adapter moved one slot on, or with the hidden and
+# intermediate dimensions permuted (every long sum in another order); "" = the case
+VIEWS = ("", "half", "reversed", "slots_rotated", "reordered")
 # input scale: `magnitude` scales every token's hidden state (op level: the LoRA input x); `outliers` tokens
 # are scaled a further `outlier_scale` (default OUTLIER_SCALE), as the massive-activation tokens of real models are
 OUTLIER_SCALE = 30.0
@@ -248,12 +249,16 @@ class Case:
             need(self.T >= 2, f"view={self.view!r} needs T >= 2 tokens (a view of one token is the token)")
             if self.view == "slots_rotated":
                 need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")
+            if self.view == "reordered":
+                need(self.quant == "none", "view='reordered' permutes the weights' K and N: quantized weights' "
+                                           "blocks would not follow (quant='none' only)")
         ct = self.call_tokens
         need(isinstance(ct, int) and not isinstance(ct, bool) and ct >= 0,
              f"call_tokens (tokens per backend call) must be an int >= 0, got {ct!r}")
         if isinstance(ct, int) and ct > 0:
-            need(self.level == "expert" and not self.dispatched and self.tp_size == 1 and not self.view,
-                 "call_tokens is an expert-level setting of one rank (no dispatched EP, tp_size 1, no view)")
+            need(self.level == "expert" and not self.dispatched and self.tp_size == 1
+                 and self.view in ("", "reordered"),
+                 "call_tokens is an expert-level setting of one rank (no dispatched EP, tp_size 1, no token view)")
             need(self.T >= ct and self.T % ct == 0,
                  f"call_tokens={ct} must divide T={self.T} (every call the same size, so one rounding model "
                  f"holds for all of them)")

@@ -1,0 +1,110 @@
+"""The twin run (harness.judge.expectation.twin_applies, compare.TWIN_FACTOR): an fp32 case of enough rows is run
+twice, the second time on its reordered view (every long sum in another order), and each run is judged with the
+other as the measure of its own accumulation error. Claimed both ways: a correct kernel passes, its twins' squared
+difference covers its accumulation with room to spare, a slip the bound for every order admits fails, and a run
+that is wrong only in the reordered order fails, naming the twin, with a REPRO of the case."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from moe_lora_harness.backends.eager import BACKEND as EAGER
+from moe_lora_harness.backends.eager import run_experts
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.execution.runner import TWIN_RUN, run_case
+from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, TWIN_FACTOR
+from moe_lora_harness.harness.judge.expectation import Rules, judge_output, judge_twins, row_groups, twin_applies
+from moe_lora_harness.harness.selftest import power
+from moe_lora_harness.harness.spec.case import Case
+
+F64 = torch.float64
+# 128 rows: enough for rule 4 (EXCESS_MIN_ROWS), small enough for the CPU in a second
+CASE = Case(level="expert", T=128, H=256, I=128, E=4, top_k=2, max_loras=2, max_rank=8, mapping="mixed",
+            dtype="float32", seed=3)
+
+
+def _spec(name, experts):
+    return dataclasses.replace(EAGER, name=name, experts=experts, op=None, description=f"test backend {name}")
+
+
+def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
+    assert twin_applies(CASE)
+    assert not twin_applies(CASE.replace(T=EXCESS_MIN_ROWS - 1))      # rule 4 cannot fail so few rows
+    assert not twin_applies(CASE.replace(dtype="float16"))            # its rounding, not its sums, bounds it
+    assert not twin_applies(CASE.replace(view="reordered"))           # a view is judged alone
+    assert not twin_applies(CASE.replace(quant="int8_channel"))       # quantized K blocks do not permute
+    assert not twin_applies(CASE.replace(level="op"))
+
+
+def test_the_judge_runs_the_backend_twice_only_where_the_twin_applies():
+    calls = []
+
+    def counted(call):
+        calls.append(call.hidden_states.shape)
+        run_experts(call)
+
+    spec = _spec("counted", counted)
+    assert run_case(spec, CASE, "cpu", executor=InProcess(), reruns=0).status == "pass"
+    assert len(calls) == 2
+    calls.clear()
+    assert run_case(spec, CASE.replace(dtype="float16"), "cpu", executor=InProcess(), reruns=0).status == "pass"
+    assert len(calls) == 1
+
+
+def test_the_twins_difference_covers_the_kernels_accumulation_with_room():
+    """q = |a - b|^2 / (2 X), X the kernel's squared error beyond the emulation's: TWIN_FACTOR 2 q >= 1 is what the
+    allowance needs; independent roundings give q near 1 (the room is for correlated partial sums)."""
+    c = power.correct_run(EAGER, CASE, "cpu")
+    tv, out, twin = c.truth.value, c.out.to(F64), c.twin.to(F64)
+    excess = float(((out - tv) ** 2).sum() - ((c.emulation.value - tv) ** 2).sum())
+    q = float(((out - twin) ** 2).sum()) / (2 * excess)
+    assert TWIN_FACTOR * 2 * q >= 2.0, q
+    assert not torch.equal(c.out, c.twin), "the twin must sum in another order"
+
+
+def test_a_spread_slip_the_bound_for_every_order_admits_fails_with_the_twin():
+    """A slip spread like the accumulation's allowance, three times the kernel's own error (in both runs: it does not
+    depend on the order), passes rule 4 without the twin and fails it with it; the correct pair passes."""
+    c = power.correct_run(EAGER, CASE, "cpu")
+    rules = Rules("cpu", c.points_only, row_groups(c.inputs, c.truth))
+    tv, out, twin = c.truth.value, c.out.to(F64), c.twin.to(F64)
+    g = torch.randn(tv.shape, generator=torch.Generator().manual_seed(1), dtype=F64) * c.truth.acc_var.sqrt()
+    slip = g * (3 * float((out - tv).norm()) / float(g.norm()))
+    assert judge_twins(CASE, c.out, c.twin, c.truth, c.emulation.value, c.precision, rules).ok
+    alone = judge_output(CASE, (out + slip).float(), c.truth, c.emulation.value, c.precision, rules)
+    paired = judge_twins(CASE, (out + slip).float(), (twin + slip).float(), c.truth, c.emulation.value,
+                         c.precision, rules)
+    assert alone.ok, alone.message
+    assert not paired.ok and "rule 4" in paired.message, paired.message
+
+
+def test_a_run_wrong_only_in_the_reordered_order_fails_naming_the_twin():
+    """A stale cache keyed by the routing (a real class of bug): the twin, routed alike, gets the plain run's
+    columns back. The plain run passes; the case fails, as the twin's, with a REPRO of the case."""
+    cache: dict = {}
+
+    def stale(call):
+        key = call.topk_ids.cpu().numpy().tobytes()
+        if key in cache:
+            call.output.copy_(cache[key])
+            return
+        run_experts(call)
+        cache[key] = call.output.clone()
+
+    out = run_case(_spec("stale-cache", stale), CASE, "cpu", executor=InProcess(), reruns=0)
+    assert out.status == "fail" and out.kind in ("element", "aggregate"), out.detail
+    assert TWIN_RUN in out.message and "REPRO:" in out.detail and '"view"' not in out.detail.split("REPRO:")[1]
+
+
+def test_a_twin_that_raises_is_the_cases_failure():
+    seen = []
+
+    def second_raises(call):
+        seen.append(1)
+        if len(seen) > 1:
+            raise RuntimeError("out of shared memory")
+        run_experts(call)
+
+    out = run_case(_spec("second-raises", second_raises), CASE, "cpu", executor=InProcess(), reruns=0)
+    assert out.status == "fail" and out.kind == "raised" and TWIN_RUN in out.message, out.detail
