@@ -31,13 +31,23 @@ def contraction_order(n: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(0x5EED + n))
 
 
+def _gate_up_rows(si: torch.Tensor, n1: int, interleaved: bool) -> torch.Tensor:
+    """w13's rows under the order `si` of I: gate and up alike, in the activation's layout ([g; u] split, or
+    [g0, u0, g1, u1, ...] interleaved); a non-gated w13's rows are I's."""
+    I = si.numel()
+    if n1 != 2 * I:
+        return si
+    return torch.stack([2 * si, 2 * si + 1], dim=1).reshape(-1) if interleaved else torch.cat([si, si + I])
+
+
 def _reordered(inp):
     """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order: the
     plain sums in other orders. Built tensor by tensor, the base weights expert by expert in place (a fresh build's:
     a served layer is not held twice)."""
+    from moe_lora_harness.reference.activations import lookup_activation
     H, I = inp.hidden.shape[1], inp.w2.shape[2]
     pi, si = contraction_order(H).to(inp.hidden.device), contraction_order(I).to(inp.hidden.device)
-    rows = torch.cat([si, si + I]) if inp.w13.shape[1] == 2 * I else si
+    rows = _gate_up_rows(si, inp.w13.shape[1], lookup_activation(inp.case.activation, supported_only=False).interleaved)
     for e in range(inp.w13.shape[0]):
         inp.w13[e] = inp.w13[e][rows][:, pi]
         inp.w2[e] = inp.w2[e][pi][:, si]

@@ -12,6 +12,7 @@ from moe_lora_harness.backends.eager import BACKEND as EAGER
 from moe_lora_harness.backends.eager import run_experts
 from moe_lora_harness.harness.build.builders import build_expert_inputs
 from moe_lora_harness.harness.spec.case import VIEWS, Case
+from moe_lora_harness.reference.activations import ACTIVATIONS, UNSUPPORTED_ACTIVATIONS
 from moe_lora_harness.harness.judge.compare import bit_equal
 from moe_lora_harness.harness.execution.execute import InProcess
 from moe_lora_harness.harness.build.expert_runner import expert_expectations
@@ -56,6 +57,16 @@ def test_a_view_s_truth_is_the_plain_truth_mapped(view):
     want = plain_rows(plain.value, view)
     assert seen.value.shape == want.shape
     assert torch.allclose(seen.value, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", sorted(a for a in ACTIVATIONS if a not in UNSUPPORTED_ACTIVATIONS))
+def test_the_reordered_views_truth_is_the_plain_truth_in_every_layout(activation):
+    """The reordered view computes the same sums for every activation's w13 layout (split, interleaved, non-gated),
+    with biases and LoRA: what lets the judge hold a twin run to the plain case's truth."""
+    case = CASE.replace(activation=activation, bias=True, H=48, I=40)
+    _, plain, _ = expert_expectations(case, "one_shot")
+    _, seen, _ = expert_expectations(case.replace(view="reordered"), "one_shot")
+    assert torch.allclose(seen.value, plain_rows(plain.value, "reordered"), rtol=1e-12, atol=1e-12)
 
 
 def test_views_change_only_what_they_say():
