@@ -7,7 +7,9 @@ by rewriting the inputs a correct expert backend is handed (partial K or N tiles
 a scaling or one slice mis-scaled, one token, slot or expert wrong): SLIPS is the only table a new class needs. For
 each slip the judge's threshold is found by bisection on alpha (the judge's truth and emulation computed once), and
 so is the oracle's; every output evaluated is judged by both, and an output the oracle fails that the judge passes
-is counted (`oracle_only`: it must stay 0). Beside them, a precision mistake that has no size to bisect: every
+is counted (`oracle_only`: it must stay 0). Where the judge runs a twin (expectation.twin_applies: fp32, 83 rows or
+more) the slipped kernel runs on the reordered inputs too, and the pair is judged as the runner judges it. Beside
+them, a precision mistake that has no size to bisect: every
 GEMM's accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output judged and put to the
 oracle. docs/error-model.md, "Power".
 """

@@ -473,11 +473,13 @@ def test_the_statistical_accumulation_term_is_the_cpus_only(case):
     direction = noise * truth.value.abs()       # relative to each element (the case has a massive token)
 
     def threshold(device):   # the smallest slip (a multiple of `direction`) the judge on `device` fails, bisected
-        lo, hi = 0.0, 1.0
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            ok = _verdict(case, (emu.value + mid * direction).to(torch_dtype(case)), truth, emu, device=device).ok
-            lo, hi = (mid, hi) if ok else (lo, mid)
+        def ok(m):
+            return _verdict(case, (emu.value + m * direction).to(torch_dtype(case)), truth, emu, device=device).ok
+        lo, hi = 1e-7, 1.0
+        assert ok(lo) and not ok(hi)
+        for _ in range(12):      # geometric: 0.4 % of the threshold
+            mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
         return hi
 
     cpu_at, gpu_at = threshold("cpu"), threshold("cuda")
