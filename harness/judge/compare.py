@@ -318,8 +318,10 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst, x, unseen)
     if x > 1.0:
         _, rows_over, n_rows, extra, where = exc
-        allowance = ("its fp32 accumulation (the backend declares it rounds only where its model rounds)"
-                     if model_points_only else "one more rounding of every value it rounds")
+        acc = ("its fp32 accumulation as its twin run measured it (the case reordered, each long sum in another "
+               "order)" if twin is not None else "its fp32 accumulation")
+        allowance = (f"{acc} (the backend declares it rounds only where its model rounds)"
+                     if model_points_only else f"one more rounding of every value it rounds and {acc}")
         return Verdict(False, "aggregate", f"the output is farther from the truth than the emulation plus {allowance}, "
                        f"consistently across rows (rule 4): over {where}, "
                        f"{rows_over} of {n_rows} rows exceed it, by {extra:.3g} of the allowance in all; "

@@ -91,6 +91,9 @@ def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without():
     assert judge_twins(CASE, c.out, c.twin, c.truth, c.emulation.value, c.precision, rules).ok
     with_twin, alone = threshold(True), threshold(False)
     assert with_twin <= 2.5 and with_twin < alone, (with_twin, alone)
+    v = judge_twins(CASE, (out + with_twin * g).float(), (twin + with_twin * g).float(), c.truth, c.emulation.value,
+                    c.precision, rules)
+    assert "rule 4" in v.message and "as its twin run measured it" in v.message, v.message
 
 
 def test_a_run_wrong_only_in_the_reordered_order_fails_naming_the_twin():
