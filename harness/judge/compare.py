@@ -59,7 +59,7 @@ ACC_SHARE = 0.25
 # rule 4 with a twin run (the reordered view): two summation orders' accumulation errors a and b, each of expected
 # square X, differ by E|a - b|^2 = 2 X (1 - rho); TWIN_FACTOR |a - b|^2 covers X while their correlation rho stays
 # under 2/3. Independent roundings of different partial sums have rho 0 (measured: the twins' squared difference
-# is 0.94-1.03 of 2 X on the CPU, 0.83-0.95 on the H100): docs/error-model.md, "The twin run"
+# is 0.94-1.02 of 2 X on the CPU, 0.83-0.95 on the H100): docs/error-model.md, "The twin run"
 TWIN_FACTOR = 1.5
 FALSE_VERDICT = 1e-9    # the per-case chance of a false per-element verdict the statistical bound allows
 # rule 4: a self-normalised sum of independent rows exceeds z with probability below exp(-z^2/2) when the rows' excesses
