@@ -367,7 +367,8 @@ def build_expert_inputs(case: Case, device="cpu") -> ExpertInputs:
         raise ValueError(f"build_expert_inputs needs an expert-level case, got level={case.level!r}")
     if case.view:   # the plain case's inputs, seen through the view (harness.build.properties)
         from moe_lora_harness.harness.build.properties import view_inputs
-        return dataclasses.replace(view_inputs(build_expert_inputs(case.replace(view=""), device), case.view),
+        return dataclasses.replace(view_inputs(build_expert_inputs(case.replace(view=""), device), case.view,
+                                               in_place=True),
                                    case=case)
     dt = torch_dtype(case)
     at = build_device(device)

@@ -40,25 +40,26 @@ def _gate_up_rows(si: torch.Tensor, n1: int, interleaved: bool) -> torch.Tensor:
     return torch.stack([2 * si, 2 * si + 1], dim=1).reshape(-1) if interleaved else torch.cat([si, si + I])
 
 
-def _reordered(inp):
+def _reordered(inp, in_place: bool):
     """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order: the
-    plain sums in other orders. Built tensor by tensor, the base weights expert by expert in place (a fresh build's:
-    a served layer is not held twice)."""
+    plain sums in other orders. `in_place`: the base weights are permuted expert by expert where they lie (a served
+    layer is not held twice), else copied first."""
     from moe_lora_harness.reference.activations import lookup_activation
     H, I = inp.hidden.shape[1], inp.w2.shape[2]
     pi, si = contraction_order(H).to(inp.hidden.device), contraction_order(I).to(inp.hidden.device)
     rows = _gate_up_rows(si, inp.w13.shape[1], lookup_activation(inp.case.activation, supported_only=False).interleaved)
-    for e in range(inp.w13.shape[0]):
-        inp.w13[e] = inp.w13[e][rows][:, pi]
-        inp.w2[e] = inp.w2[e][pi][:, si]
+    w13, w2 = (inp.w13, inp.w2) if in_place else (inp.w13.clone(), inp.w2.clone())
+    for e in range(w13.shape[0]):
+        w13[e] = w13[e][rows][:, pi]
+        w2[e] = w2[e][pi][:, si]
     s = inp.stacked
     if s is not None:
         s = type(s)([a[..., pi].contiguous() for a in s.w13_a], [b[:, :, si, :].contiguous() for b in s.w13_b],
                     [a[..., si].contiguous() for a in s.w2_a], [b[:, :, pi, :].contiguous() for b in s.w2_b],
                     s.adapter_enabled)
     pick = lambda t, idx: None if t is None else t[:, idx].contiguous()  # noqa: E731
-    return dataclasses.replace(inp, hidden=inp.hidden[:, pi].contiguous(), w13_bias=pick(inp.w13_bias, rows),
-                               w2_bias=pick(inp.w2_bias, pi), stacked=s)
+    return dataclasses.replace(inp, hidden=inp.hidden[:, pi].contiguous(), w13=w13, w2=w2,
+                               w13_bias=pick(inp.w13_bias, rows), w2_bias=pick(inp.w2_bias, pi), stacked=s)
 
 
 def half_tokens(T: int) -> int:
@@ -66,15 +67,16 @@ def half_tokens(T: int) -> int:
     return (T + 1) // 2
 
 
-def view_inputs(inp, view: str):
+def view_inputs(inp, view: str, *, in_place: bool = False):
     """The plain case's inputs `inp` (harness.build.builders.ExpertInputs) seen through `view` (a new object; the
-    tensors of `inp` are not changed, except by "reordered": its base weights are permuted in place)."""
+    tensors of `inp` are not changed, unless `in_place`: then the reordered view permutes its base weights where they
+    lie, for a caller that holds `inp` nowhere else)."""
     if not view:
         return inp
     if view == "reordered":
         if inp.quantized:
             raise ValueError("view='reordered' permutes the weights' K: quantized weights' blocks would not follow")
-        return _reordered(inp)
+        return _reordered(inp, in_place)
     if view == "half":
         n = half_tokens(inp.hidden.shape[0])
         return dataclasses.replace(inp, hidden=inp.hidden[:n].clone(), topk_weights=inp.topk_weights[:n].clone(),

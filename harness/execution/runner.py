@@ -120,12 +120,15 @@ class Expectation:
     run_device: str | None = None              # where the backend runs (what the FP8 accumulation term follows)
     twin_digest: str = ""                      # of the reordered view's inputs, where the judge runs a twin
                                                # (expectation.twin_applies); '' where it does not
-    twin: torch.Tensor | None = None           # the twin run's output the judged run is held to (rule 4)
 
     @property
     def rules(self) -> Rules:
         """How the output is judged beyond the truth (the verdict and every diagnosis alike)."""
-        return Rules(self.run_device, self.points_only, self.groups, self.twin)
+        return Rules(self.run_device, self.points_only, self.groups)
+
+    def rules_with(self, twin: torch.Tensor | None) -> Rules:
+        """`rules`, holding the judged run to `twin` (the other run of a twin pair; None: none)."""
+        return self.rules if twin is None else dataclasses.replace(self.rules, twin=twin)
 
     @property
     def inputs(self):
@@ -161,7 +164,7 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str
         exp.groups = None if groups is None else {k: v.clone() for k, v in groups.items()}
         if twin_applies(case):   # the twin's inputs, digested: the plain ones are permuted in place, then released
             from moe_lora_harness.harness.build.properties import view_inputs
-            exp.twin_digest = inputs_digest(view_inputs(exp.built, "reordered"))
+            exp.twin_digest = inputs_digest(view_inputs(exp.built, "reordered", in_place=True))
             exp.release_inputs()
     if at != "cpu":     # the worker needs the GPU next: keep the (T, H)-sized results, not the layer
         exp.release_inputs()
@@ -211,9 +214,10 @@ def _is_environment(spec: BackendSpec, message: str) -> bool:
     return any(re.search(p, message, re.I) for p in (*ENVIRONMENT_ERRORS, *spec.environment_errors))
 
 
-def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendSpec | None = None
-                     ) -> tuple[str, str, Verdict | None]:
-    """(kind, message, verdict): kind 'pass' or a failure kind."""
+def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendSpec | None = None,
+                     twin: torch.Tensor | None = None) -> tuple[str, str, Verdict | None]:
+    """(kind, message, verdict): kind 'pass' or a failure kind. `twin`: the output the run is held to as its twin
+    (rule 4; None: none)."""
     if ex.failure is not None and ex.failure.kind == "raised" and spec is not None \
             and _is_environment(spec, ex.failure.message):
         f = ex.failure
@@ -227,7 +231,8 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     if ex.built_digest != exp.digest:
         return "inputs-differ", ("the worker built other inputs than the judge did (the backend changed the "
                                  "worker's global state, e.g. torch's RNG or a harness function)"), None
-    verdict = judge_output(case, ex.output, exp.truth, exp.emulation.value, exp.precision, exp.rules, exp.before)
+    verdict = judge_output(case, ex.output, exp.truth, exp.emulation.value, exp.precision, exp.rules_with(twin),
+                           exp.before)
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict
@@ -243,28 +248,25 @@ TWIN_RUN = ("its twin run (view 'reordered': the case with the hidden and interm
 
 
 def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | None, spec: BackendSpec
-                 ) -> tuple[str, str, Verdict | None, Execution]:
-    """(kind, message, verdict, the run that verdict is of): the plain run judged with its twin (the reordered view's
-    run, `expectation.twin_applies`; None: no twin), and, if it passes, the twin judged likewise, with the plain run
-    as its twin. Either run's failure is the case's. `exp.twin` is left as the twin the judged run was held to."""
+                 ) -> tuple[str, str, Verdict | None, Execution, torch.Tensor | None]:
+    """(kind, message, verdict, the run that verdict is of, the twin output it was held to): the plain run judged
+    with its twin (the reordered view's run, `expectation.twin_applies`; None: no twin), and, if it passes, the twin
+    judged likewise, with the plain run as its twin. Either run's failure is the case's."""
     from moe_lora_harness.harness.build.properties import plain_columns
-    exp.twin = None
     if twin is None:
-        return (*_judge_execution(case, exp, ex, spec), ex)
+        return (*_judge_execution(case, exp, ex, spec), ex, None)
     usable = twin.failure is None and twin.output is not None and exp.truth is not None \
         and tuple(twin.output.shape) == tuple(exp.truth.value.shape)
     mirrored = dataclasses.replace(twin, output=plain_columns(twin.output) if usable else twin.output,
                                    built_digest=exp.digest if twin.built_digest == exp.twin_digest else "?")
-    exp.twin = mirrored.output if usable else None
-    first = _judge_execution(case, exp, ex, spec)
+    held_to = mirrored.output if usable else None
+    first = _judge_execution(case, exp, ex, spec, held_to)
     if first[0] != "pass":
-        return (*first, ex)
-    exp.twin = ex.output
-    kind, message, verdict = _judge_execution(case, exp, mirrored, spec)
+        return (*first, ex, held_to)
+    kind, message, verdict = _judge_execution(case, exp, mirrored, spec, ex.output)
     if kind == "pass":
-        exp.twin = mirrored.output
-        return (*first, ex)
-    return kind, f"{TWIN_RUN}: {message}", verdict, mirrored
+        return (*first, ex, held_to)
+    return kind, f"{TWIN_RUN}: {message}", verdict, mirrored, ex.output
 
 
 def _judge_view(spec: BackendSpec, case: Case, device: str, executor, ex: Execution) -> tuple[str, str, str]:
@@ -339,19 +341,17 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if not_here:   # the machine cannot compute what the kernel computes: neither a pass nor a failure
         return Outcome(spec.name, case, device, "not-runnable", not_here, seconds=ex.seconds)
     seconds = ex.seconds + (twin.seconds if twin is not None else 0.0)
-    kind, message, verdict, ex = _judge_twins(case, exp, ex, twin, spec)
+    kind, message, verdict, ex, held_to = _judge_twins(case, exp, ex, twin, spec)
     runs = []
     if kind not in ("pass", "timeout", "environment") and reruns > 0 and ok:
         # a failure is run again (a hang is not: it would cost the timeout again); a changed outcome means
         # the backend is nondeterministic, and that is the failure reported, with every run's outcome
         runs = [_signature(kind, ex)]
-        twin_judged = exp.twin
         for _ in range(reruns):
             ex_i, twin_i = execute()
             seconds += ex_i.seconds + (twin_i.seconds if twin_i is not None else 0.0)
-            kind_i, _, _, judged_i = _judge_twins(case, exp, ex_i, twin_i, spec)
+            kind_i, _, _, judged_i, _ = _judge_twins(case, exp, ex_i, twin_i, spec)
             runs.append(_signature(kind_i, judged_i))
-        exp.twin = twin_judged
         if len(set(runs)) > 1:
             kind = "nondeterministic"
             message = (f"the outcome changed between {len(runs)} runs of the same case: "
@@ -379,7 +379,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if passed:
         return Outcome(spec.name, case, device, "pass", note, verdict, seconds=seconds)
     repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
-    notes, semantics, also = _diagnoses(case, kind, verdict, ex, exp) if diagnose else ([], "", ())
+    notes, semantics, also = _diagnoses(case, kind, verdict, ex, exp, held_to) if diagnose else ([], "", ())
     return Outcome(spec.name, case, device, "fail", kind, verdict,
                    _explain(spec, case, device, kind, message, verdict, ex, exp, repro, notes), kind=kind,
                    runs=runs, seconds=seconds, message=message, repro=repro, semantics=semantics,
@@ -406,26 +406,29 @@ def _expert_coords(case: Case, inp):
     return coords
 
 
-def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) -> tuple[list, str]:
+def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation,
+               twin: torch.Tensor | None = None) -> tuple[list, str]:
     """(report lines, the named semantic alternative or ''): the rounding model a bound failure follows
     (harness.judge.diagnose); beyond every rounding model, the integration mistake (harness.judge.semantic_diagnosis);
-    and, when only some rows fail, which they are. Advice only: its own failure is reported, never raised."""
+    and, when only some rows fail, which they are; each under the verdict's rules (`twin`: the output the run was
+    held to). Advice only: its own failure is reported, never raised."""
     if verdict is None or ex.output is None or kind not in (*WRONG_VALUE_KINDS, "nonfinite"):
         return [], "", ()
     lines, name, also = [], "", ()
+    rules = exp.rules_with(twin)
     try:
         d = None
         if kind in ("element", "aggregate"):
             d = diagnose_precision(case, exp.precision, ex.output, exp.truth, inputs=exp.inputs,
-                                   emulation=exp.emulation.value, rules=exp.rules)
+                                   emulation=exp.emulation.value, rules=rules)
             lines.append("  precision: " + (d.text if d is not None
                                             else "the error is too large for any rounding model"))
         if kind != "nonfinite" and (d is None or not d.matched):
             s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
-                                   verdict.ratio if kind != "untouched" else None, before=exp.before, rules=exp.rules)
+                                   verdict.ratio if kind != "untouched" else None, before=exp.before, rules=rules)
             n = (kind == "untouched" and s is not None and not s.name
                  and sign_of_zero_only(case, exp.precision, ex.output, exp.truth, exp.emulation.value, exp.before,
-                                       rules=exp.rules))
+                                       rules=rules))
             if n:      # no mistake of the table fits, and only zeros changed sign: said so (harness.judge.zero_sign)
                 lines.append("  semantics: " + sign_of_zero_text(n))
                 name = SIGN_OF_ZERO
@@ -433,7 +436,7 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation) 
                 lines.append("  semantics: " + s.text)
                 name, also = s.name, tuple(f.name for f in s.matched[1:])
         where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth,
-                                                      exp.emulation.value, exp.before, exp.rules))
+                                                      exp.emulation.value, exp.before, rules))
         if where:
             lines.append("  rows: " + where)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict

@@ -4,11 +4,12 @@ judges with them; the precision diagnosis (harness.judge.diagnose) re-judges a f
 is computed where the inputs lie: on a CUDA run's device (the judge's own process), else on the CPU."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from moe_lora_harness.harness.judge.compare import ByInverseWeight
+from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, ByInverseWeight
 from moe_lora_harness.harness.build.builders import build_device, build_op_inputs, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.op_contract.validate import validate_call
@@ -86,7 +87,6 @@ def twin_applies(case: Case) -> bool:
     another order), and judges each run with the other as its twin (compare.row_excess): where rule 4 can act (83
     rows or more) on an fp32 output, whose accumulation error a bound for every summation order overstates 25 to 60
     times for a blocked kernel (docs/error-model.md, "The twin run"). Expert level, one rank, unquantized."""
-    from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
     from moe_lora_harness.harness.spec.contract import must_reject
     return (case.level == "expert" and not case.view and not case.dispatched and case.tp_size == 1
             and case.quant == "none" and torch_dtype(case) == torch.float32 and case.T >= EXCESS_MIN_ROWS
@@ -109,7 +109,6 @@ def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth,
                 precision: str, rules: Rules):
     """`judge_output` of a run and, where it passes, of its twin (`twin_applies`; in the plain columns), each held to
     the other: the first failing verdict, else the run's. The runner's pairing on outputs alone (selftest --power)."""
-    import dataclasses
     if twin is None:
         return judge_output(case, out, truth, emulation, precision, rules)
     v = judge_output(case, out, truth, emulation, precision, dataclasses.replace(rules, twin=twin))

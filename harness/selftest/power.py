@@ -231,14 +231,9 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     out = run_calls(spec, inp.call(device), case)
     if not twin_applies(case):
         return CorrectRun(precision, points_only, inp, truth, emu, out)
-    twin_inp = reordered_copy(inp)
+    twin_inp = view_inputs(inp, "reordered")
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
                       plain_columns(run_calls(spec, twin_inp.call(device), case)))
-
-
-def reordered_copy(inp: ExpertInputs) -> ExpertInputs:
-    """The reordered view of `inp` (harness.build.properties), `inp` left as it is."""
-    return view_inputs(dataclasses.replace(inp, w13=inp.w13.clone(), w2=inp.w2.clone()), "reordered")
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
