@@ -125,3 +125,25 @@ def test_a_twin_that_raises_is_the_cases_failure():
 
     out = run_case(_spec("second-raises", second_raises), CASE, "cpu", executor=InProcess(), reruns=0)
     assert out.status == "fail" and out.kind == "raised" and TWIN_RUN in out.message, out.detail
+
+
+def test_an_error_both_runs_make_alike_passes_at_a_few_ulps_and_fails_when_gross(monkeypatch):
+    """The twin cannot see an error its two runs make alike (an approximate fp32 activation: the same values, the same
+    error, in either order); the allowance's room does. An undeclared kernel whose SiLU is 8 ulps off at every value
+    (a GPU's fast exp errs by about 2 + 1.2|x| ulps) passes; 64 ulps fails. Measured (docs/error-model.md, "The twin
+    run"): 16 ulps fails this case, with the twin and, on one seed of two, without it."""
+    from moe_lora_harness.kernels import eager_experts
+    real = eager_experts._ACT_AND_MUL["silu"]
+    spec = dataclasses.replace(_spec("approximate-silu", run_experts), model_points_only=False)
+
+    def off_by(ulps):
+        def silu(v):
+            y = real(v)
+            sign = ((y.view(torch.int32) >> 3) & 1).to(y.dtype) * 2 - 1       # fixed by the value: alike in both runs
+            return y * (1 + sign * ulps * 2.0 ** -23)
+        return silu
+
+    for ulps, status in ((8, "pass"), (64, "fail")):
+        monkeypatch.setitem(eager_experts._ACT_AND_MUL, "silu", off_by(ulps))
+        out = run_case(spec, CASE, "cpu", executor=InProcess(), reruns=0)
+        assert out.status == status, (ulps, out.message)
