@@ -932,6 +932,10 @@ def _power(args, device: str) -> int:
     if problems:
         raise UsageError(f"--quant {args.quant!r}: {problems[0]}")
     reports = []
+    if not args.quiet:    # a table can take minutes per case (the Triton interpreter: hours): say so before it starts
+        print(f"[power] {len(cases)} case(s) of {name} on {device}, {len(power.SLIPS)} slip classes each, every slip "
+              f"bisected over up to 14 sizes; a table prints after each case" + ("" if args.verbose else
+              " (-v: a line per slip)"), file=sys.stderr, flush=True)
     for case in cases:
         reports.append(power.measure(specs[name], case, device,
                                      progress=(lambda w: print(f"[power] {w}", file=sys.stderr)) if args.verbose

@@ -229,7 +229,9 @@ def test_the_power_table_says_whether_outputs_only_the_oracle_fails_lie_within_t
     monkeypatch.setattr(power, "measure", lambda spec, c, device, **kw: power.PowerReport(
         c, spec.name, 0.01, 1.0, True, 0.5, [few, many], 0.0))
     assert main(["selftest", "--power", "--device", "cpu", "--dtype", "float16"]) == 1
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "[power] 1 case(s) of eager on cpu, 13 slip classes each" in captured.err    # said before it starts
     assert ("POWER FAILED" in out and "one-expert-w13: 3, within the judge's declared limit" in out
             and "scaling: 2, beyond its declared limits" in out), out
 
