@@ -949,7 +949,7 @@ def _power(args, device: str) -> int:
     for r in bad:
         missed = [s for s in r.slips if s.oracle_only]
         where = ("" if not missed else " (" + "; ".join(
-            f"{s.slip}: {s.oracle_only}, " + ("within the judge's declared limit" if power.within_declared_limit(s)
+            f"{s.slip}: {s.oracle_only}, " + ("within the judge's declared limit" if power.within_declared_limit(s, r.case)
                                               else "beyond its declared limits") for s in missed) + ")")
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
                                                        "an output assert_close fails passes the judge" + where))

@@ -222,7 +222,11 @@ def test_the_power_table_says_whether_outputs_only_the_oracle_fails_lie_within_t
     t = power.Threshold(0.1, 0.5)
     few = power.SlipPower("one-expert-w13", t, t, 3, 20, compare.EXCESS_MIN_ROWS - 1)
     many = power.SlipPower("scaling", t, t, 2, 20, compare.EXCESS_MIN_ROWS)
-    assert power.within_declared_limit(few) and not power.within_declared_limit(many)
+    assert power.within_declared_limit(few, case) and not power.within_declared_limit(many, case)
+    fp8 = case.replace(quant="fp8_w8a8")          # rule 4 judges no FP8 row, however many the slip changed
+    assert power.within_declared_limit(many, fp8)
+    assert "FP8 activations: rule 4 is off at any row count" in power.power_table(
+        [power.PowerReport(fp8, "eager", 0.01, 1.0, True, 0.5, [many], 0.0)])
     table = power.power_table([power.PowerReport(case, "eager", 0.01, 1.0, True, 0.5, [few, many], 0.0)])
     assert f"at most {compare.EXCESS_MIN_ROWS - 1} rows changed: fewer than rule 4 needs" in table
     assert f"up to {compare.EXCESS_MIN_ROWS} rows changed: enough for rule 4" in table
