@@ -1,3 +1,5 @@
+"""A correct fp32 kernel (eager) whose SiLU is off by a fixed +-N ulps at every value, run through the judge with
+the twin: python act_small.py ULPS_LIST SEEDS [undeclared] (undeclared: model_points_only False)."""
 import sys, dataclasses, torch, torch.nn.functional as F
 from moe_lora_harness.kernels import eager_experts
 from moe_lora_harness.backends.eager import BACKEND as EAGER, run_experts
@@ -14,6 +16,8 @@ def make(ulps):
         sign = ((bits >> 3) & 1).to(y.dtype) * 2 - 1
         return y * (1 + sign * ulps * 2.0 ** -23)
     return sloppy
+if sys.argv[3:] == ["undeclared"]:
+    EAGER = dataclasses.replace(EAGER, model_points_only=False)
 for u in [float(x) for x in sys.argv[1].split(",")]:
     eager_experts._ACT_AND_MUL["silu"] = make(u)
     for seed in range(int(sys.argv[2])):
