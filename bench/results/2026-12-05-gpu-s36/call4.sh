@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # session 36, call 4: the GPU lane's tests on this session's final code (selftest --power's FP8 limit label and its
-# start notice, the twin blind-spot test).
+# start notice; call 1 ran the rest of it).
 set -u
 T0=$(date +%s)
 L=$OUT/c4; mkdir -p $L
