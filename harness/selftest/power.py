@@ -334,7 +334,9 @@ def _missed(s: SlipPower, case: Case) -> str:
     the judge cannot see", items 1 and 3) or not."""
     rows = f"{s.oracle_only_rows} row{'' if s.oracle_only_rows == 1 else 's'}"
     if case.quant in FP8_QUANTS:
-        return (f"up to {rows} changed; FP8 activations: rule 4 is off at any row count, the judge's declared limit")
+        few = " (and fewer rows than it needs)" if s.oracle_only_rows < EXCESS_MIN_ROWS else ""
+        return (f"up to {rows} changed; FP8 activations: rule 4 is off at any row count{few}, the judge's declared "
+                "limit")
     if within_declared_limit(s, case):
         return f"at most {rows} changed: fewer than rule 4 needs, the judge's declared limit"
     return f"up to {rows} changed: enough for rule 4"
