@@ -934,8 +934,8 @@ def _power(args, device: str) -> int:
     reports = []
     if not args.quiet:    # a table can take minutes per case (the Triton interpreter: hours): say so before it starts
         print(f"[power] {len(cases)} case(s) of {name} on {device}, {len(power.SLIPS)} slip classes each, every slip "
-              f"bisected over up to 14 sizes; a table prints after each case" + ("" if args.verbose else
-              " (-v: a line per slip)"), file=sys.stderr, flush=True)
+              f"bisected over up to {power.BISECTION_STEPS} sizes; a table prints after each case"
+              + ("" if args.verbose else " (-v: a line per slip)"), file=sys.stderr, flush=True)
     for case in cases:
         reports.append(power.measure(specs[name], case, device,
                                      progress=(lambda w: print(f"[power] {w}", file=sys.stderr)) if args.verbose
@@ -949,7 +949,8 @@ def _power(args, device: str) -> int:
     for r in bad:
         missed = [s for s in r.slips if s.oracle_only]
         where = ("" if not missed else " (" + "; ".join(
-            f"{s.slip}: {s.oracle_only}, " + ("within the judge's declared limit" if power.within_declared_limit(s, r.case)
+            f"{s.slip}: {s.oracle_only}, " + ("within the judge's declared limit"
+                                              if power.within_declared_limit(s, r.case)
                                               else "beyond its declared limits") for s in missed) + ")")
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
                                                        "an output assert_close fails passes the judge" + where))

@@ -130,6 +130,9 @@ SLIPS = (
 )
 
 
+# the geometric bisection's steps per slip (measure): each halves the bracket's log-ratio
+BISECTION_STEPS = 14
+
 # the precision mistake: every GEMM's accumulator kept in the working dtype between K tiles (the reference's dtacc
 # variant, Precision.acc_tile) at the BLOCK_K values vLLM's fused_moe configurations use
 ACCUMULATOR_TILES = (64, 128, 256)
@@ -236,7 +239,8 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
                       plain_columns(run_calls(spec, twin_inp.call(device), case)))
 
 
-def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = 14, progress=None) -> PowerReport:
+def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BISECTION_STEPS,
+            progress=None) -> PowerReport:
     """Thresholds of the judge and the oracle for each slip on one expert-level case, `spec` (an expert backend
     that claims the case) computing the slipped inputs in this process; and the working-dtype accumulator's outputs
     (the declared model's emulation with that mistake) judged."""
@@ -333,19 +337,25 @@ def _missed(s: SlipPower, case: Case) -> str:
     fewer rows than rule 4 needs; FP8 activations, where rule 4 is off at any row count: docs/error-model.md, "What
     the judge cannot see", items 1 and 3) or not."""
     rows = f"{s.oracle_only_rows} row{'' if s.oracle_only_rows == 1 else 's'}"
-    if case.quant in FP8_QUANTS:
-        few = " (and fewer rows than it needs)" if s.oracle_only_rows < EXCESS_MIN_ROWS else ""
-        return (f"up to {rows} changed; FP8 activations: rule 4 is off at any row count{few}, the judge's declared "
-                "limit")
-    if within_declared_limit(s, case):
+    few = s.oracle_only_rows < EXCESS_MIN_ROWS
+    if _rule4_off(case):
+        return (f"up to {rows} changed; FP8 activations: rule 4 is off at any row count"
+                f"{' (and fewer rows than it needs)' if few else ''}, the judge's declared limit")
+    if few:
         return f"at most {rows} changed: fewer than rule 4 needs, the judge's declared limit"
     return f"up to {rows} changed: enough for rule 4"
 
 
+def _rule4_off(case: Case) -> bool:
+    """The case quantizes its activations to FP8: its truth carries no rounding variance, so rule 4 judges none of
+    its rows (compare.RULE4_OFF)."""
+    return case.quant in FP8_QUANTS
+
+
 def within_declared_limit(s: SlipPower, case: Case) -> bool:
     """Every output only the oracle failed changed fewer token rows than rule 4 can ever fail (EXCESS_MIN_ROWS), or
-    the case quantizes its activations to FP8 (rule 4 judges no row: compare.RULE4_OFF)."""
-    return s.oracle_only_rows < EXCESS_MIN_ROWS or case.quant in FP8_QUANTS
+    rule 4 judges none of the case's rows (FP8 activations)."""
+    return s.oracle_only_rows < EXCESS_MIN_ROWS or _rule4_off(case)
 
 
 def power_table(reports) -> str:
