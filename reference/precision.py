@@ -84,14 +84,22 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
 
 def _round_elements(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:
     """float64 `x` rounded (nearest-even) to `bits` significant bits, exponent >= emin (subnormals below),
-    |values| above `fmax` to inf; `toward_zero`: truncated instead (the dropped bits cleared)."""
-    _, ex = torch.frexp(x)  # x = m * 2**ex with 0.5 <= |m| < 1, so the leading bit is 2**(ex-1)
-    ulp_exp = torch.clamp(ex.to(torch.int64) - 1, min=emin) - (bits - 1)
-    ulp = _pow2(ulp_exp)
+    |values| above `fmax` to inf; `toward_zero`: truncated instead (the dropped bits cleared). Computed on float64's
+    bits, without its exponent (several times faster than frexp and a division; bit for bit the same values,
+    test_precision): at or above 2^emin the low 53 - bits of the significand are rounded away, a carry moving into
+    the exponent as it should; below, every value is a multiple of the one step 2^(emin - bits + 1), to which adding
+    and subtracting 1.5 * 2^52 steps rounds its magnitude (exact, nearest-even), the sign put back after."""
+    drop = 53 - bits                       # float64 holds 53 significant bits
+    keep = ~((1 << drop) - 1)
+    b = x.view(torch.int64)                # sign and magnitude: the low 63 bits round as an unsigned magnitude
     if toward_zero:
-        y = torch.trunc(x / ulp) * ulp
-    else:
-        y = torch.round(x / ulp) * ulp  # torch.round is half-to-even; x / ulp is exact
+        y = (b & keep).view(torch.float64)
+    else:                                  # + half a unit less one, + the kept last bit: ties go to even
+        y = ((b + ((1 << (drop - 1)) - 1) + ((b >> drop) & 1)) & keep).view(torch.float64)
+    mag = x.abs()
+    step = 2.0 ** (emin - bits + 1)        # the format's subnormal spacing
+    below = torch.floor(mag / step) * step if toward_zero else (mag + 1.5 * 2.0 ** 52 * step) - 1.5 * 2.0 ** 52 * step
+    y = torch.where(mag < 2.0 ** emin, torch.copysign(below, x), y)
     y = torch.where(y.abs() > fmax, torch.copysign(torch.full_like(y, float("inf")), x), y)
     return torch.where(torch.isfinite(x), y, x)
 

@@ -14,7 +14,9 @@ them on every int32 add, sub and mul, which cost a quarter of the interpreted ti
 member of the language modules at each such call (never undoing it) although the launch has already patched
 them, which was 11% of the CPU test suite's whole CPU time (py-spy, 2026-12-02). And Triton 3.6's interpreter
 turns a scalar into an int in a way NumPy 2.4 refuses (every interpreted kernel with a runtime loop bound raised,
-so a correct backend failed): a watched launch gets the conversion Triton 3.9 has.
+so a correct backend failed): a watched launch gets the conversion Triton 3.9 has. And the interpreter maps a
+Triton dtype to NumPy's by building a table of 19 dtypes at every call (every load, store, cast and constant):
+2.5% of the CPU suite's whole CPU time (py-spy, 2026-12-06); a watched launch reads the same answers from a memo.
 """
 from __future__ import annotations
 
@@ -70,7 +72,9 @@ class LaunchWatch:
         InterpretedFunction.run = run
         restore_options = _as_compiled()
         restore_patch = _patch_once_per_launch()
-        self._restore = lambda: (setattr(InterpretedFunction, "run", original), restore_options(), restore_patch())
+        restore_dtypes = _memoized_np_dtype()
+        self._restore = lambda: (setattr(InterpretedFunction, "run", original), restore_options(), restore_patch(),
+                                 restore_dtypes())
         return self
 
     def __exit__(self, *exc) -> None:
@@ -91,6 +95,31 @@ def _as_compiled():
         return lambda: None
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return lambda: setattr(builder, "options", options)
+
+
+def _memoized_np_dtype():
+    """The interpreter's Triton-to-NumPy dtype map, memoized (module doc): the same answer for every dtype, a
+    block's its element's, a pointer's uint64; returns the undo (a no-op where this Triton has no such function)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None:
+        return lambda: None
+    memo: dict = {}
+    pointer = original(tl.pointer_type(tl.int8))
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):      # unhashable; the table reads its element type
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        got = memo.get(tt_dtype)
+        if got is None:
+            got = memo[tt_dtype] = original(tt_dtype)    # an unknown dtype raises as before
+        return got
+
+    interpreter._get_np_dtype = np_dtype
+    return lambda: setattr(interpreter, "_get_np_dtype", original)
 
 
 _LAUNCH = threading.local()   # .state: the watched launch in flight on this thread (its language modules)

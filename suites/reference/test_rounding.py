@@ -1,0 +1,60 @@
+"""The emulation's rounding (reference.precision._round_elements, on float64's bits) against its definition through
+the exponent, bit for bit: every format the reference rounds to, both directions, at every binade, at ties and next
+to them, in each format's subnormals and float64's own, at overflow, and through NaN, infinities and signed zeros."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_lora_harness.reference import fp8
+from moe_lora_harness.reference.precision import _round_elements
+
+F64 = torch.float64
+
+# (significant bits, min normal exponent, max finite, toward zero): fp16, bf16, fp32, tf32, tf32rz, e4m3
+FORMATS = {
+    "fp16": (11, -14, 65504.0, False), "bf16": (8, -126, float(torch.finfo(torch.bfloat16).max), False),
+    "fp32": (24, -126, float(torch.finfo(torch.float32).max), False),
+    "tf32": (11, -126, (2 - 2.0 ** -10) * 2.0 ** 127, False), "tf32rz": (11, -126, (2 - 2.0 ** -10) * 2.0 ** 127, True),
+    "e4m3": (fp8.E4M3_BITS, fp8.E4M3_EMIN, fp8.E4M3_MAX, False), "fp16rz": (11, -14, 65504.0, True),
+}
+
+
+def _by_exponent(x, bits, emin, fmax, toward_zero):
+    """The definition: a multiple of the unit of the value's binade (not below emin's), inf past fmax."""
+    _, e = torch.frexp(x)
+    unit = torch.pow(2.0, (e.to(F64) - 1).clamp_min(emin) - (bits - 1))     # exact on the CPU
+    y = (torch.trunc(x / unit) if toward_zero else torch.round(x / unit)) * unit
+    y = torch.where(y.abs() > fmax, torch.copysign(torch.full_like(y, float("inf")), x), y)
+    return torch.where(torch.isfinite(x), y, x)
+
+
+def _values(bits: int, emin: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(bits * 1000 - emin)
+    patterns = torch.randint(-2 ** 63, 2 ** 63 - 1, (3000,), generator=g, dtype=torch.int64).view(F64)
+    f64_subnormals = torch.randint(-2 ** 40, 2 ** 40, (300,), generator=g, dtype=torch.int64).view(F64)
+    ints = torch.randint(0, 1 << bits + 1, (40,), generator=g).to(F64)
+    near = []
+    for shift in list(range(emin - bits - 3, emin + 4)) + list(range(-3, 20, 4)):   # subnormals, emin, normal
+        for d in (0.5, 0.5 - 2.0 ** -30, 0.5 + 2.0 ** -30, 0.25, 1.0):   # ties, either side of them, on the grid
+            v = (ints + d) * 2.0 ** (shift - bits)
+            near += [v, -v]
+    fixed = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 5e-324, -5e-324, 65504.0, 65519.0,
+                          65520.0, 448.0, 464.0, 465.0, 480.0, 1e308, -1e308], dtype=F64)
+    return torch.cat([patterns, f64_subnormals, torch.cat(near), fixed])
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_rounding_on_the_bits_is_the_exponent_definition(fmt):
+    bits, emin, fmax, toward_zero = FORMATS[fmt]
+    x = _values(bits, emin)
+    got, want = _round_elements(x, bits, emin, fmax, toward_zero), _by_exponent(x, bits, emin, fmax, toward_zero)
+    same = (got.view(torch.int64) == want.view(torch.int64)) | (torch.isnan(got) & torch.isnan(want))
+    bad = (~same).nonzero().flatten()[:5]
+    assert bool(same.all()), [(x[i].item(), got[i].item(), want[i].item()) for i in bad]
+
+
+def test_a_strided_view_rounds_as_its_copy():
+    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(1), dtype=F64).t() * 1e-3
+    for bits, emin, fmax, tz in FORMATS.values():
+        assert torch.equal(_round_elements(x, bits, emin, fmax, tz), _round_elements(x.contiguous(), bits, emin, fmax, tz))
