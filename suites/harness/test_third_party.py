@@ -287,6 +287,30 @@ def test_a_watched_launch_patches_the_language_once_and_computes_the_same():
     assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
 
 
+def test_a_watched_call_maps_every_dtype_as_the_interpreter_does_and_restores_the_map():
+    """The interpreter builds its Triton-to-NumPy dtype table at every call (2.5 % of the CPU suite's time); a
+    watched call reads a memo: the same answer for every dtype, block and pointer type, and an unknown dtype still
+    raises; Triton's own function is back after."""
+    if not INTERPRETED:
+        pytest.skip("compiled kernels here: the interpreter's dtype map is not used")
+    import triton.language as tl
+    from triton.runtime import interpreter
+    from moe_lora_harness.harness.execution.interpreter import LaunchWatch
+    original = interpreter._get_np_dtype
+    scalars = [getattr(tl, n) for n in ("int1", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                                        "float16", "bfloat16", "float32", "float64", "float8e4nv", "float8e5")]
+    kinds = scalars + [tl.pointer_type(t) for t in scalars] + [tl.block_type(t, [4, 8]) for t in scalars] + [
+        tl.block_type(tl.pointer_type(tl.float16), [16])]
+    with LaunchWatch():
+        memo = interpreter._get_np_dtype
+        assert memo is not original
+        for _ in range(2):                              # a miss, then the memo
+            assert [memo(t) for t in kinds] == [original(t) for t in kinds]
+        with pytest.raises(KeyError):
+            memo(tl.void)
+    assert interpreter._get_np_dtype is original
+
+
 def test_a_scalar_of_the_interpreter_is_an_index_under_any_numpy():
     """Triton 3.6's interpreter held a scalar as a 1-element array and int() of it, which NumPy 2.4 refuses: every
     interpreted loop over a runtime bound raised and a correct backend failed check (seen with the H200 host's
