@@ -86,7 +86,7 @@ def _round_elements(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_z
     """float64 `x` rounded (nearest-even) to `bits` significant bits, exponent >= emin (subnormals below),
     |values| above `fmax` to inf; `toward_zero`: truncated instead (the dropped bits cleared). Computed on float64's
     bits, without its exponent (several times faster than frexp and a division; bit for bit the same values,
-    test_precision): at or above 2^emin the low 53 - bits of the significand are rounded away, a carry moving into
+    suites/reference/test_rounding.py): at or above 2^emin the low 53 - bits of the significand are rounded away, a carry moving into
     the exponent as it should; below, every value is a multiple of the one step 2^(emin - bits + 1), to which adding
     and subtracting 1.5 * 2^52 steps rounds its magnitude (exact, nearest-even), the sign put back after."""
     drop = 53 - bits                       # float64 holds 53 significant bits

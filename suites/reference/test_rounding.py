@@ -7,17 +7,15 @@ import pytest
 import torch
 
 from moe_lora_harness.reference import fp8
-from moe_lora_harness.reference.precision import _round_elements
+from moe_lora_harness.reference.precision import _OPERAND_FORMATS, _round_elements
 
 F64 = torch.float64
 
-# (significant bits, min normal exponent, max finite, toward zero): fp16, bf16, fp32, tf32, tf32rz, e4m3
-FORMATS = {
-    "fp16": (11, -14, 65504.0, False), "bf16": (8, -126, float(torch.finfo(torch.bfloat16).max), False),
-    "fp32": (24, -126, float(torch.finfo(torch.float32).max), False),
-    "tf32": (11, -126, (2 - 2.0 ** -10) * 2.0 ** 127, False), "tf32rz": (11, -126, (2 - 2.0 ** -10) * 2.0 ** 127, True),
-    "e4m3": (fp8.E4M3_BITS, fp8.E4M3_EMIN, fp8.E4M3_MAX, False), "fp16rz": (11, -14, 65504.0, True),
-}
+# name -> (significant bits, min normal exponent, max finite[, toward zero]): every format the reference rounds to
+# (its operand formats, e4m3), float16's range toward zero (the truncating branch where a normal range ends near 1,
+# which tf32rz's does not) and float32's 24 bits (rnd takes float32 natively; the widest significand here)
+FORMATS = {**_OPERAND_FORMATS, "e4m3": (fp8.E4M3_BITS, fp8.E4M3_EMIN, fp8.E4M3_MAX),
+           "fp16rz": (*_OPERAND_FORMATS["fp16"], True), "fp32": (24, -126, float(torch.finfo(torch.float32).max))}
 
 
 def _by_exponent(x, bits, emin, fmax, toward_zero):
@@ -46,7 +44,7 @@ def _values(bits: int, emin: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_rounding_on_the_bits_is_the_exponent_definition(fmt):
-    bits, emin, fmax, toward_zero = FORMATS[fmt]
+    bits, emin, fmax, toward_zero = (*FORMATS[fmt], False)[:4]
     x = _values(bits, emin)
     got, want = _round_elements(x, bits, emin, fmax, toward_zero), _by_exponent(x, bits, emin, fmax, toward_zero)
     same = (got.view(torch.int64) == want.view(torch.int64)) | (torch.isnan(got) & torch.isnan(want))
@@ -56,5 +54,5 @@ def test_rounding_on_the_bits_is_the_exponent_definition(fmt):
 
 def test_a_strided_view_rounds_as_its_copy():
     x = torch.randn(64, 300, generator=torch.Generator().manual_seed(1), dtype=F64).t() * 1e-3
-    for bits, emin, fmax, tz in FORMATS.values():
-        assert torch.equal(_round_elements(x, bits, emin, fmax, tz), _round_elements(x.contiguous(), bits, emin, fmax, tz))
+    for form in FORMATS.values():
+        assert torch.equal(_round_elements(x, *form), _round_elements(x.contiguous(), *form))
