@@ -76,19 +76,14 @@ def _round_bits(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero:
     return out
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """2.0 ** e for int64 exponents in float64's normal range, exact on every device: the bits are written
-    (CUDA's pow(2.0, e) is not exact; it made a GPU emulation round to values off the dtype's grid)."""
-    return ((e.clamp(-1022, 1023) + 1023) << 52).view(torch.float64)
-
-
 def _round_elements(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:
     """float64 `x` rounded (nearest-even) to `bits` significant bits, exponent >= emin (subnormals below),
     |values| above `fmax` to inf; `toward_zero`: truncated instead (the dropped bits cleared). Computed on float64's
     bits, without its exponent (several times faster than frexp and a division; bit for bit the same values,
-    suites/reference/test_rounding.py): at or above 2^emin the low 53 - bits of the significand are rounded away, a carry moving into
-    the exponent as it should; below, every value is a multiple of the one step 2^(emin - bits + 1), to which adding
-    and subtracting 1.5 * 2^52 steps rounds its magnitude (exact, nearest-even), the sign put back after."""
+    suites/reference/test_rounding.py): at or above 2^emin the low 53 - bits of the significand are rounded away, a
+    carry moving into the exponent as it should; below, every value is a multiple of the one step
+    2^(emin - bits + 1), to which adding and subtracting 1.5 * 2^52 steps rounds its magnitude (exact, nearest-even),
+    the sign put back after. Every constant is a Python float, exact on every device (CUDA's pow(2.0, e) is not)."""
     drop = 53 - bits                       # float64 holds 53 significant bits
     keep = ~((1 << drop) - 1)
     b = x.view(torch.int64)                # sign and magnitude: the low 63 bits round as an unsigned magnitude

@@ -133,6 +133,15 @@ SLIPS = (
 # the geometric bisection's steps per slip (measure): each halves the bracket's log-ratio
 BISECTION_STEPS = 14
 
+
+def bisect_geometric(fails, lo: float, hi: float, steps: int = BISECTION_STEPS) -> float:
+    """The smallest size `fails(size)` is true at, between `lo` (passes) and `hi` (fails): `hi` after `steps`
+    geometric halvings, above the threshold by at most a factor (hi / lo) ** 2 ** -steps."""
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if fails(mid) else (mid, hi)
+    return hi
+
 # the precision mistake: every GEMM's accumulator kept in the working dtype between K tiles (the reference's dtacc
 # variant, Precision.acc_tile) at the BLOCK_K values vLLM's fused_moe configurations use
 ACCUMULATOR_TILES = (64, 128, 256)
@@ -289,9 +298,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BIS
             lo, hi = 1e-7, 1.0
             if at(lo)[which]:
                 return Threshold(lo, at(lo)[2], smallest=True)
-            for _ in range(steps):      # geometric bisection: fails at hi, passes at lo
-                mid = math.sqrt(lo * hi)
-                lo, hi = (lo, mid) if at(mid)[which] else (mid, hi)
+            hi = bisect_geometric(lambda a: at(a)[which], lo, hi, steps)
             return Threshold(hi, at(hi)[2])
 
         j = threshold(0)

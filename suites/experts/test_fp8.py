@@ -18,6 +18,7 @@ from moe_lora_harness.harness.judge.diagnose import diagnose
 from moe_lora_harness.harness.judge.expectation import Rules, allowances
 from moe_lora_harness.harness.build.expert_runner import expert_expectations, expert_forward
 from moe_lora_harness.harness.check.features import FEATURES, feature_cases
+from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.kernels import eager_fp8
 from moe_lora_harness.reference import fp8
 from moe_lora_harness.reference.precision import precision
@@ -475,12 +476,9 @@ def test_the_statistical_accumulation_term_is_the_cpus_only(case):
     def ok(m, device):
         return _verdict(case, (emu.value + m * direction).to(torch_dtype(case)), truth, emu, device=device).ok
 
-    lo, hi = 1e-7, 1.0         # the CPU judge's threshold (the smallest multiple of `direction` it fails), bisected
-    assert ok(lo, "cpu") and not ok(hi, "cpu")
-    for _ in range(9):         # geometric: within 3.2 % of the threshold, above it
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if ok(mid, "cpu") else (lo, mid)
-    cpu_at = hi
+    assert ok(1e-7, "cpu") and not ok(1.0, "cpu")
+    # the CPU judge's threshold (the smallest multiple of `direction` it fails): within 3.2 % above it
+    cpu_at = power.bisect_geometric(lambda m: not ok(m, "cpu"), 1e-7, 1.0, steps=9)
     # the GPU's floor is wider: its judge passes a quarter past the CPU's threshold (measured 1.45x the CPU's
     # threshold in float16, 1.64x in bfloat16)
     assert ok(1.25 * cpu_at, "cuda") and not ok(1.0, "cuda")

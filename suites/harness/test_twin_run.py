@@ -81,12 +81,8 @@ def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without():
         return not judge_output(CASE, (out + m * g).float(), c.truth, c.emulation.value, c.precision, rules).ok
 
     def threshold(paired: bool) -> float:
-        lo, hi = 0.25, 64.0
-        assert not fails(lo, paired) and fails(hi, paired)
-        for _ in range(12):
-            mid = (lo * hi) ** 0.5
-            lo, hi = (lo, mid) if fails(mid, paired) else (mid, hi)
-        return hi
+        assert not fails(0.25, paired) and fails(64.0, paired)
+        return power.bisect_geometric(lambda m: fails(m, paired), 0.25, 64.0, steps=12)
 
     assert judge_twins(CASE, c.out, c.twin, c.truth, c.emulation.value, c.precision, rules).ok
     with_twin, alone = threshold(True), threshold(False)
