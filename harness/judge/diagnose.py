@@ -76,7 +76,8 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     Each variant alone on the declared path (plus the plain path when the declaration has variants), where
     it changes something: TF32 operands (rounded or truncated) only for fp32 (fp16 and bf16 values are TF32
     values), bf16 operands not for bf16, the working-dtype accumulator not for fp32 (there it is the contract's),
-    path variants only where reference.precision.precision accepts them.
+    fp16 accumulation only for fp16 (the one MMA with an fp16 accumulator takes fp16 operands; bf16 and TF32 MMAs
+    accumulate in fp32), path variants only where reference.precision.precision accepts them.
     A declared `exact` is tried against every path preset.
     """
     path, declared_variants = split_name(backend_precision)
@@ -85,7 +86,8 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     names = [path] if declared_variants else []
     for v in VARIANTS:
         if (v in declared_variants or (v in ("tf32", "tf32rz") and dtype != torch.float32)
-                or (v == "bf16ops" and dtype == torch.bfloat16) or (v == "dtacc" and dtype == torch.float32)):
+                or (v == "bf16ops" and dtype == torch.bfloat16) or (v == "dtacc" and dtype == torch.float32)
+                or (v == "fp16acc" and dtype != torch.float16)):
             continue
         name = compose(path, v)
         try:
