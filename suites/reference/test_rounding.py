@@ -1,13 +1,15 @@
 """The emulation's rounding (reference.precision._round_elements, on float64's bits) against its definition through
 the exponent, bit for bit: every format the reference rounds to, both directions, at every binade, at ties and next
-to them, in each format's subnormals and float64's own, at overflow, and through NaN, infinities and signed zeros."""
+to them, in each format's subnormals and float64's own, at overflow, and through NaN, infinities and signed zeros;
+both of its implementations (NumPy's for a small CPU tensor, torch's for the rest: the same steps by name)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from moe_lora_harness.reference import fp8
-from moe_lora_harness.reference.precision import _OPERAND_FORMATS, _round_elements
+from moe_lora_harness.reference.precision import NUMPY_ROUND_MAX, _OPERAND_FORMATS, _round_elements, _round_steps
 
 F64 = torch.float64
 
@@ -42,17 +44,35 @@ def _values(bits: int, emin: int) -> torch.Tensor:
     return torch.cat([patterns, f64_subnormals, torch.cat(near), fixed])
 
 
+def _numpy(x, *form):
+    with np.errstate(all="ignore"):
+        return torch.from_numpy(_round_steps(np, x.numpy(), *form))
+
+
+IMPLEMENTATIONS = {
+    "numpy": lambda x, *form: _numpy(x, *form),
+    "torch": lambda x, *form: _round_steps(torch, x, *form),
+    "dispatched": _round_elements,     # NumPy here: the values below are fewer than NUMPY_ROUND_MAX
+}
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_rounding_on_the_bits_is_the_exponent_definition(fmt):
+def test_rounding_on_the_bits_is_the_exponent_definition(fmt, impl):
     bits, emin, fmax, toward_zero = (*FORMATS[fmt], False)[:4]
     x = _values(bits, emin)
-    got, want = _round_elements(x, bits, emin, fmax, toward_zero), _by_exponent(x, bits, emin, fmax, toward_zero)
+    assert x.numel() <= NUMPY_ROUND_MAX
+    got = IMPLEMENTATIONS[impl](x, bits, emin, fmax, toward_zero)
+    want = _by_exponent(x, bits, emin, fmax, toward_zero)
     same = (got.view(torch.int64) == want.view(torch.int64)) | (torch.isnan(got) & torch.isnan(want))
     bad = (~same).nonzero().flatten()[:5]
     assert bool(same.all()), [(x[i].item(), got[i].item(), want[i].item()) for i in bad]
 
 
-def test_a_strided_view_rounds_as_its_copy():
-    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(1), dtype=F64).t() * 1e-3
-    for form in FORMATS.values():
-        assert torch.equal(_round_elements(x, *form), _round_elements(x.contiguous(), *form))
+def test_a_strided_view_rounds_as_its_copy_below_and_above_the_numpy_size():
+    for n in (300, NUMPY_ROUND_MAX // 64 + 1):       # 19,200 values (NumPy), then 65,600 (torch)
+        x = torch.randn(64, n, generator=torch.Generator().manual_seed(1), dtype=F64).t() * 1e-3
+        for form in FORMATS.values():
+            assert torch.equal(_round_elements(x, *form), _round_elements(x.contiguous(), *form))
+            assert torch.equal(_round_elements(x, *form), _round_steps(torch, x, *form, *(() if len(form) > 3 else
+                                                                                      (False,))))
