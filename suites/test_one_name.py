@@ -150,6 +150,7 @@ def _context_free(text: str, path: pathlib.Path) -> bool:
     return not text.startswith(".") and not (path.parent / f"{text.split('.')[0]}.py").exists()
 
 
+@pytest.mark.starts_first
 @needs_source
 def test_static_tools_resolve_every_import_of_the_repository(tmp_path, monkeypatch):
     """Each distinct absolute module is resolved once (from one probe file: jedi resolves it the same from every

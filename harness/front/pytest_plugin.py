@@ -65,6 +65,8 @@ def pytest_configure(config):
                                        "campaign whose parts the gate tests): not run in the CPU gate tier")
     config.addinivalue_line("markers", "gpu_alone: production-size CUDA cases that need the GPU to themselves (run "
                                        "them apart from a parallel run: -m gpu_alone without xdist)")
+    config.addinivalue_line("markers", "starts_first: one of the suites' longest tests, started before the rest so "
+                                       "that a parallel run does not wait for it at its end")
     # our suites read these when their modules are imported (hypothesis settings are set per test, never
     # globally, so a user's own hypothesis tests in the same session keep their profile)
     if config.getoption("moe_lora_profile"):
@@ -100,10 +102,15 @@ def full_tier_marks(spec, device: str) -> tuple:
 def pytest_collection_modifyitems(config, items):
     """The gate tier deselects our tests marked `slow`; a parallel session on a CUDA device, those marked
     `gpu_alone` (production-size cases: two at once do not fit an 80 GB GPU). Each counted in the summary, never
-    silent."""
+    silent. Our tests marked `starts_first` go to the front, in their order: pytest-xdist hands tests out in
+    collection order, and the gate's longest (15 s) was collected last, one worker idle while it ran."""
     ours = [i for i in items if is_ours(i)]
     if not ours:
         return
+    first = [i for i in ours if i.get_closest_marker("starts_first")]
+    if first:
+        ahead = set(map(id, first))
+        items[:] = first + [i for i in items if id(i) not in ahead]
     left_out = []
     if tier(config) != "full":
         slow = [i for i in ours if i.get_closest_marker("slow")]

@@ -459,6 +459,7 @@ def test_a_row_computed_from_another_tokens_input_fails_the_fp8_judge():
     assert verdicts == [False, False]
 
 
+@pytest.mark.starts_first
 @pytest.mark.parametrize("case", GPU_ROWS[:2], ids=lambda c: c.dtype)
 def test_the_statistical_accumulation_term_is_the_cpus_only(case):
     """FP8's fp32 accumulation is judged by the statistical model where the backend ran on a CPU (exact e4m3 products

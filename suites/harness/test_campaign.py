@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from moe_lora_harness.harness.search.campaign import Campaign
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities
@@ -54,6 +56,7 @@ def test_one_campaign_reports_each_independent_bug():
         assert f"{harness_command()} replay" in f.record().repro
 
 
+@pytest.mark.starts_first
 def test_a_crash_and_a_hang_are_failures_and_the_campaign_goes_on(monkeypatch):
     from moe_lora_harness.harness.search import campaign
     monkeypatch.setattr(campaign, "MAX_SLOW_SHRINK_STEPS", 3)   # each step costs a timeout or a worker start

@@ -109,6 +109,7 @@ def test_a_file_backend_gets_its_short_name_and_only_accepts_either(tmp_path):
     assert select(specs, ["fused_moe_lora"]) == select(specs, [f"{f}:fused_moe_lora"]) == specs
 
 
+@pytest.mark.starts_first
 def test_repro_of_a_module_backend_replays_from_a_fresh_shell_elsewhere(tmp_path):
     """`--backend mymod:attr` found through the working directory: the REPRO carries its PYTHONPATH."""
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.execution.execute import InProcess
 from moe_lora_harness.harness.spec.registry import load_ref
@@ -42,6 +44,7 @@ def test_a_failing_setup_fails_every_case_as_environment():
     assert o.kind == "environment" and "no GPU topology file" in o.detail
 
 
+@pytest.mark.starts_first
 def test_cli_setup_reaches_the_supervised_worker_and_the_repro():
     cmd = [sys.executable, "-m", "moe_lora_harness", "check", "--backend", REF, "--only", "needs-group",
            "--feature", "fp16", "--cases-per-feature", "1"]

@@ -227,6 +227,7 @@ def _worker_pids(parent_pid: int) -> list[int]:
     return [pid for pid, comm in name.items() if comm == WORKER_NAME and descends(pid)]
 
 
+@pytest.mark.starts_first
 def test_pytest_lane_counts_the_tests_that_never_ran():
     """In-process (no worker), a segfaulting backend kills the xdist workers (none restarted); the plugin's
     summary says how many tests never ran and the session fails."""
@@ -331,6 +332,25 @@ def test_a_parallel_cuda_session_leaves_the_gpu_alone_tests_out_and_says_how_to_
     pytest_plugin.pytest_terminal_summary(SimpleNamespace(line=lines.append), 0, config)
     assert any("1 production-size tests (marked gpu_alone) were deselected" in x and pytest_plugin.ALONE_ARGS in x
                for x in lines), lines
+
+
+def test_our_longest_tests_start_first_and_a_users_keep_their_order():
+    """pytest-xdist hands tests out in collection order: ours marked starts_first go to the front, in their order,
+    so that a parallel run does not wait for one at its end (the gate's 15 s jedi test was collected last); a
+    user's tests, marked or not, keep their places, and every item stays."""
+    from types import SimpleNamespace
+
+    from moe_lora_harness.harness.front import pytest_plugin
+
+    def item(name, mark=None, ours=True):
+        where = pytest_plugin.SUITES_DIR if ours else pytest_plugin.SUITES_DIR.parent.parent / "elsewhere"
+        return SimpleNamespace(name=name, path=where / "x.py", get_closest_marker=lambda m: m == mark)
+
+    config = SimpleNamespace(getoption=lambda name: "full" if name == "moe_lora_tier" else None, stash=pytest.Stash())
+    items = [item("a"), item("user", "starts_first", ours=False), item("b", "starts_first"), item("c"),
+             item("d", "starts_first")]
+    pytest_plugin.pytest_collection_modifyitems(config, items)
+    assert [i.name for i in items] == ["b", "d", "a", "user", "c"]
 
 
 def test_a_worker_profiles_its_requests_where_asked(tmp_path, monkeypatch):

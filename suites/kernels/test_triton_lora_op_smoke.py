@@ -115,6 +115,7 @@ def test_shared_lora_and_padded_rank(dev, shared):
         assert check_against_reference(path, args, kw) <= ULPS, (path, shared)
 
 
+@pytest.mark.starts_first
 @pytest.mark.parametrize("dev", DEVICES)
 def test_one_shot_configs_sub_block_npid_and_slices(dev):
     """Sub-blocks below the align block, N split across programs, split-K (last arriver expands; split_k=8
