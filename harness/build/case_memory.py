@@ -27,7 +27,9 @@ OP_PAIR_ARRAYS = 12
 # the peak RSS of the same case moves with what the process ran before (0.92-1.02 of the 13-array figure: a CI
 # run's test process measured 840 MB against its 827 MB), so two arrays more: the estimate is a bound, not a mean, for
 # a fresh process (672-840 MB against 910); a test worker that had run many other tests peaked at 951 MB (its heap's
-# history): a long-lived judge process may pass it by a few percent
+# history): a long-lived judge process may pass it by a few percent. What is in use (glibc's mmap threshold fixed, so
+# that freed large blocks are not reused from a fragmented heap) peaks at 581 MB for that case, steadily: the
+# fragmentation moved a fresh process's peak over 670-931 MB (thirty-eighth session)
 EXPERT_PAIR_ARRAYS = 15
 # what the judge allocates whatever the case's size (the reference's chunked weight gathers, its temporaries):
 # 60-120 MiB measured at small cases
