@@ -448,8 +448,8 @@ class ByInverseWeight:
 def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, list, torch.Tensor]:
     """Rule 4's row sets: (names, kinds, (rows, sets) float64 row weights), every live row first, then for each
     labelling (kind -> labels, (rows,) or (rows, m): a row is in the set of each of its labels, weight 1; or a
-    ByInverseWeight) the live rows of each label that are neither one row nor all of them with even weights (set 0
-    again). A bare tensor is the tokens' LoRA slots."""
+    ByInverseWeight) the live rows of each label that are neither one row nor all of them. A bare tensor is the
+    tokens' LoRA slots."""
     names, kinds, cols = ["every row"], ["every row"], [live[:, None].to(torch.float64)]
     if isinstance(row_groups, torch.Tensor):
         row_groups = {"LoRA slot": row_groups}
@@ -471,10 +471,7 @@ def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, list, torch.Tensor]
             per.scatter_add_(1, where, torch.ones_like(g, dtype=torch.float64))
             m = ((per > 0) & live[:, None]).to(torch.float64)
         n = (m > 0).sum(dim=0)
-        # a set of every live row repeats set 0 unless its weights differ between its rows
-        uneven = (m.amax(dim=0) > torch.where(m > 0, m, torch.full_like(m, math.inf)).amin(dim=0)) if weighted \
-            else torch.zeros_like(n, dtype=torch.bool)
-        ok = ((n > 1) & ((n < n_live) | uneven)).tolist()
+        ok = ((n > 1) & (n < n_live)).tolist()
         label = (lambda v: f"the rows of {labels.of} {v}, each by 1/its weight") if weighted else (
             lambda v: f"the rows of {kind} {v}")
         names += [label(int(v)) for v, k in zip(values.tolist(), ok) if k]

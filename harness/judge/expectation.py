@@ -122,9 +122,7 @@ def row_groups(inputs, truth) -> dict | None:
     """The labellings of the output rows rule 4 also holds for (harness.judge.compare.excess): each token's LoRA slot (-1:
     none) and its routed experts, plain and each row by the inverse of its routing weight to the expert
     (compare.ByInverseWeight), so that a mistake confined to one slot's or one expert's tokens is measured against
-    those rows' own allowance; and each top-k position, every row by the inverse of its weight there, for a mistake
-    in one position's handling (its weight, its expert), which reaches each row scaled by that weight. None where
-    rows are not tokens."""
+    those rows' own allowance. None where rows are not tokens."""
     m = getattr(inputs, "token_lora_mapping", None)
     if m is None or truth.value.dim() < 2 or m.numel() != truth.value.shape[0]:
         return None
@@ -135,8 +133,6 @@ def row_groups(inputs, truth) -> dict | None:
         w = getattr(inputs, "topk_weights", None)
         if w is not None and tuple(w.shape) == tuple(ids.shape):
             groups["weighted routed expert"] = ByInverseWeight(ids, w, "routed expert")
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-            groups["weighted top-k position"] = ByInverseWeight(positions, w, "top-k position")
     return groups
 
 

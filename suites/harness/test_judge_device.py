@@ -295,16 +295,15 @@ def test_only_a_cuda_judge_chunks_and_the_chunk_is_the_cases(monkeypatch):
 
 @pytest.mark.parametrize("level", ["op", "expert"])
 def test_a_released_expectation_judges_without_rebuilding_its_inputs(monkeypatch, level):
-    """A GPU judge releases the case's inputs once the reference is computed; rule 4's row groups (each token's slot,
-    experts and top-k positions) are taken before that, so judging a pass rebuilds nothing (it rebuilt the whole layer
-    per case)."""
+    """A GPU judge releases the case's inputs once the reference is computed; rule 4's row groups (each token's slot
+    and experts) are taken before that, so judging a pass rebuilds nothing (it rebuilt the whole layer per case)."""
     from moe_lora_harness.backends.eager import BACKEND as EAGER
     from moe_lora_harness.harness.execution import runner
     from moe_lora_harness.harness.execution.execute import InProcess
     case = Case.from_json('{"T":9,"H":64,"max_rank":8,"seed":2}' if level == "op"
                           else '{"level":"expert","T":9,"H":64,"I":32,"E":4,"top_k":2,"max_rank":8,"seed":2}')
     exp = runner.expectations(EAGER, case, "cpu")
-    assert set(exp.groups) == {"LoRA slot", "routed expert", "weighted routed expert", "weighted top-k position"}
+    assert set(exp.groups) == {"LoRA slot", "routed expert", "weighted routed expert"}
     ex = InProcess().execute(EAGER, case, "cpu", exp.poison)
     exp.release_inputs()
     monkeypatch.setattr(runner, "_build", lambda *a: pytest.fail("the judge rebuilt the inputs"))
