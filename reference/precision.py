@@ -79,6 +79,11 @@ def _round_bits(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero:
 
 
 NUMPY_ROUND_MAX = 1 << 16   # elements up to which a CPU tensor is rounded in NumPy (_round_elements)
+CAST_ROUND_MIN = 1 << 12    # elements above which a CPU tensor is rounded to float16/bfloat16 by casts
+
+
+# (significant bits, min normal exponent, max finite) of the formats a torch dtype holds: rounded by casts
+_CAST_DTYPES = {(bits, emin, float(torch.finfo(dt).max)): dt for dt, (bits, emin) in _FORMATS.items()}
 
 
 def _round_elements(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:
@@ -91,10 +96,28 @@ def _round_elements(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_z
     the sign put back after. Every constant is a Python float, exact on every device (CUDA's pow(2.0, e) is not).
     A small CPU tensor is rounded by the same steps in NumPy (IEEE too, the same bits): torch's per-operation overhead
     made this the reference's costliest function on the suites' small tensors (64 values: 79 us a call, NumPy 27 us;
-    at 2^18 torch is the faster)."""
+    at 2^18 torch is the faster). To float16 and bfloat16 a tensor past CAST_ROUND_MIN values on the CPU (every one
+    on a GPU) is rounded by casts instead (`_round_by_casts`: the same bits, 2-6 times faster there)."""
+    small = x.device.type == "cpu" and x.numel() <= CAST_ROUND_MIN
+    dt = None if toward_zero or small else _CAST_DTYPES.get((bits, emin, fmax))
+    if dt is not None:
+        return _round_by_casts(x, dt)
     if x.device.type == "cpu" and x.numel() <= NUMPY_ROUND_MAX:
         return _round_numpy(x, bits, emin, fmax, toward_zero)
     return _round_steps(torch, x, bits, emin, fmax, toward_zero)
+
+
+def _round_by_casts(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """float64 `x` rounded nearest-even to `dt` (float16 or bfloat16), as float64. A cast from float64 goes through
+    float32 and can round twice (a value just off a midpoint of `dt` lands on it), so the float32 step rounds to odd:
+    toward zero, its last bit set where inexact. Then one nearest-even cast to `dt` is correct, float32 keeping at
+    least two bits more than `dt` at every magnitude (Boldo and Melquiond, "Emulation of FMA and correctly rounded
+    sums: proved algorithms using rounding to odd", IEEE TC 2008). Past float32's range the odd value is float32's
+    largest, which rounds to inf as `x` does; NaN and inf pass through."""
+    f = x.to(torch.float32)
+    back = f.to(torch.float64)
+    toward_zero = f.view(torch.int32) - (back.abs() > x.abs()).to(torch.int32)   # one step back if rounded away
+    return (toward_zero | (back != x).to(torch.int32)).view(torch.float32).to(dt).to(torch.float64)
 
 
 def _round_numpy(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:

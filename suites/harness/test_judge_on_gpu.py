@@ -155,7 +155,8 @@ def test_the_judge_lets_go_of_the_layer():
 
 
 def test_rounding_is_the_same_on_the_gpu():
-    """rnd and the operand formats give the CPU's bits on the GPU (the ulp is written as bits, not CUDA's pow)."""
+    """rnd and the operand formats give the CPU's bits on the GPU (the ulp is written as bits, not CUDA's pow; float16
+    and bfloat16 by CUDA's casts, held to the exponent definition as well)."""
     from moe_lora_harness.reference.precision import rnd, rnd_format
     x = torch.randn(64, 257, dtype=torch.float64) * torch.logspace(-45, 40, 257, dtype=torch.float64)
     x[0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0], dtype=torch.float64)
@@ -163,6 +164,15 @@ def test_rounding_is_the_same_on_the_gpu():
         assert torch.equal(rnd(x.cuda(), dt).cpu().view(torch.int64), rnd(x, dt).view(torch.int64)), dt
     for fmt in ("tf32", "tf32rz", "bf16", "fp16"):
         assert torch.equal(rnd_format(x.cuda(), fmt).cpu().view(torch.int64), rnd_format(x, fmt).view(torch.int64))
+    # float16 and bfloat16 are rounded by CUDA's casts (to odd through float32): the definition's bits, next to
+    # ties and in the subnormals too (the rounding test's values)
+    from moe_lora_harness.reference.precision import _OPERAND_FORMATS
+    from moe_lora_harness.suites.reference.test_rounding import _by_exponent, _values
+    for fmt in ("bf16", "fp16"):
+        form = _OPERAND_FORMATS[fmt]
+        v = _values(*form[:2])
+        got, want = rnd_format(v.cuda(), fmt).cpu(), _by_exponent(v, *form, False)
+        assert bool(((got.view(torch.int64) == want.view(torch.int64)) | (torch.isnan(got) & torch.isnan(want))).all())
 
 
 def test_a_long_case_is_judged_in_token_chunks(monkeypatch):

@@ -1,15 +1,16 @@
 """The emulation's rounding (reference.precision._round_elements, on float64's bits) against its definition through
 the exponent, bit for bit: every format the reference rounds to, both directions, at every binade, at ties and next
 to them, in each format's subnormals and float64's own, at overflow, and through NaN, infinities and signed zeros;
-both of its implementations (NumPy's for a small CPU tensor, torch's for the rest: the same steps by name)."""
+each of its implementations (NumPy's for a small CPU tensor, torch's for the rest: the same steps by name; casts
+rounding to odd through float32, for float16 and bfloat16)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from moe_lora_harness.reference import fp8
-from moe_lora_harness.reference.precision import (NUMPY_ROUND_MAX, _OPERAND_FORMATS, _round_elements, _round_numpy,
-                                                   _round_steps)
+from moe_lora_harness.reference.precision import (CAST_ROUND_MIN, NUMPY_ROUND_MAX, _CAST_DTYPES, _OPERAND_FORMATS,
+                                                   _round_by_casts, _round_elements, _round_numpy, _round_steps)
 
 F64 = torch.float64
 
@@ -47,7 +48,7 @@ def _values(bits: int, emin: int) -> torch.Tensor:
 IMPLEMENTATIONS = {
     "numpy": _round_numpy,
     "torch": lambda x, *form: _round_steps(torch, x, *form),
-    "dispatched": _round_elements,     # NumPy here: the values below are fewer than NUMPY_ROUND_MAX
+    "dispatched": _round_elements,     # casts for float16 and bfloat16 (more values than CAST_ROUND_MIN), else NumPy
 }
 
 
@@ -56,12 +57,25 @@ IMPLEMENTATIONS = {
 def test_rounding_on_the_bits_is_the_exponent_definition(fmt, impl):
     bits, emin, fmax, toward_zero = (*FORMATS[fmt], False)[:4]
     x = _values(bits, emin)
-    assert x.numel() <= NUMPY_ROUND_MAX
+    assert CAST_ROUND_MIN < x.numel() <= NUMPY_ROUND_MAX
     got = IMPLEMENTATIONS[impl](x, bits, emin, fmax, toward_zero)
     want = _by_exponent(x, bits, emin, fmax, toward_zero)
     same = (got.view(torch.int64) == want.view(torch.int64)) | (torch.isnan(got) & torch.isnan(want))
     bad = (~same).nonzero().flatten()[:5]
     assert bool(same.all()), [(x[i].item(), got[i].item(), want[i].item()) for i in bad]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_rounding_by_casts_is_the_exponent_definition(fmt):
+    """float16's and bfloat16's rounding by casts (round to odd through float32), at every binade, next to ties (the
+    values a plain float64 -> float32 -> dt cast rounds twice), subnormals, overflow and non-finite values."""
+    form = _OPERAND_FORMATS[fmt]
+    x = _values(*form[:2])
+    got, want = _round_by_casts(x, _CAST_DTYPES[form]), _by_exponent(x, *form, False)
+    same = (got.view(torch.int64) == want.view(torch.int64)) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), [(x[i].item(), got[i].item(), want[i].item()) for i in (~same).nonzero().flatten()[:5]]
+    twice = x.to(torch.float32).to(_CAST_DTYPES[form]).to(F64)     # the plain cast: wrong next to some ties
+    assert not bool(((twice.view(torch.int64) == want.view(torch.int64)) | torch.isnan(want)).all())
 
 
 def test_a_strided_view_rounds_as_its_copy_below_and_above_the_numpy_size():
