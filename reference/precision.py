@@ -113,11 +113,13 @@ def _round_by_casts(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     toward zero, its last bit set where inexact. Then one nearest-even cast to `dt` is correct, float32 keeping at
     least two bits more than `dt` at every magnitude (Boldo and Melquiond, "Emulation of FMA and correctly rounded
     sums: proved algorithms using rounding to odd", IEEE TC 2008). Past float32's range the odd value is float32's
-    largest, which rounds to inf as `x` does; NaN and inf pass through."""
+    largest, which rounds to inf as `x` does; NaN and inf pass through unchanged (CUDA's casts keep a NaN's
+    payload bits, the CPU's do not)."""
     f = x.to(torch.float32)
     back = f.to(torch.float64)
     toward_zero = f.view(torch.int32) - (back.abs() > x.abs()).to(torch.int32)   # one step back if rounded away
-    return (toward_zero | (back != x).to(torch.int32)).view(torch.float32).to(dt).to(torch.float64)
+    y = (toward_zero | (back != x).to(torch.int32)).view(torch.float32).to(dt).to(torch.float64)
+    return torch.where(torch.isfinite(x), y, x)     # inf and NaN as they came (a NaN's bits too, as the steps keep)
 
 
 def _round_numpy(x: torch.Tensor, bits: int, emin: int, fmax: float, toward_zero: bool = False) -> torch.Tensor:
