@@ -80,7 +80,7 @@ def test_rounding_by_casts_is_the_exponent_definition(fmt):
 
 
 def test_a_strided_view_rounds_as_its_copy_below_and_above_the_numpy_size():
-    for n in (300, NUMPY_ROUND_MAX // 64 + 1):       # 19,200 values (NumPy), then 65,600 (torch)
+    for n in (300, NUMPY_ROUND_MAX // 64 + 1):       # 19,200 values (NumPy), then 65,600 (torch); casts for fp16, bf16
         x = torch.randn(64, n, generator=torch.Generator().manual_seed(1), dtype=F64).t() * 1e-3
         for form in FORMATS.values():
             assert torch.equal(_round_elements(x, *form), _round_elements(x.contiguous(), *form))
