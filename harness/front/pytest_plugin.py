@@ -67,6 +67,8 @@ def pytest_configure(config):
                                        "them apart from a parallel run: -m gpu_alone without xdist)")
     config.addinivalue_line("markers", "starts_first: one of the suites' longest tests, started before the rest so "
                                        "that a parallel run does not wait for it at its end")
+    config.addinivalue_line("markers", "interpreter_as_is: a test of our suites that needs Triton's interpreter with "
+                                       "none of the settings a harness run gives it (suites/conftest.py)")
     # our suites read these when their modules are imported (hypothesis settings are set per test, never
     # globally, so a user's own hypothesis tests in the same session keep their profile)
     if config.getoption("moe_lora_profile"):

@@ -233,20 +233,37 @@ def test_the_interpreter_switch_is_kept_across_a_block_that_turns_it_on(monkeypa
     assert os.environ.get("TRITON_INTERPRET") == before
 
 
+@pytest.mark.interpreter_as_is
 def test_a_watched_call_interprets_integers_as_compiled_kernels_do():
     """Compiled without debug, Triton's overflow checks are no code; the interpreter runs them on every int32
-    op (a quarter of its time here). A watched call turns them off, and restores them after."""
+    op (a quarter of its time here) and then drops their assert (its options have no debug): an overflow passes
+    silently either way, with the same bits. A watched call turns them off, and restores them after."""
     if not INTERPRETED:
         pytest.skip("compiled kernels here: the interpreter's options are not used")
+    import triton
+    import triton.language as tl
     from triton.runtime import interpreter
     from moe_lora_harness.harness.execution.interpreter import LaunchWatch
+
+    @triton.jit
+    def times(x_ptr, out_ptr, m):
+        tl.store(out_ptr, tl.load(x_ptr) * m)
+
+    def overflowing() -> int:
+        x, out = torch.tensor([2 ** 30 + 3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        times[(1,)](x, out, 4)          # 2^32 + 12 wraps to 12
+        return int(out)
+
     before = interpreter.interpreter_builder.options
-    assert before.sanitize_overflow
+    assert before.sanitize_overflow and not before.debug
+    assert overflowing() == 12
     with LaunchWatch():
         assert interpreter.interpreter_builder.options.sanitize_overflow is False
+        assert overflowing() == 12
     assert interpreter.interpreter_builder.options is before
 
 
+@pytest.mark.interpreter_as_is
 def test_a_watched_launch_patches_the_language_once_and_computes_the_same():
     """The interpreter re-patches triton.language at every @triton.jit helper call inside a kernel; a watched
     launch patches each language module once. Checked both ways on a kernel with helpers (a real patch per
@@ -287,6 +304,7 @@ def test_a_watched_launch_patches_the_language_once_and_computes_the_same():
     assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
 
 
+@pytest.mark.interpreter_as_is
 def test_a_watched_call_maps_every_dtype_as_the_interpreter_does_and_restores_the_map():
     """The interpreter builds its Triton-to-NumPy dtype table at every call (2.5 % of the CPU suite's time); a
     watched call reads a memo: the same answer for every dtype, block and pointer type, and an unknown dtype still
@@ -311,6 +329,7 @@ def test_a_watched_call_maps_every_dtype_as_the_interpreter_does_and_restores_th
     assert interpreter._get_np_dtype is original
 
 
+@pytest.mark.interpreter_as_is
 def test_a_scalar_of_the_interpreter_is_an_index_under_any_numpy():
     """Triton 3.6's interpreter held a scalar as a 1-element array and int() of it, which NumPy 2.4 refuses: every
     interpreted loop over a runtime bound raised and a correct backend failed check (seen with the H200 host's
