@@ -17,7 +17,9 @@ expsum equals the hardware on every result of every run; align on 4-98 %, exact 
 groups first, other window widths (12 to 16 bits, or 23), steps of 8 or 16 products, or rounding to nearest
 matched less.
 
-  python bench/probe_fp8_mma_model.py --out probe_model.json [--dump runs.pt]
+The rule found is the reference's (reference/fp8_mma.py), which this probe checks; the contrasts are its own.
+
+  PYTHONPATH=src python bench/probe_fp8_mma_model.py --out probe_model.json [--dump runs.pt]
 """
 from __future__ import annotations
 
@@ -31,59 +33,45 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from probe_fp8_mma import M, N, dot  # noqa: E402  (the hardware dot: one program, M = N = 64)
 
+from moe_lora_harness.reference import fp8_mma  # noqa: E402  (the rule found: expsum)
+
 F64 = torch.float64
-
-
-def round_sig(x: torch.Tensor, bits: int, toward_zero: bool) -> torch.Tensor:
-    """x rounded to `bits` significant bits (no range limits: the probe's values are normal)."""
-    m, e = torch.frexp(x)                                   # x = m 2^e, |m| in [0.5, 1)
-    scaled = torch.ldexp(m, torch.full_like(e, bits))
-    q = torch.trunc(scaled) if toward_zero else torch.round(scaled)     # round: half to even
-    return torch.ldexp(q, e - bits)
 
 
 def fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).to(F64)
 
 
-def exponent(x: torch.Tensor) -> torch.Tensor:
-    """floor(log2 |x|) (an e4m3 subnormal's own); a very small number for 0, which never sets a maximum."""
-    _, e = torch.frexp(x.abs())
-    return torch.where(x == 0, torch.full_like(e, -1000), e - 1)
-
-
-def step(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, model: str) -> torch.Tensor:
-    """One MMA step: running value c (M, N) plus a (M, k) @ b (N, k)^T in `model`'s arithmetic (module doc)."""
-    p = a.unsqueeze(1) * b.unsqueeze(0)                      # (M, N, k), exact: 4 + 4 significant bits
+def _contrast_step(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, model: str) -> torch.Tensor:
+    """One step of a contrast rule: "align" (the window on each term's own exponent) or "exact" (an exact sum),
+    each then truncated to 14 significant bits as the hardware's result is."""
+    p = a.unsqueeze(1) * b.unsqueeze(0)
     if model == "exact":
         s = c + p.sum(dim=-1)
     else:
-        if model == "expsum":
-            ep = exponent(a).unsqueeze(1) + exponent(b).unsqueeze(0)
-            ep = torch.where(p == 0, torch.full_like(ep, -1000), ep)
-        else:
-            ep = exponent(p)
-        e = torch.maximum(ep.amax(dim=-1), exponent(c))
-        unit = torch.ldexp(torch.ones_like(c), e - 13)
+        e = torch.maximum(fp8_mma.exponent(p).amax(dim=-1), fp8_mma.exponent(c))
+        unit = torch.ldexp(torch.ones_like(c), e - fp8_mma.WINDOW_BITS)
         s = (torch.trunc(p / unit.unsqueeze(-1)).sum(dim=-1) + torch.trunc(c / unit)) * unit
-    return round_sig(s, 14, toward_zero=True)
+    m, e = torch.frexp(s)
+    return torch.ldexp(torch.trunc(torch.ldexp(m, torch.full_like(e, fp8_mma.RESULT_BITS))), e - fp8_mma.RESULT_BITS)
 
 
-def emulate(a: torch.Tensor, b: torch.Tensor, acc0: torch.Tensor, tile: int | None, model: str,
-            k: int = 32) -> torch.Tensor:
-    """acc0 + a @ b^T as `model` computes it: MMA steps of k products, chained through K (tile None) or
-    restarted every `tile` products and added to an fp32 register (round to nearest)."""
-    K = a.shape[1]
+def emulate(a: torch.Tensor, b: torch.Tensor, acc0: torch.Tensor, tile: int | None, model: str) -> torch.Tensor:
+    """acc0 + a @ b^T under `model`: "expsum" is the reference's (reference.fp8_mma.mma_dot); the contrasts run
+    the same steps, chained or promoted every `tile` products into fp32."""
+    if model == "expsum":
+        return fp8_mma.mma_dot(a, b, acc0, tile)
+    K, k = a.shape[1], fp8_mma.STEP
     if tile is None:
         c = acc0.clone()
         for k0 in range(0, K, k):
-            c = step(c, a[:, k0:k0 + k], b[:, k0:k0 + k], model)
+            c = _contrast_step(c, a[:, k0:k0 + k], b[:, k0:k0 + k], model)
         return c
     out = acc0.clone()
     for t0 in range(0, K, tile):
         c = torch.zeros_like(acc0)
         for k0 in range(t0, t0 + tile, k):
-            c = step(c, a[:, k0:k0 + k], b[:, k0:k0 + k], model)
+            c = _contrast_step(c, a[:, k0:k0 + k], b[:, k0:k0 + k], model)
         out = fp32(out + c)
     return out
 

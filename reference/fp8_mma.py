@@ -1,0 +1,60 @@
+"""The sm_90 e4m3 tensor-core dot, bit for bit: the arithmetic an FP8 GEMM's accumulation runs on an H100/H200.
+
+Each MMA step takes 32 products of e4m3 operands and the running value C. It finds E, the largest of C's exponent
+and the products' exponent *sums* e(a) + e(b) (e = floor(log2 |x|): the alignment is set before the product of the
+significands, which may reach 2, is known), truncates C and every product toward zero to a multiple of 2^(E - 13),
+adds those exactly, and truncates the sum toward zero to 14 significant bits. A kernel that promotes every `tile`
+products restarts each tile at zero and adds it to an fp32 register (round to nearest); one that does not chains C
+through the whole K. Found and checked on an H100 with Triton's tl.dot (bench/probe_fp8_mma_model.py: 58 runs,
+237,568 results, every one equal; docs/error-model.md, "The e4m3 MMA's arithmetic, bit for bit"); no judge reads it
+yet: it is what a model of a GPU's FP8 accumulation would be built on.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_lora_harness.reference.precision import _round_elements
+
+STEP = 32                 # products per MMA step (sm_90 e4m3 wgmma: k = 32)
+WINDOW_BITS = 13          # fraction bits kept below the step's largest exponent (sum)
+RESULT_BITS = 14          # significant bits of a step's result
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_NONE = -1000             # the exponent of 0: never the largest, and 2^(_NONE - 13) is still a float64
+
+
+def exponent(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2 |x|) of float64 `x` (an e4m3 subnormal's own), _NONE at 0."""
+    _, e = torch.frexp(x.abs())
+    return torch.where(x == 0, torch.full_like(e, _NONE), e - 1)
+
+
+def mma_step(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """One step: c (M, N) plus a (M, k) @ b (N, k)^T, k <= STEP, all float64 holding e4m3 (a, b) and fp32 (c)
+    values; the module doc's arithmetic."""
+    p = a.unsqueeze(1) * b.unsqueeze(0)                         # (M, N, k): exact, 4 + 4 significant bits
+    ep = exponent(a).unsqueeze(1) + exponent(b).unsqueeze(0)
+    ep = torch.where(p == 0, torch.full_like(ep, _NONE), ep)
+    e = torch.maximum(ep.amax(dim=-1), exponent(c))
+    unit = torch.ldexp(torch.ones_like(c), e - WINDOW_BITS)
+    s = (torch.trunc(p / unit.unsqueeze(-1)).sum(dim=-1) + torch.trunc(c / unit)) * unit
+    return _round_elements(s, RESULT_BITS, -126, _FP32_MAX, toward_zero=True)
+
+
+def mma_dot(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+    """c0 + a (M, K) @ b (N, K)^T as the e4m3 MMA computes it, in K order (float64 in and out): chained through K
+    (`tile` None) or promoted every `tile` products (a multiple of STEP) into an fp32 register."""
+    K = a.shape[1]
+    if tile is not None and (tile <= 0 or tile % STEP):
+        raise ValueError(f"tile must be a positive multiple of {STEP} (products per MMA step) or None; got {tile}")
+    if tile is None:
+        c = c0.to(torch.float64)
+        for k0 in range(0, K, STEP):
+            c = mma_step(c, a[:, k0:k0 + STEP], b[:, k0:k0 + STEP])
+        return c
+    out = c0.to(torch.float64)
+    for t0 in range(0, K, tile):
+        c = torch.zeros_like(out)
+        for k0 in range(t0, min(t0 + tile, K), STEP):
+            c = mma_step(c, a[:, k0:k0 + STEP], b[:, k0:k0 + STEP])
+        out = (out + c).to(torch.float32).to(torch.float64)
+    return out
