@@ -8,7 +8,7 @@ Two measurements, both on tl.dot over float8_e4m3fn tiles (M = N = 64) with an f
           fp8_w8a8 GEMM), every 32; the error against the float64 sum in units of 2^-24 * sum|a b| (the size an
           IEEE fp32 accumulation's per-step rounding takes) and relative to the largest |result|.
 
-  python bench/probe_fp8_mma.py --out probe.json
+  PYTHONPATH=src python bench/probe_fp8_mma.py --out probe.json
 """
 from __future__ import annotations
 
@@ -19,32 +19,14 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
+
+from moe_lora_harness.kernels.triton.e4m3_dot import e4m3_dot
 
 M = N = 64
 
 
-@triton.jit
-def _dot_kernel(a_ptr, b_ptr, c_ptr, K, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr, M: tl.constexpr,
-                N: tl.constexpr):
-    """c (M, N) fp32 = acc0 + a (M, K) @ b^T, b stored (N, K) (K-major for the e4m3 MMA)."""
-    rm = tl.arange(0, M)
-    rn = tl.arange(0, N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.load(c_ptr + rm[:, None] * N + rn[None, :])
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
-        b = tl.load(b_ptr + rn[None, :] * K + (k0 + rk)[:, None])
-        if IMPRECISE < 0:
-            acc = tl.dot(a, b, acc)
-        else:
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc)
-
-
 def dot(a, b, acc0, block_k: int, imprecise: int) -> torch.Tensor:
-    c = acc0.clone()
-    _dot_kernel[(1,)](a, b, c, a.shape[1], BLOCK_K=block_k, IMPRECISE=imprecise, M=M, N=N)
+    c = e4m3_dot(a, b, acc0, block_k, imprecise)
     torch.cuda.synchronize()
     return c
 

@@ -59,23 +59,7 @@ def test_a_promoted_tile_restarts_at_zero_and_adds_in_fp32():
                     reason="the rule is sm_90's e4m3 MMA (measured on an H100): needs such a GPU")
 @pytest.mark.parametrize("imprecise", [-1, 128, 32], ids=["chained", "promoted-128", "promoted-32"])
 def test_the_gpus_e4m3_dot_is_the_reference_bit_for_bit(imprecise):
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def dot_kernel(a_ptr, b_ptr, c_ptr, K, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr, M: tl.constexpr,
-                   N: tl.constexpr):
-        rm, rn, rk = tl.arange(0, M), tl.arange(0, N), tl.arange(0, BLOCK_K)
-        acc = tl.load(c_ptr + rm[:, None] * N + rn[None, :])
-        for k0 in range(0, K, BLOCK_K):
-            a = tl.load(a_ptr + rm[:, None] * K + (k0 + rk)[None, :])
-            b = tl.load(b_ptr + rn[None, :] * K + (k0 + rk)[:, None])
-            if IMPRECISE < 0:
-                acc = tl.dot(a, b, acc)
-            else:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
-        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc)
-
+    from moe_lora_harness.kernels.triton.e4m3_dot import e4m3_dot
     M = N = 64
     K = 512
     g = torch.Generator().manual_seed(11)
@@ -83,8 +67,6 @@ def test_the_gpus_e4m3_dot_is_the_reference_bit_for_bit(imprecise):
     # the probe checked a chained dot from any C, a promoted one from C = 0
     c0 = ((torch.randn(M, N, generator=g, dtype=F64) * 64).to(torch.float32) if imprecise < 0
           else torch.zeros(M, N, dtype=torch.float32))
-    c = c0.cuda()
-    dot_kernel[(1,)](a.cuda(), b.cuda(), c, K, BLOCK_K=128, IMPRECISE=imprecise, M=M, N=N)
+    got = e4m3_dot(a.cuda(), b.cuda(), c0.cuda(), 128, imprecise).cpu().to(F64)
     want = mma_dot(a.to(F64), b.to(F64), c0.to(F64), None if imprecise < 0 else imprecise)
-    got = c.cpu().to(F64)
     assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} results differ"
