@@ -235,6 +235,10 @@ ROWS
     fp8)
       timeout 120 python3 bench/probe_fp8_mma.py --out "$OUT/probe_fp8_mma.json" > "$OUT/probe_fp8_mma.txt" 2>&1 || rc=1
       tail -12 "$OUT/probe_fp8_mma.txt" | cut -c1-300
+      # the MMA's arithmetic bit for bit (reference/fp8_mma.py) against two contrasts, on 58 runs
+      timeout 180 python3 bench/probe_fp8_mma_model.py --out "$OUT/probe_fp8_mma_model.json" \
+        > "$OUT/probe_fp8_mma_model.txt" 2>&1 || rc=1
+      tail -1 "$OUT/probe_fp8_mma_model.txt"
       # where the FP8 kernels' error sits against the FP8 floor's terms, per row (the worst-case accumulation term's
       # replacement needs this measured): an instrument, its rc not the lane's verdict
       timeout ${FP8_FLOOR_TIMEOUT:-180} python3 bench/probe_fp8_floor.py --device cuda --model qwen3-30b-a3b \
