@@ -40,8 +40,7 @@ def _kernels_interpreted_as_the_harness_runs_them(request):
     """A test that launches our Triton kernels itself gets the interpreter a harness run gets (LaunchWatch: no
     integer-overflow checks, whose asserts the interpreter drops anyway; one language patch per launch; the dtype
     memo): the kernel, expert, schedule and layer suites took 149 worker-seconds instead of 176. Tests of those
-    settings mark themselves
-    `interpreter_as_is`."""
+    settings mark themselves `interpreter_as_is`."""
     if request.node.get_closest_marker("interpreter_as_is"):
         yield
         return
