@@ -28,16 +28,25 @@ def exponent(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x == 0, torch.full_like(e, _NONE), e - 1)
 
 
+def truncate_result(s: torch.Tensor) -> torch.Tensor:
+    """A step's exact sum as the step keeps it: truncated toward zero to RESULT_BITS significant bits."""
+    return _round_elements(s, RESULT_BITS, -126, _FP32_MAX, toward_zero=True)
+
+
+def window_sum(c: torch.Tensor, p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """c (M, N) and products p (M, N, k) each truncated toward zero to 2^(e - WINDOW_BITS), summed exactly, the sum
+    truncated (`truncate_result`): a step whose window is set by exponent `e` (M, N)."""
+    unit = torch.ldexp(torch.ones_like(c), e - WINDOW_BITS)
+    return truncate_result((torch.trunc(p / unit.unsqueeze(-1)).sum(dim=-1) + torch.trunc(c / unit)) * unit)
+
+
 def mma_step(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """One step: c (M, N) plus a (M, k) @ b (N, k)^T, k <= STEP, all float64 holding e4m3 (a, b) and fp32 (c)
-    values; the module doc's arithmetic."""
+    values; the module doc's arithmetic, its window set by the largest exponent sum."""
     p = a.unsqueeze(1) * b.unsqueeze(0)                         # (M, N, k): exact, 4 + 4 significant bits
     ep = exponent(a).unsqueeze(1) + exponent(b).unsqueeze(0)
     ep = torch.where(p == 0, torch.full_like(ep, _NONE), ep)
-    e = torch.maximum(ep.amax(dim=-1), exponent(c))
-    unit = torch.ldexp(torch.ones_like(c), e - WINDOW_BITS)
-    s = (torch.trunc(p / unit.unsqueeze(-1)).sum(dim=-1) + torch.trunc(c / unit)) * unit
-    return _round_elements(s, RESULT_BITS, -126, _FP32_MAX, toward_zero=True)
+    return window_sum(c, p, torch.maximum(ep.amax(dim=-1), exponent(c)))
 
 
 def mma_dot(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, tile: int | None = None) -> torch.Tensor:
