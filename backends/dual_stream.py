@@ -17,7 +17,7 @@ from moe_lora_harness.backends.experts import (
 )
 import dataclasses
 
-from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
+from moe_lora_harness.backends.rounding import TRITON_FP8_MMA, TRITON_POINTS_ONLY
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec, Rule
 
@@ -73,7 +73,7 @@ if DualStreamTritonExperts is not None:
         capabilities=dataclasses.replace(capabilities_of(DualStreamTritonExperts),
                                          rules=capabilities_of(DualStreamTritonExperts).rules + (GATE_CLOSED_ON_CPU,)),
         experts=run_experts,
-        precision=dual_stream_precision, model_points_only=TRITON_POINTS_ONLY,
+        precision=dual_stream_precision, model_points_only=TRITON_POINTS_ONLY, fp8_mma=TRITON_FP8_MMA,
         cpu_rows_in_full_tier="triton_experts' kernels on one stream in the CPU interpreter (the schedule: suites/schedule)",
     )
 else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lora_harness.backends.rounding import TRITON_POINTS_ONLY
+from moe_lora_harness.backends.rounding import TRITON_FP8_MMA, TRITON_POINTS_ONLY
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.spec.contract import BackendSpec, Capabilities, ExpertCall, Rule
 from moe_lora_harness.kernels.dtypes import DTYPES
@@ -159,7 +159,8 @@ def spec_for(cls, description: str) -> BackendSpec:
     """A harness BackendSpec for an experts class: capabilities from its declarations, run through FusedMoEKernel."""
     return BackendSpec(
         name=cls.name, description=description, capabilities=capabilities_of(cls),
-        experts=lambda call: run_call(call, cls), precision=precision_for(cls), model_points_only=TRITON_POINTS_ONLY)
+        experts=lambda call: run_call(call, cls), precision=precision_for(cls), model_points_only=TRITON_POINTS_ONLY,
+        fp8_mma=TRITON_FP8_MMA if cls.quant_schemes & set(FP8_QUANTS) else None)
 
 
 def _oracle_spec() -> BackendSpec:
@@ -189,7 +190,8 @@ def _oracle_spec() -> BackendSpec:
                                   dtype_reasons=reasons, quant=frozenset().union(*(c.quant_schemes for c in classes)),
                                   tensor_parallel=True, expert_parallel=True, rules=(rule, on_cpu)),
         experts=run_call,
-        precision=lambda case: _oracle_precision(case, picked), model_points_only=TRITON_POINTS_ONLY)
+        precision=lambda case: _oracle_precision(case, picked), model_points_only=TRITON_POINTS_ONLY,
+        fp8_mma=TRITON_FP8_MMA)
 
 
 def _selection_at_stake_on_cpu(case: Case) -> bool:

@@ -21,7 +21,9 @@ from moe_lora_harness.reference.accumulation import ACT_ULPS, U32, dot_variance,
 from moe_lora_harness.reference.activations import (activation_derivatives, activation_scale, activation_variance,
                                                     apply_activation, lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
-from moe_lora_harness.reference.fp8 import A_BOUND_ULPS, fake_quantize_activation, flip_allowance, flip_step
+from moe_lora_harness.reference.fp8 import (A_BOUND_ULPS, check_scheme, fake_quantize_activation, flip_allowance,
+                                            flip_step, quantize_activation)
+from moe_lora_harness.reference.fp8_mma import KernelMMA, scaled_gemm
 from moe_lora_harness.reference.lora_op import (PairLayout, lora_expand, lora_shrink, qualifying_pairs,
                                                 shrink_magnitudes)
 from moe_lora_harness.reference.precision import Precision, eps, precision as make_precision, spacing_sq, tiny
@@ -160,6 +162,22 @@ def _per_expert_gemms(jobs: dict, w: Tensor, experts: Tensor, prec: Precision | 
             plain = how is not None or prec is None or prec.plain_gemm
             out[name][rows] = xe @ forms[how].T if plain else prec.mm(xe, we)
         del we, forms
+    return out
+
+
+def _mma_gemm(x: Tensor, scheme: str, weights: tuple, experts: Tensor, rows: Tensor | None,
+              tile: int | None) -> Tensor:
+    """An FP8 base GEMM on the e4m3 MMA (reference.fp8_mma.scaled_gemm): `x` (rows, K) quantized dynamically by
+    `scheme`, row p of the result reading x[rows[p]] (rows None: x[p]) and expert experts[p]'s codes and scales
+    (`weights`); 0 where experts[p] < 0."""
+    q, s = quantize_activation(x, scheme)
+    group = s[:, :1] if check_scheme(scheme)[1] is None else s[:, ::check_scheme(scheme)[1]]
+    if rows is not None:
+        q, group = q[rows], group[rows]
+    codes, scales = weights
+    out = torch.zeros(q.shape[0], codes.shape[1], dtype=_F64, device=q.device)
+    for e, idx in _rows_by_expert(experts, codes.shape[0]):
+        out[idx] = scaled_gemm(q[idx], group[idx], codes[e].to(_F64), scales[e].to(_F64), scheme, tile)
     return out
 
 
@@ -435,6 +453,7 @@ def forward_steps(
     magnitudes: bool = True,
     semantics: Semantics = CONTRACT,
     act_quant: str = "none",
+    fp8_mma: KernelMMA | None = None,
 ) -> Generator[tuple[str, Tensor], Tensor, ExpertExpected]:
     """Expected MoE expert output (T, H) with LoRA, rounded where vLLM's Triton path rounds (spec 5).
 
@@ -449,7 +468,9 @@ def forward_steps(
     `act_quant` an FP8 scheme (reference.fp8): both base GEMMs read the dynamically quantized activation (the
     hidden states, the activation's output), the LoRA deltas the unquantized ones (semantics 9.1); the truth's
     `flip` and `one_flip` carry the allowance for e4m3 flips (error model, "FP8 activations"). "none" and the
-    weight-only schemes quantize no activation, so a caller may pass the case's scheme as it is.
+    weight-only schemes quantize no activation, so a caller may pass the case's scheme as it is. `fp8_mma` (an
+    emulation of FP8 activations, magnitudes=False): both base GEMMs as that kernel runs them on an sm_90 e4m3 MMA
+    (reference.fp8_mma.scaled_gemm) instead of exact sums of the e4m3 products.
 
     A generator: at each fully-sharded LoRA join that `lora_collectives` sets (w13 all-gather, w2 all-reduce)
     it yields (which, this rank's partial) and resumes with the joined tensor; it returns the ExpertExpected.
@@ -517,6 +538,10 @@ def forward_steps(
     if fp8 is not None and lora_collectives is not None:
         raise ValueError(f"act_quant={fp8!r} with lora_collectives (fully-sharded TP ranks) is not modelled: a rank "
                          f"would quantize its own slice of the activation")
+    if fp8_mma is not None and (fp8 is None or magnitudes or not isinstance(fp8_mma, KernelMMA)):
+        raise ValueError(f"fp8_mma (a reference.fp8_mma.KernelMMA) is for the emulation (magnitudes=False) of FP8 "
+                         f"activations; got {type(fp8_mma).__name__} with act_quant={act_quant!r}, "
+                         f"magnitudes={magnitudes}")
 
     P = T * k
     e_flat = local.reshape(P)
@@ -529,12 +554,13 @@ def forward_steps(
     x_in = prec.r(x * prec.r(w64)) if apply_router_weight_on_input else x  # k == 1 here: w64 is (T, 1)
     # FP8: the base GEMM reads the quantized input (per token / per group of 128, dynamic), the LoRA below x
     xr = (fake_quantize_activation(x_in, fp8) if fp8 is not None else x_in)[tok]
+    mma1 = None if fp8_mma is None else _mma_gemm(x_in, fp8, fp8_mma.w13, e_flat, tok, fp8_mma.tile)
     scale1 = under1 = flip1 = slack_step = var1 = rnd1 = None
     # FP8 too: the fp32 accumulation of the exact e4m3 products and the scale multiplies (IEEE on a CPU; where an e4m3
     # MMA truncates the harness keeps the worst-case term: harness.judge.expectation.allowances); its round_var is not
     # carried (e4m3 roundings are the flip terms' to allow)
     track_var = magnitudes
-    jobs = {"c1": (xr, None)}                  # every GEMM over w13 in one pass over the experts
+    jobs = {} if mma1 is not None else {"c1": (xr, None)}     # every GEMM over w13 in one pass over the experts
     if track_var:   # GEMM1's fp32 accumulation over H (its input exact: the hidden states or their rounded product)
         jobs["var1"] = ((U32 * U32 * H) * xr * xr, "square")
         if apply_router_weight_on_input:     # the weighted input's two roundings, through w13^2
@@ -550,7 +576,7 @@ def forward_steps(
             slack_step = flip_step(x_in, torch.zeros_like(x_in), fp8)   # err 0: the scale arithmetic's window alone
     got = _per_expert_gemms(jobs, W13, e_flat, prec)
     del jobs
-    c1 = got.pop("c1")
+    c1 = got.pop("c1") if mma1 is None else mma1
     if b13 is not None:
         c1 = c1 + _per_expert_rows(b13, e_flat)
     cache1 = prec.r(c1).reshape(T, k, N1)
@@ -648,7 +674,8 @@ def forward_steps(
     # base GEMM2: cache3 = r(w * (a @ w2[e]^T + b2)) (unweighted when the weight went on the input); FP8: it reads
     # the quantized activation, the w2 LoRA below the unquantized `a`
     aq = fake_quantize_activation(a, fp8) if fp8 is not None else a
-    jobs = {"c3": (aq, None)}                  # every GEMM over w2 in one pass over the experts
+    mma3 = None if fp8_mma is None else _mma_gemm(a, fp8, fp8_mma.w2, e_flat, None, fp8_mma.tile)
+    jobs = {} if mma3 is not None else {"c3": (aq, None)}     # every GEMM over w2 in one pass over the experts
     if track_var:   # GEMM2's accumulation over I, and the activation's variance carried by w2^2 (FP8: the quantized
         # activation absorbs it, but where it flips, which the flip terms allow)
         jobs["var3"] = ((var2 + (U32 * U32 * I) * a * a) if fp8 is None else (U32 * U32 * I) * aq * aq, "square")
@@ -664,7 +691,7 @@ def forward_steps(
             jobs["f3"] = (flip2 + allow2, "abs")
     got = _per_expert_gemms(jobs, W2, e_flat, prec)
     del jobs
-    c3 = got.pop("c3")
+    c3 = got.pop("c3") if mma3 is None else mma3
     if b2 is not None:
         c3 = c3 + _per_expert_rows(b2, e_flat)
     var3 = rnd3 = None

@@ -6,14 +6,18 @@ significands, which may reach 2, is known), truncates C and every product toward
 adds those exactly, and truncates the sum toward zero to 14 significant bits. A kernel that promotes every `tile`
 products restarts each tile at zero and adds it to an fp32 register (round to nearest); one that does not chains C
 through the whole K. Found and checked on an H100 with Triton's tl.dot (bench/probe_fp8_mma_model.py: 58 runs,
-237,568 results, every one equal; docs/error-model.md, "The e4m3 MMA's arithmetic, bit for bit"); no judge reads it
-yet: it is what a model of a GPU's FP8 accumulation would be built on.
+237,568 results, every one equal; docs/error-model.md, "The e4m3 MMA's arithmetic, bit for bit"). `scaled_gemm` is
+an FP8 base GEMM on it, scales applied as production applies them: what the emulation of a backend that declares its
+promotion (harness.spec.contract.BackendSpec.fp8_mma) computes on an sm_90 GPU.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from moe_lora_harness.reference.precision import _round_elements
+from moe_lora_harness.reference.fp8 import BLOCK, check_scheme
 
 STEP = 32                 # products per MMA step (sm_90 e4m3 wgmma: k = 32)
 WINDOW_BITS = 13          # fraction bits kept below the step's largest exponent (sum)
@@ -67,3 +71,57 @@ def mma_dot(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, tile: int | None
             c = mma_step(c, a[:, k0:k0 + STEP], b[:, k0:k0 + STEP])
         out = (out + c).to(torch.float32).to(torch.float64)
     return out
+
+
+CHUNK_VALUES = 1 << 24     # products one step of `scaled_gemm` holds at once (float64: 128 MiB per temporary)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32).to(torch.float64)
+
+
+def _dot_rows(a: torch.Tensor, b: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """mma_dot(a, b, 0, tile) over chunks of a's rows, each step's products at most CHUNK_VALUES."""
+    if a.shape[0] == 0:
+        return a.new_zeros(0, b.shape[0])
+    rows = max(1, CHUNK_VALUES // (b.shape[0] * STEP))
+    pieces = [a[i:i + rows] for i in range(0, a.shape[0], rows)]
+    return torch.cat([mma_dot(p, b, p.new_zeros(p.shape[0], b.shape[0]), tile) for p in pieces])
+
+
+def scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, scheme: str,
+                tile: int | None) -> torch.Tensor:
+    """One expert's FP8 base GEMM as an sm_90 kernel computes it (float64 holding fp32, (M, N)): e4m3 values xq (M, K)
+    with scales xs (M, 1) or (M, K/128), weight values wq (N, K) with scales ws (N,) or (N/128, K/128).
+    "fp8_w8a8": the MMA over the whole K (chained, `tile` None, or promoted every `tile` products), then times xs and
+    ws, each product rounded to fp32. "fp8_block": each 128-wide K block's MMA from zero (promoted within it where
+    `tile` < 128) times its two scales, added to an fp32 accumulator in K order. The fp32 roundings after the MMA
+    follow one order; a kernel's own order (or a fused multiply-add) differs from it by fp32 roundings, which the
+    accumulation variance allows."""
+    block, _ = check_scheme(scheme)
+    if block is None:
+        return _fp32(_fp32(_dot_rows(xq, wq, tile) * xs[:, :1]) * ws.reshape(1, -1))
+    K = xq.shape[1]
+    inner = tile if tile is not None and tile < BLOCK else None
+    acc = None
+    for g, k0 in enumerate(range(0, K, BLOCK)):
+        c = _dot_rows(xq[:, k0:k0 + BLOCK], wq[:, k0:k0 + BLOCK], inner)
+        col = ws[:, g].repeat_interleave(BLOCK)[:wq.shape[0]]
+        part = _fp32(_fp32(c * xs[:, g:g + 1]) * col.reshape(1, -1))
+        acc = part if acc is None else _fp32(acc + part)
+    return acc
+
+
+@dataclass(frozen=True)
+class KernelMMA:
+    """A kernel's FP8 base GEMMs as the emulation runs them on the MMA (reference.experts.moe_experts_forward's
+    `fp8_mma`): its promotion (`tile` products per promoted tile, None: chained through K) and each GEMM's weights,
+    (e4m3 codes (E, N, K), fp32 scales) as the kernel reads them."""
+
+    tile: int | None
+    w13: tuple
+    w2: tuple
+
+    def __post_init__(self):
+        if self.tile is not None and (not isinstance(self.tile, int) or self.tile <= 0 or self.tile % STEP):
+            raise ValueError(f"tile must be a positive multiple of {STEP} or None (chained); got {self.tile!r}")

@@ -12,6 +12,7 @@ from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.spec.contract import BackendSpec
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.experts import ExpertExpected, LoRAInputs, moe_experts_forward
+from moe_lora_harness.reference.fp8_mma import KernelMMA
 from moe_lora_harness.reference.precision import precision as make_precision
 from moe_lora_harness.reference.sharding import all_reduce_sum, sharded_experts_forward, tp_slice_base, tp_slice_lora
 
@@ -72,12 +73,25 @@ def expert_forward(case: Case, inp):
     return forward, (inp.hidden, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids), kw
 
 
-def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False, device="cpu", inputs=None):
+def mma_kwargs(inp, mma: int | str | None) -> dict:
+    """The forward's keywords that run an emulation's FP8 base GEMMs on the e4m3 MMA `mma` (a promotion tile or
+    "chained": harness.judge.expectation.modelled_mma) over the inputs' weight codes; {} for None and "fp32" (exact
+    products summed: the forward's own GEMMs)."""
+    if mma is None or mma == "fp32":
+        return {}
+    q13, s13, q2, s2 = inp.quantized
+    return dict(fp8_mma=KernelMMA(None if mma == "chained" else mma, (q13, s13), (q2, s2)))
+
+
+def expert_expectations(case: Case, backend_precision: str, emulation_only: bool = False, device="cpu", inputs=None,
+                        mma: int | str | None = None):
     """(inputs, truth, emulation) for an expert-level case, built (unless `inputs` are given) and computed on
-    `build_device(device)` (a CUDA device, else the CPU); `emulation_only`: truth None."""
+    `build_device(device)` (a CUDA device, else the CPU); `emulation_only`: truth None. `mma` (an FP8 case:
+    harness.judge.expectation.modelled_mma): the emulation's base GEMMs run that e4m3 MMA promotion."""
     inp = inputs if inputs is not None else build_expert_inputs(case, device)
     forward, args, kw = expert_forward(case, inp)
     truth = None if emulation_only else forward(*args, precision=make_precision("exact", None), **kw)
+    kw = dict(kw, **mma_kwargs(inp, mma))
     # the emulation's value only: it is judged with the truth's magnitudes
     emu = forward(*args, precision=make_precision(backend_precision, torch_dtype(case)), magnitudes=False, **kw)
     return inp, truth, emu

@@ -21,7 +21,7 @@ from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, m
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.build.guards import outside_message
-from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging,
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging, modelled_mma,
                                                         op_expectations, row_groups, twin_applies)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
@@ -120,11 +120,12 @@ class Expectation:
     run_device: str | None = None              # where the backend runs (what the FP8 accumulation term follows)
     twin_digest: str = ""                      # of the reordered view's inputs, where the judge runs a twin
                                                # (expectation.twin_applies); '' where it does not
+    mma: int | str | None = None               # the e4m3 MMA the emulation runs (expectation.modelled_mma)
 
     @property
     def rules(self) -> Rules:
         """How the output is judged beyond the truth (the verdict and every diagnosis alike)."""
-        return Rules(self.run_device, self.points_only, self.groups)
+        return Rules(self.run_device, self.points_only, self.groups, mma=self.mma)
 
     def rules_with(self, twin: torch.Tensor | None) -> Rules:
         """`rules`, holding the judged run to `twin` (the other run of a twin pair; None: none)."""
@@ -154,7 +155,9 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str
     from moe_lora_harness.harness.execution.execute import release_device_memory
     precision, points_only = declared if declared is not None else declared_rounding(spec, case, device)
     at = str(draw_device(case, device))
-    exp = _expectations(case, precision, at)
+    mma = modelled_mma(spec, case, device)
+    exp = _expectations(case, precision, at, mma)
+    exp.mma = mma
     exp.precision, exp.case, exp.device = precision, case, at
     exp.points_only = points_only
     exp.run_device = device
@@ -172,7 +175,7 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str
     return exp
 
 
-def _expectations(case: Case, precision: str, device: str = "cpu") -> Expectation:
+def _expectations(case: Case, precision: str, device: str = "cpu", mma=None) -> Expectation:
     if case.level == "op":
         inputs, truth, emu = op_expectations(case, precision, device)
         digest = inputs_digest(inputs)   # before poisoning: the worker digests its inputs as built, too
@@ -187,7 +190,7 @@ def _expectations(case: Case, precision: str, device: str = "cpu") -> Expectatio
         inp = build_expert_inputs(case, device)
         return Expectation(inp, inputs_digest(inp), None, None)
     from moe_lora_harness.harness.build.expert_runner import expert_expectations
-    inp, truth, emu = expert_expectations(case, precision, device=device)
+    inp, truth, emu = expert_expectations(case, precision, device=device, mma=mma)
     return Expectation(inp, inputs_digest(inp), truth, emu)
 
 

@@ -98,12 +98,13 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     return [n for n in names if n != backend_precision]
 
 
-def _emulation(case: Case, name: str, device, inputs=None) -> torch.Tensor:
+def _emulation(case: Case, name: str, device, inputs=None, mma=None) -> torch.Tensor:
     """The value of the rounding model `name` on the case's inputs (`inputs`, or rebuilt from its seed on
-    `device`, where the truth is: a CUDA case's inputs are drawn there)."""
+    `device`, where the truth is: a CUDA case's inputs are drawn there), its FP8 GEMMs on the verdict's e4m3 MMA
+    (`mma`, Rules.mma)."""
     if case.level == "op":
         return op_reference(case, inputs if inputs is not None else build_op_inputs(case, device), name).value
-    return expert_expectations(case, name, emulation_only=True, device=device, inputs=inputs)[2].value
+    return expert_expectations(case, name, emulation_only=True, device=device, inputs=inputs, mma=mma)[2].value
 
 
 def _fit(name, description, out, truth, emu, written, dtype, k_plus_r, rules: Rules = Rules()) -> ModelFit:
@@ -134,7 +135,8 @@ def model_fits(case: Case, backend_precision: str, output: torch.Tensor, truth,
     dtype = torch_dtype(case)
     written, k_plus_r, _ = judging(case, truth)
     out = output.detach().to(truth.value.device)
-    return [_fit(n, describe(n), out, truth, _emulation(case, n, out.device), written, dtype, k_plus_r, rules)
+    return [_fit(n, describe(n), out, truth, _emulation(case, n, out.device, mma=rules.mma), written, dtype,
+                 k_plus_r, rules)
             for n in [backend_precision] + alternatives(backend_precision, dtype)]
 
 
@@ -157,7 +159,7 @@ def diagnose(case: Case, backend_precision: str, output: torch.Tensor, truth, *,
     def emulation_of(name):
         if name == backend_precision and emulation is not None:
             return emulation.to(out.device)
-        return _emulation(case, name, out.device, inputs)
+        return _emulation(case, name, out.device, inputs, rules.mma)
     return name_model(out, truth, written, torch_dtype(case), k_plus_r, backend_precision, emulation_of, rules)
 
 

@@ -13,6 +13,7 @@ from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, ByInverseWei
 from moe_lora_harness.harness.build.builders import build_device, build_op_inputs, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.op_contract.validate import validate_call
+from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import bound_dtype, precision as make_precision
 
@@ -41,25 +42,55 @@ def declared_rounding(spec, case: Case, device: str) -> tuple[str, bool]:
     return precision, bool(spec.model_points_only_for(device))
 
 
-def fp8_accumulation_modelled(device) -> bool:
-    """Whether the statistical model's fp32 accumulation holds for FP8 products on `device` (the backend's): on a CPU
-    (no e4m3 MMA there: the exact products are summed in fp32), not on a GPU, whose e4m3 MMA truncates in a 13-bit
-    window (docs/error-model.md): there the FP8 floor keeps its worst-case term (measured on the H200 with
-    bench/probe_fp8_floor.py: a correct kernel lies up to 2,700 times the fp32 term from the emulation)."""
+# the most e4m3 products (both base GEMMs) for which the judge emulates a declared truncating MMA (`modelled_mma`);
+# past it the worst-case term stands: the emulation runs each product through the MMA's arithmetic elementwise in
+# float64, 1.4-1.8e10 products a second on an H100 (bench/results/2026-12-06-gpu-s41): this many in about 19 s
+MMA_PRODUCTS_MAX = 1 << 38
+
+
+def mma_products(case: Case) -> int:
+    """The e4m3 products of an expert-level case's two base GEMMs (every pair through w13 and w2)."""
+    n1 = 2 * case.I if is_gated(case.activation) else case.I
+    return case.T * case.top_k * (n1 * case.H + case.H * case.I)
+
+
+def modelled_mma(spec, case: Case, device: str) -> int | str | None:
+    """The backend's declared FP8 accumulation (BackendSpec.fp8_mma) where the judge emulates it for `case` on
+    `device`: an expert-level FP8 case of one rank, neither dispatched nor a view (whose K order is another), on an
+    sm_90 GPU (the arithmetic reference.fp8_mma reproduces), of at most MMA_PRODUCTS_MAX products for a truncating
+    MMA. None elsewhere: the FP8 floor keeps its worst-case accumulation term there (`fp8_accumulation_modelled`)."""
+    from moe_lora_harness.harness.spec.case import FP8_QUANTS
     from moe_lora_harness.harness.spec.contract import device_kind
-    return device is not None and device_kind(device) == "cpu"
+    if (device_kind(device) != "cuda" or case.level != "expert" or case.quant not in FP8_QUANTS or case.view
+            or case.dispatched or case.tp_size != 1):
+        return None
+    declared = spec.fp8_mma_for(case, device)
+    if declared is None or (declared != "fp32" and mma_products(case) > MMA_PRODUCTS_MAX):
+        return None
+    return declared if torch.cuda.get_device_capability(torch.device(device)) == (9, 0) else None
 
 
-def allowances(truth, device=None) -> dict:
+def fp8_accumulation_modelled(device, mma=None) -> bool:
+    """Whether the statistical model's fp32 accumulation holds for FP8 products on `device` (the backend's): on a CPU
+    (no e4m3 MMA there: the exact products are summed in fp32), and on a GPU where the kernel declares its
+    accumulation (`mma`, from `modelled_mma`): "fp32" sums as a CPU's, or a truncating MMA the emulation runs bit
+    for bit).
+    Elsewhere on a GPU the FP8 floor keeps its worst-case term (measured on the H200 with bench/probe_fp8_floor.py: a
+    correct kernel lies up to 2,700 times the fp32 term from an emulation of exact sums)."""
+    from moe_lora_harness.harness.spec.contract import device_kind
+    return device is not None and (device_kind(device) == "cpu" or mma is not None)
+
+
+def allowances(truth, device=None, mma=None) -> dict:
     """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
     (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip; the op level quantizes no activation) and the
     statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8 activations
     (`one_flip` set) `round_var` is None (rules 2's statistical form and 4 off) and `acc_var` is kept only where
-    `fp8_accumulation_modelled(device)` (`device`: where the backend ran; None: unknown, the worst-case term)."""
+    `fp8_accumulation_modelled(device, mma)` (`device`: where the backend ran; None: unknown, the worst-case term)."""
     got = {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
     if got["one_flip"] is not None:
         got["round_var"] = None
-        if not fp8_accumulation_modelled(device):
+        if not fp8_accumulation_modelled(device, mma):
             got["acc_var"] = None
     return got
 
@@ -69,17 +100,19 @@ class Rules:
     """How a case's output is judged beyond its truth and emulation, one record for the verdict and every diagnosis
     that re-judges the output (else a diagnosis, judging more leniently, passes what the verdict failed): where the
     backend ran (`device`: the FP8 accumulation term, `allowances`), whether it rounds only at its model's points
-    (`points_only`: rule 4's allowance, BackendSpec.model_points_only) and rule 4's row labellings (`groups`)."""
+    (`points_only`: rule 4's allowance, BackendSpec.model_points_only), rule 4's row labellings (`groups`) and the
+    e4m3 MMA the emulation runs (`mma`, `modelled_mma`: every emulation the output is held to runs it)."""
 
     device: str | None = None
     points_only: bool = False
     groups: object = None
     twin: torch.Tensor | None = None     # the other run of a twin pair, in the plain columns (`twin_applies`)
+    mma: int | str | None = None
 
     def kwargs(self, truth) -> dict:
         """compare_written's keyword arguments for `truth` (its allowances) under these rules."""
         return dict(row_groups=self.groups, model_points_only=self.points_only, twin=self.twin,
-                    **allowances(truth, self.device))
+                    **allowances(truth, self.device, self.mma))
 
 
 def twin_applies(case: Case) -> bool:

@@ -16,7 +16,7 @@ from moe_lora_harness.harness.build.builders import ADAPTER_SCALING, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import compare_written, rule2_bound, same_bits
 from moe_lora_harness.harness.judge.expectation import Rules, judging
-from moe_lora_harness.harness.build.expert_runner import expert_forward
+from moe_lora_harness.harness.build.expert_runner import expert_forward, mma_kwargs
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
@@ -82,9 +82,9 @@ def _alternative_kwargs(alt: Alternative, kw: dict, layer: Layer) -> dict | None
     return kw
 
 
-def _computers(case: Case, inputs, layer: Layer):
+def _computers(case: Case, inputs, layer: Layer, mma=None):
     """(alternative, compute(precision, magnitudes) -> its expected output) for each alternative with a form
-    at the case's level that applies to it."""
+    at the case's level that applies to it; an emulation's FP8 GEMMs on the e4m3 MMA `mma` (Rules.mma)."""
     if case.level == "op":
         kw = inputs.call_kwargs()
         for alt in ALTERNATIVES:
@@ -93,11 +93,12 @@ def _computers(case: Case, inputs, layer: Layer):
                     validate_call(**k), precision=prec, magnitudes=magnitudes))
         return
     forward, args, kw = expert_forward(case, inputs)
+    on_mma = mma_kwargs(inputs, mma)
     for alt in ALTERNATIVES:
         alt_kw = _alternative_kwargs(alt, kw, layer) if alt.applies(layer) else None
         if alt_kw is not None:
-            yield alt, (lambda prec, magnitudes, k=alt_kw: forward(*args, precision=prec, magnitudes=magnitudes,
-                                                                    **k))
+            yield alt, (lambda prec, magnitudes, k=alt_kw: forward(
+                *args, precision=prec, magnitudes=magnitudes, **k, **({} if magnitudes or prec.exact else on_mma)))
 
 
 def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor, inputs, truth, emulation,
@@ -116,7 +117,7 @@ def semantic_diagnosis(case: Case, backend_precision: str, output: torch.Tensor,
     exact, declared = make_precision("exact", None), make_precision(backend_precision, dtype)
     judge = dict(dtype=bound_dtype(backend_precision, dtype), k_plus_r=k_plus_r, work_dtype=dtype)
     offered = []      # (distance of the output from the alternative's value, alternative, compute, its written)
-    for alt, compute in _computers(case, inputs, layer_of(case)):
+    for alt, compute in _computers(case, inputs, layer_of(case), rules.mma):
         got = compute(exact, False)
         alt_written = got.written if case.level == "op" else written
         if torch.equal(alt_written, written) and compare_written(

@@ -27,7 +27,8 @@ from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
 from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
-from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_twins, row_groups, twin_applies
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_twins, modelled_mma, row_groups,
+                                                        twin_applies)
 from moe_lora_harness.reference.precision import precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
@@ -232,6 +233,7 @@ class CorrectRun:
     out: torch.Tensor         # the backend's output, in its dtype and on its device
     twin_inputs: ExpertInputs | None = None    # the reordered view's inputs, where the judge runs a twin
     twin: torch.Tensor | None = None            # the backend's output on them, in the plain columns
+    mma: int | str | None = None                # the e4m3 MMA the emulation runs (expectation.modelled_mma)
 
 
 def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
@@ -239,13 +241,14 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     starts from, and the studies under bench/ read."""
     from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
     precision, points_only = declared_rounding(spec, case, device)
-    inp, truth, emu = expert_expectations(case, precision, device=device)
+    mma = modelled_mma(spec, case, device)
+    inp, truth, emu = expert_expectations(case, precision, device=device, mma=mma)
     out = run_calls(spec, inp.call(device), case)
     if not twin_applies(case):
-        return CorrectRun(precision, points_only, inp, truth, emu, out)
+        return CorrectRun(precision, points_only, inp, truth, emu, out, mma=mma)
     twin_inp = view_inputs(inp, "reordered")
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
-                      plain_columns(run_calls(spec, twin_inp.call(device), case)))
+                      plain_columns(run_calls(spec, twin_inp.call(device), case)), mma)
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BISECTION_STEPS,
@@ -257,7 +260,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BIS
     t0 = time.time()
     c = correct_run(spec, case, device)
     precision, inp, truth, emu, out0 = c.precision, c.inputs, c.truth, c.emulation, c.out
-    rules = Rules(device, c.points_only, row_groups(inp, truth))      # the runner's (Expectation.rules)
+    rules = Rules(device, c.points_only, row_groups(inp, truth), mma=c.mma)     # the runner's (Expectation.rules)
 
     def run(i: ExpertInputs) -> torch.Tensor:
         return run_calls(spec, i.call(device), case)

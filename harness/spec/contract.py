@@ -152,6 +152,12 @@ class BackendSpec:
     precision model rounds and nowhere else (no extra or double rounding, no reduced-precision reduction); rule 4
     then allows its fp32 accumulation alone, a sharper judge (docs/error-model.md). A false claim fails correct
     outputs that round elsewhere: declare it only where that is known.
+    `fp8_mma`: a mapping from device kind to how the backend's FP8 base GEMMs accumulate there (or to `case -> that`,
+    asked about one call of the case): the products per tile of the sm_90 warpgroup MMA promoted into an fp32
+    accumulator (an int, a multiple of 32, K in order, no split-K), "chained" (that MMA's one accumulator through
+    K), or "fp32" (exact e4m3 products summed in fp32, as mma.sync does). On an sm_90 GPU the judge then emulates
+    those GEMMs with that arithmetic (reference.fp8_mma) and judges their accumulation statistically; undeclared, a
+    worst-case term allows it. A false declaration fails correct outputs.
     """
 
     name: str
@@ -162,6 +168,7 @@ class BackendSpec:
     layer: Callable | None = None
     precision: str | Callable[[Case], str] | Mapping = "one_shot"
     model_points_only: bool | Mapping = False
+    fp8_mma: Mapping | None = None
     known_bugs: tuple = ()
     origin: str = ""
     # the backend's environment: `setup` (a callable, or a "module:attr" reference to one) runs once per
@@ -193,6 +200,20 @@ class BackendSpec:
         """Whether this backend declares that it rounds only where its model rounds, on `device`."""
         p = self.model_points_only
         return bool(p.get(device_kind(device), False) if isinstance(p, Mapping) else p)
+
+
+    def fp8_mma_for(self, case: Case, device: str) -> int | str | None:
+        """How this backend declares its FP8 GEMMs accumulate for `case` on `device` (`fp8_mma`), None where it
+        declares nothing."""
+        got = (self.fp8_mma or {}).get(device_kind(device))
+        if callable(got):
+            got = got(case.per_call())
+        if got is not None and got not in ("chained", "fp32") and (isinstance(got, bool) or not isinstance(got, int)
+                                                                  or got <= 0 or got % 32):
+            raise ValueError(f"fp8_mma must map a device kind to a positive multiple of 32 (products per promoted "
+                             f"tile), 'chained' or 'fp32' (or a function of the case giving one); got {got!r} for "
+                             f"{device_kind(device)}")
+        return got
 
 
 def device_kind(device: str) -> str:

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from moe_lora_harness.kernels.dtypes import FLOAT_DTYPES
+from moe_lora_harness.kernels.fp8_schemes import FP8_BLOCK_K
 from moe_lora_harness.kernels.triton.launch import launch, next_pow2
 from moe_lora_harness.kernels.triton.platform import device_info
 from moe_lora_harness.kernels.triton.quant_gemm import FP8_SCHEMES, check_quant, load_weight_tile
@@ -149,7 +150,7 @@ def choose_config(block_m: int, N: int, K: int, dtype: torch.dtype, device, quan
         block_k = min(block_k, 128)  # a K tile must stay inside one 128-wide scale group
     fp8 = quant_code in FP8_CODES
     if fp8:   # e4m3 operands: K tiles of 128 (one scale block; e4m3 MMAs take K in 32s)
-        block_k, esz = (128 if K >= 128 else max(32, next_pow2(K))), 1
+        block_k, esz = (FP8_BLOCK_K if K >= FP8_BLOCK_K else max(32, next_pow2(K))), 1
     stages = 3 if fp8 else (4 if block_m <= 64 else 3)   # FP8: 3 stages and 4 warps won the H200 sweep
     while stages > 2 and stages * (block_m * block_k + block_k * block_n) * esz > 0.8 * info.max_shared_mem:
         stages -= 1

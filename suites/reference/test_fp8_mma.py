@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_harness.reference.fp8_mma import STEP, mma_dot
+from moe_lora_harness.reference import fp8_mma
+from moe_lora_harness.reference.fp8 import quantize_activation, quantize_weights
+from moe_lora_harness.reference.fp8_mma import STEP, KernelMMA, mma_dot, scaled_gemm
 
 F64 = torch.float64
 
@@ -52,6 +54,57 @@ def test_a_promoted_tile_restarts_at_zero_and_adds_in_fp32():
     assert not torch.equal(promoted, mma_dot(a, b, c0))               # the chained dot truncates its running value
     with pytest.raises(ValueError, match="tile must be a positive multiple of 32"):
         mma_dot(a, b, c0, tile=48)
+
+
+def _operands(scheme, M=5, N=256, K=384, seed=2):
+    """(xq, xs, wq, ws): an activation quantized per row / per 128-group, weights per channel / per 128 block."""
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize_activation(torch.randn(M, K, generator=g, dtype=F64), scheme)
+    codes, scales = quantize_weights(torch.randn(1, N, K, generator=g, dtype=F64).to(torch.bfloat16), scheme)
+    xs = s[:, :1] if scheme == "fp8_w8a8" else s[:, ::128]
+    return q, xs, codes[0].to(F64), scales[0].to(F64)
+
+
+def _fp32(x):
+    return x.to(torch.float32).to(F64)
+
+
+@pytest.mark.parametrize("tile", [128, 32, None], ids=["promoted-128", "promoted-32", "chained"])
+def test_a_per_channel_gemm_is_the_mma_then_the_two_scales(tile):
+    xq, xs, wq, ws = _operands("fp8_w8a8")
+    got = scaled_gemm(xq, xs, wq, ws, "fp8_w8a8", tile)
+    assert torch.equal(got, _fp32(_fp32(mma_dot(xq, wq, torch.zeros(5, 256, dtype=F64), tile) * xs) * ws))
+    exact = xq @ wq.T * xs * ws
+    assert not torch.equal(got, _fp32(exact))                          # the MMA's window is in it
+    # each K tile's truncations stay within a few 2^-13 of its partial sums: 2^-11 of sum |a b| bounds them here
+    assert ((got - exact).abs() <= 2.0 ** -11 * (xq.abs() @ wq.abs().T) * xs * ws).all()
+
+
+def test_a_block_gemm_scales_each_128_block_and_adds_it_in_fp32():
+    xq, xs, wq, ws = _operands("fp8_block")
+    zero = torch.zeros(5, 256, dtype=F64)
+    by_hand = zero
+    for g, k0 in enumerate(range(0, 384, 128)):
+        c = mma_dot(xq[:, k0:k0 + 128], wq[:, k0:k0 + 128], zero)
+        col = ws[:, g].repeat_interleave(128)
+        by_hand = _fp32(by_hand + _fp32(_fp32(c * xs[:, g:g + 1]) * col))
+    assert torch.equal(scaled_gemm(xq, xs, wq, ws, "fp8_block", 128), by_hand)
+    assert torch.equal(scaled_gemm(xq, xs, wq, ws, "fp8_block", None), by_hand)   # a block is one MMA chain
+    assert not torch.equal(scaled_gemm(xq, xs, wq, ws, "fp8_block", 32), by_hand)
+
+
+def test_chunks_of_rows_give_the_same_bits(monkeypatch):
+    xq, xs, wq, ws = _operands("fp8_w8a8", M=7)
+    whole = scaled_gemm(xq, xs, wq, ws, "fp8_w8a8", 128)
+    monkeypatch.setattr(fp8_mma, "CHUNK_VALUES", 2 * 256 * STEP)       # two rows a step
+    assert torch.equal(scaled_gemm(xq, xs, wq, ws, "fp8_w8a8", 128), whole)
+    assert scaled_gemm(xq[:0], xs[:0], wq, ws, "fp8_w8a8", 128).shape == (0, 256)
+
+
+def test_a_kernels_mma_declaration_is_checked():
+    with pytest.raises(ValueError, match="tile must be a positive multiple of 32"):
+        KernelMMA(48, (), ())
+    assert KernelMMA(None, (), ()).tile is None
 
 
 @pytest.mark.gpu
