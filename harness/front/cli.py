@@ -283,6 +283,17 @@ def _judged_as_rounding_anywhere(specs: dict, outcomes: list, device) -> list:
     return [n for n, spec in specs.items() if n in judged and not spec.model_points_only_for(device)]
 
 
+def _fp8_at_worst_case(specs: dict, outcomes: list, device) -> list:
+    """The backends whose FP8 runs this run judged on a GPU with the worst-case accumulation term (no FP8
+    accumulation declared there, BackendSpec.fp8_mma, or not one the judge models: expectation.modelled_mma)."""
+    from moe_lora_harness.harness.judge.expectation import modelled_mma
+    from moe_lora_harness.harness.spec.case import FP8_QUANTS
+    if device_kind(device) != "cuda":
+        return []
+    return sorted({o.backend for o in outcomes if o.judged and o.case.quant in FP8_QUANTS and o.backend in specs
+                   and o.case.level == "expert" and modelled_mma(specs[o.backend], o.case, device) is None})
+
+
 def cmd_check(args) -> int:
     deadline = time.monotonic() + args.budget if args.budget else None    # --budget counts from here
     device = _device(args)
@@ -357,6 +368,11 @@ def cmd_check(args) -> int:
                   f"model_points_only declared for {device_kind(device)}): rules 3 and 4 allow one more rounding of "
                   f"every value, at its worst-case tail; a kernel that rounds only at its model's points may declare "
                   f"it, for aggregate verdicts several times sharper (docs/error-model.md)")
+        for name in _fp8_at_worst_case(specs, outcomes, device):
+            print(f"NOTE {name}'s FP8 runs were judged with the worst-case accumulation term (its FP8 accumulation on "
+                  f"this GPU is not declared, or not emulated for them: BackendSpec.fp8_mma): their aggregate verdicts "
+                  f"pass slips up to about 10-36 times the kernel's own error; declaring it makes them several times "
+                  f"sharper (docs/error-model.md, \"A declared e4m3 accumulation\")")
         passed = [o for o in outcomes if o.status == "pass"]
         unseen = sum(1 for o in passed if o.verdict is not None and o.verdict.unseen)
         if unseen:

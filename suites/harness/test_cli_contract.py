@@ -206,3 +206,21 @@ def test_check_counts_the_runs_whose_rows_rule_4_could_not_judge(capsys, tmp_pat
     (cell,) = cells.values()
     assert cell["rule4_unseen"] == cell["counts"]["pass"] >= 1, cell
     assert f"NOTE in {cell['rule4_unseen']} of {cell['counts']['pass']} passing runs some rows were beyond rule 4" in out, out
+
+
+def test_check_says_whose_fp8_runs_on_a_gpu_kept_the_worst_case_accumulation_term(monkeypatch):
+    """On a GPU an FP8 run of a backend whose accumulation the judge does not model there (no BackendSpec.fp8_mma,
+    or a case it does not emulate) is judged with the worst-case term, and check names that backend; a declared one,
+    a non-FP8 run and a CPU run are not named."""
+    import torch
+    from moe_lora_harness.harness.execution.runner import Outcome
+    from moe_lora_harness.harness.front import cli
+    from moe_lora_harness.harness.spec.registry import available_backends
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    specs = {n: s for n, s in available_backends().items() if n in ("eager", "triton_experts")}
+    fp8 = Case(level="expert", quant="fp8_w8a8", dtype="bfloat16", H=256, I=256, E=4, T=8)
+    runs = [Outcome(name, case, "cuda:0", "pass") for name in specs for case in (fp8, fp8.replace(quant="none"))]
+    assert cli._fp8_at_worst_case(specs, runs, "cuda:0") == ["eager"]
+    assert cli._fp8_at_worst_case(specs, [Outcome("triton_experts", fp8.replace(view="reordered"), "cuda:0", "pass")],
+                                  "cuda:0") == ["triton_experts"]
+    assert cli._fp8_at_worst_case(specs, runs, "cpu") == []
