@@ -592,6 +592,9 @@ def test_our_fp8_experts_land_on_their_declared_accumulation_and_pass_on_its_sta
     print(f"{case.quant} {case.dtype} lora={case.lora} T={case.T} declared {exp.mma}: {off['fp32']} elements off "
           f"exact sums' emulation, {off[128]} off the MMA's (of {out.numel()})")
     other = "fp32" if exp.mma == 128 else 128
-    assert off[exp.mma] * 3 <= off[other] and off[exp.mma] <= 0.02 * out.numel(), (off, out.numel())
+    assert off[exp.mma] * 3 <= off[other], (off, out.numel())
+    # without LoRA only fp32 roundings (scale multiplies, the activation, moe_sum) and their flips are left (measured
+    # 0-6 elements of 24,576-82,432 on an H100); the LoRA's own fp32 GEMMs move 3.4 % (bench/results/2026-12-06-gpu-s41)
+    assert case.lora or off[exp.mma] <= 0.001 * out.numel(), (off, out.numel())
     o = run_case(spec, case, "cuda", executor=InProcess(), reruns=0)
     assert o.status == "pass", o.detail
