@@ -1,5 +1,5 @@
 """Where our kernels round: the `model_points_only` declaration shared by every Triton backend (op, experts, layer),
-and the e4m3 MMA promotion of our FP8 experts (`fp8_mma`).
+and how our FP8 experts accumulate on an sm_90 GPU (`fp8_mma`).
 
 Our Triton kernels accumulate every `tl.dot` and every sum in fp32 and round to the working dtype exactly where
 their precision preset rounds (the rank intermediate, the delta, the GEMM outputs, the activation, moe_sum), on
@@ -14,9 +14,10 @@ TRITON_POINTS_ONLY = {"cpu": True, "cuda": True}
 # How our FP8 GEMM (kernels.triton.fused_moe_gemm) accumulates on an sm_90 GPU depends on its row tile, which the align
 # block size sets (choose_block_m): tiles of WGMMA_MIN_ROWS rows or more run the warpgroup MMA, whose e4m3 accumulation
 # truncates in a 13-bit window (reference.fp8_mma), and each K tile of FP8_BLOCK_K starts from zero and is added to
-# the fp32 accumulator; smaller tiles run mma.sync, whose e4m3 products land as exact sums rounded in fp32 (measured
-# on an H100: 0-2 of 25,000-31,000 outputs off the exact sums' emulation without LoRA, bench/results/2026-12-06-gpu-s41).
-# docs/error-model.md, "A declared e4m3 MMA".
+# the fp32 accumulator; smaller tiles run mma.sync, whose e4m3 products land as exact sums rounded in fp32. Measured
+# on an H100 without LoRA: 0-6 outputs of 24,576-49,152 off the exact sums' emulation at row tile 16, 1-5 of
+# 41,216-82,432 off the MMA's at row tile 64 (bench/results/2026-12-06-gpu-s41; docs/error-model.md, "A declared
+# e4m3 accumulation").
 WGMMA_MIN_ROWS = 64
 
 

@@ -171,7 +171,8 @@ def _mma_gemm(x: Tensor, scheme: str, weights: tuple, experts: Tensor, rows: Ten
     `scheme`, row p of the result reading x[rows[p]] (rows None: x[p]) and expert experts[p]'s codes and scales
     (`weights`); 0 where experts[p] < 0."""
     q, s = quantize_activation(x, scheme)
-    group = s[:, :1] if check_scheme(scheme)[1] is None else s[:, ::check_scheme(scheme)[1]]
+    _, width = check_scheme(scheme)                       # the activation's scale group along K (None: the row)
+    group = s[:, :1] if width is None else s[:, ::width]
     if rows is not None:
         q, group = q[rows], group[rows]
     codes, scales = weights
@@ -556,9 +557,10 @@ def forward_steps(
     xr = (fake_quantize_activation(x_in, fp8) if fp8 is not None else x_in)[tok]
     mma1 = None if fp8_mma is None else _mma_gemm(x_in, fp8, fp8_mma.w13, e_flat, tok, fp8_mma.tile)
     scale1 = under1 = flip1 = slack_step = var1 = rnd1 = None
-    # FP8 too: the fp32 accumulation of the exact e4m3 products and the scale multiplies (IEEE on a CPU; where an e4m3
-    # MMA truncates the harness keeps the worst-case term: harness.judge.expectation.allowances); its round_var is not
-    # carried (e4m3 roundings are the flip terms' to allow)
+    # FP8 too: the fp32 accumulation of the exact e4m3 products and the scale multiplies (IEEE on a CPU; on a GPU
+    # where the backend declares its accumulation, its truncating MMA then in the emulation; elsewhere the harness
+    # keeps the worst-case term: harness.judge.expectation.allowances); its round_var is not carried (e4m3 roundings
+    # are the flip terms' to allow)
     track_var = magnitudes
     jobs = {} if mma1 is not None else {"c1": (xr, None)}     # every GEMM over w13 in one pass over the experts
     if track_var:   # GEMM1's fp32 accumulation over H (its input exact: the hidden states or their rounded product)

@@ -73,10 +73,9 @@ def modelled_mma(spec, case: Case, device: str) -> int | str | None:
 def fp8_accumulation_modelled(device, mma=None) -> bool:
     """Whether the statistical model's fp32 accumulation holds for FP8 products on `device` (the backend's): on a CPU
     (no e4m3 MMA there: the exact products are summed in fp32), and on a GPU where the kernel declares its
-    accumulation (`mma`, from `modelled_mma`): "fp32" sums as a CPU's, or a truncating MMA the emulation runs bit
-    for bit).
-    Elsewhere on a GPU the FP8 floor keeps its worst-case term (measured on the H200 with bench/probe_fp8_floor.py: a
-    correct kernel lies up to 2,700 times the fp32 term from an emulation of exact sums)."""
+    accumulation (`mma`, from `modelled_mma`: "fp32" sums as a CPU's, or a truncating MMA that the emulation runs bit
+    for bit). Elsewhere on a GPU the FP8 floor keeps its worst-case term (measured on the H200 with
+    bench/probe_fp8_floor.py: a correct kernel lies up to 2,700 times the fp32 term from an emulation of exact sums)."""
     from moe_lora_harness.harness.spec.contract import device_kind
     return device is not None and (device_kind(device) == "cpu" or mma is not None)
 
