@@ -21,7 +21,7 @@ from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, m
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.build.guards import outside_message
-from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging, modelled_mma,
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging,
                                                         op_expectations, row_groups, twin_applies)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
@@ -147,15 +147,14 @@ def _build(case: Case, device):
     return build_op_inputs(case, device) if case.level == "op" else build_expert_inputs(case, device)
 
 
-def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple[str, bool] | None = None) -> Expectation:
+def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple | None = None) -> Expectation:
     """Everything the judge needs before the backend runs on `device` (computed once for all reruns), computed on
     that device when it is a CUDA device (in this process, never the backend's), on the CPU for a small case
     (harness.build.builders.draw_device). `declared`: `declared_rounding`'s answer, where the caller has it."""
     from moe_lora_harness.harness.build.builders import draw_device
     from moe_lora_harness.harness.execution.execute import release_device_memory
-    precision, points_only = declared if declared is not None else declared_rounding(spec, case, device)
+    precision, points_only, mma = declared if declared is not None else declared_rounding(spec, case, device)
     at = str(draw_device(case, device))
-    mma = modelled_mma(spec, case, device)
     exp = _expectations(case, precision, at, mma)
     exp.mma = mma
     exp.precision, exp.case, exp.device = precision, case, at
@@ -316,7 +315,8 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         declared = declared_rounding(spec, case, device) if (ok or probe) else None
     except Exception as e:  # noqa: BLE001
         import traceback
-        message = f"the backend's declaration raised {type(e).__name__}: {e} (a Rule or its precision function)"
+        message = (f"the backend's declaration raised {type(e).__name__}: {e} (a Rule, its precision function or its "
+                   f"fp8_mma)")
         repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
         detail = "\n".join([f"FAIL backend={spec.name} case={case.id} device={device} kind=declaration",
                             f"  {message}", "  " + "".join(traceback.format_exception(e)[-3:]).strip(),

@@ -33,13 +33,14 @@ def op_expectations(case: Case, backend_precision: str, device="cpu"):
     return inputs, op_reference(case, inputs), op_reference(case, inputs, backend_precision)
 
 
-def declared_rounding(spec, case: Case, device: str) -> tuple[str, bool]:
+def declared_rounding(spec, case: Case, device: str) -> tuple[str, bool, int | str | None]:
     """What the judge reads of a backend's own declarations (its BackendSpec) for `case` on `device`: its rounding
-    model's name (checked to name one) and whether it rounds only at that model's points. The backend's code runs
-    here, so an error here is the backend's; the harness's own reference runs after it, where an error is ours."""
+    model's name (checked to name one), whether it rounds only at that model's points, and the FP8 accumulation the
+    judge emulates for it (`modelled_mma`). The backend's code runs here, so an error here is the backend's; the
+    harness's own reference runs after it, where an error is ours."""
     precision = spec.precision_for(case, device)
     make_precision(precision, torch_dtype(case))       # an unknown model's name is the declaration's mistake
-    return precision, bool(spec.model_points_only_for(device))
+    return precision, bool(spec.model_points_only_for(device)), modelled_mma(spec, case, device)
 
 
 # the most e4m3 products (both base GEMMs) for which the judge emulates a declared truncating MMA (`modelled_mma`);

@@ -27,8 +27,7 @@ from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
 from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
-from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_twins, modelled_mma, row_groups,
-                                                        twin_applies)
+from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_twins, row_groups, twin_applies
 from moe_lora_harness.reference.precision import precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
@@ -240,8 +239,7 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     """`spec`'s output on `case` (run in this process) with its truth and declared model's emulation: what `measure`
     starts from, and the studies under bench/ read."""
     from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
-    precision, points_only = declared_rounding(spec, case, device)
-    mma = modelled_mma(spec, case, device)
+    precision, points_only, mma = declared_rounding(spec, case, device)
     inp, truth, emu = expert_expectations(case, precision, device=device, mma=mma)
     out = run_calls(spec, inp.call(device), case)
     if not twin_applies(case):

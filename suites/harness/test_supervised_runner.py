@@ -387,3 +387,25 @@ def test_the_harness_s_own_reference_failing_is_not_the_backend_s_failure(monkey
     unknown = dataclasses.replace(SPECS["hostile-control"], precision="one_shot_nonsense")
     out = run_case(unknown, W13, "cpu")
     assert out.status == "fail" and out.kind == "declaration" and "one_shot_nonsense" in out.detail, out.detail
+
+
+def test_an_fp8_accumulation_declaration_that_raises_is_the_backends_declaration_failure(monkeypatch):
+    """BackendSpec.fp8_mma may be a function of the case, the backend's code: where the judge asks it (an FP8 expert
+    case on an sm_90 GPU) its error is the backend's `declaration` failure, raised inside declared_rounding, which
+    run_case answers for the backend (here asked directly: no GPU runs the case)."""
+    import dataclasses
+
+    import torch
+
+    from moe_lora_harness.harness.judge.expectation import declared_rounding
+    from moe_lora_harness.harness.spec.registry import available_backends
+
+    def broken(case):
+        raise KeyError("no tile for this case")
+    spec = dataclasses.replace(available_backends()["triton_experts"], fp8_mma={"cuda": broken})
+    fp8 = Case(level="expert", quant="fp8_w8a8", dtype="bfloat16", H=256, I=256, E=4, T=8)
+    assert declared_rounding(spec, fp8, "cpu")[2] is None                   # not asked where it cannot apply
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(KeyError, match="no tile"):
+        declared_rounding(spec, fp8, "cuda:0")
+    assert declared_rounding(spec, fp8.replace(quant="none"), "cuda:0")[2] is None
