@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_lora_harness.reference.precision import _round_elements
+from moe_lora_harness.reference.precision import _round_elements, rnd
 from moe_lora_harness.reference.fp8 import BLOCK, check_scheme
 
 STEP = 32                 # products per MMA step (sm_90 e4m3 wgmma: k = 32)
@@ -24,6 +24,11 @@ WINDOW_BITS = 13          # fraction bits kept below the step's largest exponent
 RESULT_BITS = 14          # significant bits of a step's result
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 _NONE = -1000             # the exponent of 0: never the largest, and 2^(_NONE - 13) is still a float64
+
+
+def is_tile(tile) -> bool:
+    """Whether `tile` can be a promotion interval: a positive int multiple of STEP (an MMA step's products)."""
+    return isinstance(tile, int) and not isinstance(tile, bool) and tile > 0 and tile % STEP == 0
 
 
 def exponent(x: torch.Tensor) -> torch.Tensor:
@@ -57,8 +62,8 @@ def mma_dot(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, tile: int | None
     """c0 + a (M, K) @ b (N, K)^T as the e4m3 MMA computes it, in K order (float64 in and out): chained through K
     (`tile` None) or promoted every `tile` products (a multiple of STEP) into an fp32 register."""
     K = a.shape[1]
-    if tile is not None and (tile <= 0 or tile % STEP):
-        raise ValueError(f"tile must be a positive multiple of {STEP} (products per MMA step) or None; got {tile}")
+    if tile is not None and not is_tile(tile):
+        raise ValueError(f"tile must be a positive multiple of {STEP} (products per MMA step) or None; got {tile!r}")
     if tile is None:
         c = c0.to(torch.float64)
         for k0 in range(0, K, STEP):
@@ -69,15 +74,11 @@ def mma_dot(a: torch.Tensor, b: torch.Tensor, c0: torch.Tensor, tile: int | None
         c = torch.zeros_like(out)
         for k0 in range(t0, min(t0 + tile, K), STEP):
             c = mma_step(c, a[:, k0:k0 + STEP], b[:, k0:k0 + STEP])
-        out = (out + c).to(torch.float32).to(torch.float64)
+        out = rnd(out + c, torch.float32)
     return out
 
 
 CHUNK_VALUES = 1 << 24     # products one step of `scaled_gemm` holds at once (float64: 128 MiB per temporary)
-
-
-def _fp32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32).to(torch.float64)
 
 
 def _dot_rows(a: torch.Tensor, b: torch.Tensor, tile: int | None) -> torch.Tensor:
@@ -100,15 +101,15 @@ def scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.
     accumulation variance allows."""
     block, _ = check_scheme(scheme)
     if block is None:
-        return _fp32(_fp32(_dot_rows(xq, wq, tile) * xs[:, :1]) * ws.reshape(1, -1))
+        return rnd(rnd(_dot_rows(xq, wq, tile) * xs[:, :1], torch.float32) * ws.reshape(1, -1), torch.float32)
     K = xq.shape[1]
     inner = tile if tile is not None and tile < BLOCK else None
     acc = None
     for g, k0 in enumerate(range(0, K, BLOCK)):
         c = _dot_rows(xq[:, k0:k0 + BLOCK], wq[:, k0:k0 + BLOCK], inner)
         col = ws[:, g].repeat_interleave(BLOCK)[:wq.shape[0]]
-        part = _fp32(_fp32(c * xs[:, g:g + 1]) * col.reshape(1, -1))
-        acc = part if acc is None else _fp32(acc + part)
+        part = rnd(rnd(c * xs[:, g:g + 1], torch.float32) * col.reshape(1, -1), torch.float32)
+        acc = part if acc is None else rnd(acc + part, torch.float32)
     return acc
 
 
@@ -123,5 +124,5 @@ class KernelMMA:
     w2: tuple
 
     def __post_init__(self):
-        if self.tile is not None and (not isinstance(self.tile, int) or self.tile <= 0 or self.tile % STEP):
+        if self.tile is not None and not is_tile(self.tile):
             raise ValueError(f"tile must be a positive multiple of {STEP} or None (chained); got {self.tile!r}")

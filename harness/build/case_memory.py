@@ -103,9 +103,8 @@ def reference_work(case: Case) -> int:
     P, R = case.T * case.top_k, case.max_rank
     if case.level == "op":
         return P * case.num_slices * R * (case.K + case.N)
-    N1 = 2 * case.I if is_gated(case.activation) else case.I
-    lora = 2 * R * (N1 + case.H + 2 * case.I) if case.lora else 0
-    return P * (N1 * case.H + case.H * case.I + lora)
+    lora = 2 * R * (case.N1 + case.H + 2 * case.I) if case.lora else 0
+    return P * (case.N1 * case.H + case.H * case.I + lora)
 
 
 def _host_free() -> int:

@@ -10,7 +10,6 @@ from moe_lora_harness.harness.build.builders import build_expert_inputs, torch_d
 from moe_lora_harness.harness.build.guards import guard_calls
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.spec.contract import BackendSpec
-from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.experts import ExpertExpected, LoRAInputs, moe_experts_forward
 from moe_lora_harness.reference.fp8_mma import KernelMMA
 from moe_lora_harness.reference.precision import precision as make_precision
@@ -27,8 +26,7 @@ PAIR_VALUES_PER_CHUNK = 1 << 27
 def token_chunk(case: Case) -> int:
     """Tokens per piece of a CUDA judge's forward: top_k pairs per token, each with float64 values at the widths
     N1 (w13 out), I (activation) and H (w2 out); a function of the case alone, so a REPRO computes the same."""
-    n1 = 2 * case.I if is_gated(case.activation) else case.I
-    return max(1, PAIR_VALUES_PER_CHUNK // (case.top_k * (n1 + case.I + case.H)))
+    return max(1, PAIR_VALUES_PER_CHUNK // (case.top_k * (case.N1 + case.I + case.H)))
 
 
 def _in_token_chunks(forward, chunk: int):

@@ -13,7 +13,6 @@ from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, ByInverseWei
 from moe_lora_harness.harness.build.builders import build_device, build_op_inputs, torch_dtype
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.op_contract.validate import validate_call
-from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import bound_dtype, precision as make_precision
 
@@ -51,8 +50,7 @@ MMA_PRODUCTS_MAX = 1 << 38
 
 def mma_products(case: Case) -> int:
     """The e4m3 products of an expert-level case's two base GEMMs (every pair through w13 and w2)."""
-    n1 = 2 * case.I if is_gated(case.activation) else case.I
-    return case.T * case.top_k * (n1 * case.H + case.H * case.I)
+    return case.T * case.top_k * (case.N1 * case.H + case.H * case.I)
 
 
 def modelled_mma(spec, case: Case, device: str) -> int | str | None:

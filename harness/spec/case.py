@@ -138,6 +138,12 @@ class Case:
         return self.offset + self.num_slices * self.N
 
     @property
+    def N1(self) -> int:
+        """Rows of an expert's w13 (expert level): 2I for a gated activation (gate and up), I otherwise."""
+        from moe_lora_harness.reference.activations import is_gated
+        return 2 * self.I if is_gated(self.activation) else self.I
+
+    @property
     def local_experts(self) -> int:
         return self.E // self.ep_size
 

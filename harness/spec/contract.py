@@ -205,11 +205,11 @@ class BackendSpec:
     def fp8_mma_for(self, case: Case, device: str) -> int | str | None:
         """How this backend declares its FP8 GEMMs accumulate for `case` on `device` (`fp8_mma`), None where it
         declares nothing."""
+        from moe_lora_harness.reference.fp8_mma import is_tile
         got = (self.fp8_mma or {}).get(device_kind(device))
         if callable(got):
             got = got(case.per_call())
-        if got is not None and got not in ("chained", "fp32") and (isinstance(got, bool) or not isinstance(got, int)
-                                                                  or got <= 0 or got % 32):
+        if got is not None and got not in ("chained", "fp32") and not is_tile(got):
             raise ValueError(f"fp8_mma must map a device kind to a positive multiple of 32 (products per promoted "
                              f"tile), 'chained' or 'fp32' (or a function of the case giving one); got {got!r} for "
                              f"{device_kind(device)}")
