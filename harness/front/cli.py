@@ -285,13 +285,15 @@ def _judged_as_rounding_anywhere(specs: dict, outcomes: list, device) -> list:
 
 def _fp8_at_worst_case(specs: dict, outcomes: list, device) -> list:
     """The backends whose FP8 runs this run judged on a GPU with the worst-case accumulation term (no FP8
-    accumulation declared there, BackendSpec.fp8_mma, or not one the judge models: expectation.modelled_mma)."""
+    accumulation declared there, BackendSpec.fp8_mma, or not one the judge models: expectation.modelled_mma). A run
+    whose declarations raised (kind "declaration") was judged by no term, and its declaration is not asked again."""
     from moe_lora_harness.harness.judge.expectation import modelled_mma
     from moe_lora_harness.harness.spec.case import FP8_QUANTS
     if device_kind(device) != "cuda":
         return []
-    return sorted({o.backend for o in outcomes if o.judged and o.case.quant in FP8_QUANTS and o.backend in specs
-                   and o.case.level == "expert" and modelled_mma(specs[o.backend], o.case, device) is None})
+    return sorted({o.backend for o in outcomes if o.judged and o.kind != "declaration" and o.case.quant in FP8_QUANTS
+                   and o.backend in specs and o.case.level == "expert"
+                   and modelled_mma(specs[o.backend], o.case, device) is None})
 
 
 def cmd_check(args) -> int:

@@ -212,6 +212,8 @@ def test_check_says_whose_fp8_runs_on_a_gpu_kept_the_worst_case_accumulation_ter
     """On a GPU an FP8 run of a backend whose accumulation the judge does not model there (no BackendSpec.fp8_mma,
     or a case it does not emulate) is judged with the worst-case term, and check names that backend; a declared one,
     a non-FP8 run and a CPU run are not named."""
+    import dataclasses
+
     import torch
     from moe_lora_harness.harness.execution.runner import Outcome
     from moe_lora_harness.harness.front import cli
@@ -224,3 +226,9 @@ def test_check_says_whose_fp8_runs_on_a_gpu_kept_the_worst_case_accumulation_ter
     assert cli._fp8_at_worst_case(specs, [Outcome("triton_experts", fp8.replace(view="reordered"), "cuda:0", "pass")],
                                   "cuda:0") == ["triton_experts"]
     assert cli._fp8_at_worst_case(specs, runs, "cpu") == []
+
+    def broken(case):
+        raise KeyError("no tile")
+    raising = {"triton_experts": dataclasses.replace(specs["triton_experts"], fp8_mma={"cuda": broken})}
+    failed = Outcome("triton_experts", fp8, "cuda:0", "fail", kind="declaration")   # its own failure, said already
+    assert cli._fp8_at_worst_case(raising, [failed], "cuda:0") == []
