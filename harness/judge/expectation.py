@@ -81,20 +81,15 @@ def fp8_accumulation_modelled(device, mma=None) -> bool:
 
 def allowances(truth, device=None, mma=None) -> dict:
     """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
-    (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip, .flip_sq; the op level quantizes no activation)
-    and the statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8
-    activations (`one_flip` set) `acc_var` is kept only where `fp8_accumulation_modelled(device, mma)` (`device`:
-    where the backend ran; None: unknown, the worst-case term), and `round_var` and `flip_sq` (rule 4 over FP8 rows)
-    only with it and with the flips' expected square (a sharded truth carries none: rule 4 off)."""
-    got = {name: getattr(truth, name, None)
-           for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq")}
+    (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip; the op level quantizes no activation) and the
+    statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8 activations
+    (`one_flip` set) `round_var` is None (rules 2's statistical form and 4 off) and `acc_var` is kept only where
+    `fp8_accumulation_modelled(device, mma)` (`device`: where the backend ran; None: unknown, the worst-case term)."""
+    got = {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
     if got["one_flip"] is not None:
+        got["round_var"] = None
         if not fp8_accumulation_modelled(device, mma):
             got["acc_var"] = None
-        if got["acc_var"] is None or got["flip_sq"] is None:
-            got["round_var"] = got["flip_sq"] = None
-    else:
-        got["flip_sq"] = None
     return got
 
 
