@@ -22,7 +22,7 @@ from moe_lora_harness.reference.activations import (activation_derivatives, acti
                                                     apply_activation, lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import (A_BOUND_ULPS, check_scheme, fake_quantize_activation, flip_allowance,
-                                            flip_step, quantize_activation)
+                                            flip_chance, flip_step, quantize_activation)
 from moe_lora_harness.reference.fp8_mma import KernelMMA, scaled_gemm
 from moe_lora_harness.reference.lora_op import (PairLayout, lora_expand, lora_shrink, qualifying_pairs,
                                                 shrink_magnitudes)
@@ -94,6 +94,11 @@ class ExpertExpected:
     flip: Tensor | None = None
     one_flip: Tensor | None = None
     slack_flip: Tensor | None = None
+    # FP8 schemes (None otherwise): (T, 2) each token row's expected square of the output change from GEMM2's input
+    # flips, each flip's probability bounded by Chebyshev's inequality from the kernel's deviation there (rule 4's
+    # flip allowance): column 0 for a kernel that rounds where its model does, 1 for one that may round once more at
+    # every point. docs/error-model.md, "FP8 rows in rule 4"
+    flip_sq: Tensor | None = None
     cache1: Tensor | None = None
     cache2: Tensor | None = None
     cache3: Tensor | None = None
@@ -357,6 +362,24 @@ def _activation_change(c: Tensor, e: Tensor, spec) -> Tensor:
             sign = torch.tensor([sg, su], dtype=_F64, device=c.device).repeat_interleave(n1 // 2)
         worst = torch.maximum(worst, (apply_activation(c + sign * e, spec.name) - h).abs())
     return worst
+
+
+def _flip_squares(a: Tensor, err: Tensor, var: Tensor, rnd: Tensor, det: Tensor, W2: Tensor, e_flat: Tensor,
+                  scheme: str, dt: torch.dtype, w_pair: Tensor | None) -> Tensor:
+    """(P, 2): each pair's expected square of its output change from flips of GEMM2's quantized input `a` (P, I):
+    sum_j chance_j (one e4m3 step x s)^2 ||w2[e][:, j]||^2 (x w^2 with `w_pair`, the weight on the output). A
+    kernel's activation lies off the truth's by its fp32 accumulation (`var`), its roundings (`rnd`, in eps_dt^2:
+    variance eps_dt^2 rnd / 12 once (dt: the working dtype), twice for a kernel that may round once more at every point: the two columns)
+    and at most `det` more (GEMM1's flips, underflow); `fp8.flip_chance` bounds each flip's probability from that.
+    docs/error-model.md, "FP8 rows in rule 4"."""
+    reach = flip_step(a, err, scheme) ** 2 * _per_expert_rows(_column_norms(W2) ** 2, e_flat)
+    rounding = eps(dt) ** 2 / 12.0 * rnd.clamp_min(0)
+    cols = []
+    for times in (1.0, 2.0):
+        dev_sq = ((var.clamp_min(0) + times * rounding).sqrt() + det) ** 2
+        cols.append((flip_chance(a, err, dev_sq, scheme) * reach).sum(dim=1))
+    out = torch.stack(cols, dim=1)
+    return out if w_pair is None else out * (w_pair.reshape(-1, 1) ** 2)
 
 
 GRAM_BLOCK = 64     # rows of a Gram block in _slack_flips (whole pairs; a pair's rows only meet its own)
@@ -681,7 +704,8 @@ def forward_steps(
     if track_var:   # GEMM2's accumulation over I, and the activation's variance carried by w2^2 (FP8: the quantized
         # activation absorbs it, but where it flips, which the flip terms allow)
         jobs["var3"] = ((var2 + (U32 * U32 * I) * a * a) if fp8 is None else (U32 * U32 * I) * aq * aq, "square")
-        jobs["rnd3"] = (rnd2, "square")
+        if fp8 is None:    # FP8: the quantized activation absorbs the roundings above it, but where it flips
+            jobs["rnd3"] = (rnd2, "square")
     if magnitudes:
         jobs["s3"] = (s2 if fp8 is None else torch.maximum(s2, aq.abs()), "abs")
         jobs["u3"] = (under2, "abs")
@@ -701,7 +725,7 @@ def forward_steps(
         var3 = got.pop("var3") + (U32 * U32 * (I + 1)) * c3 * c3
         if fp8 is not None:   # the scale multiplies, as at GEMM1
             var3 = var3 * (1.0 + 2.0 / I) + (2.0 * U32 * U32) * c3 * c3
-        rnd3 = got.pop("rnd3")
+        rnd3 = got.pop("rnd3") if fp8 is None else torch.zeros_like(c3)
     weight_out = not apply_router_weight_on_input or semantics.weight_on_output_too
     power = semantics.w2_lora_weight_power     # the w2 LoRA's routing weight (the contract: w, once)
     w2_weights = w32 if power == 1 else w32 ** power
@@ -738,6 +762,8 @@ def forward_steps(
             slack_base = _slack_flips(slack_step, cache1_exact, W13, W2, e_flat, k, spec,
                                       w_pair.abs().reshape(P) if weight_out else torch.ones(P, dtype=_F64, device=dev),
                                       w2_lora)
+            flip_sq = _flip_squares(a, err, var2, rnd2, flip2 + tiny(dt) * under2, W2, e_flat, fp8, dt,
+                                    w_pair if weight_out else None)
             del f3, o3, err, allow2
         if weight_out:
             s3 = w_pair.abs() * s3
@@ -776,10 +802,11 @@ def forward_steps(
         flips["acc_var"] = ((var3 * keep).sum(dim=1)
                             + dot_variance(out, (cache3 * cache3 * keep).sum(dim=1), k))
         # the output's own rounding is the judge's to add; FP8: not carried (rules 2's statistical form and 4 stay off)
-        flips["round_var"] = (rnd3 * keep).sum(dim=1) if fp8 is None else None
+        flips["round_var"] = (rnd3 * keep).sum(dim=1)
     if flip3 is not None:   # slack_flip: each pair's Gram bound (_slack_flips), the token's pairs added
         flips.update(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
-                     slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1))
+                     slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1),
+                     flip_sq=(flip_sq.reshape(T, k, 2) * keep).sum(dim=1))
     if not return_intermediates:
         return ExpertExpected(value=out, scale=scale, underflow=under, **flips)
     return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),

@@ -29,6 +29,10 @@ FP32_SLACK = 4 * 2.0 ** -23
 # the per-element bound's ulps of the working dtype (harness.judge.compare.ULPS; equality is tested): the error model's
 # claim on how far a correct kernel's activation may lie from the truth's, which sets the window of GEMM2 flips
 A_BOUND_ULPS = 4.0
+# `flip_chance`: how many standard deviations of their deviations an element's magnitude may lie below its group's
+# amax and still be the kernel's amax: the statistical model's per-element tail at 1e-9 over up to 2^32 elements
+# (harness.judge.compare.sigmas(2^32); the model's rounding errors are sub-Gaussian, as rule 2's statistical form takes them)
+AMAX_SIGMAS = 9.34
 _F64, _F32 = torch.float64, torch.float32
 
 
@@ -140,8 +144,9 @@ def fake_quantize_activation(x: torch.Tensor, scheme: str) -> torch.Tensor:
 
 
 def _flip_terms(x: torch.Tensor, err: torch.Tensor, scheme: str):
-    """(near, step, |q|, rel, s) of `flip_allowance`, each (P, K) float64: whether v = x / s lies within the window
-    of an e4m3 rounding boundary, the e4m3 spacing above |q|, |q|, the scale's relative shift and s."""
+    """(near, step, |q|, rel, s, dist) of `flip_allowance`, each (P, K) float64: whether v = x / s lies within the
+    window of an e4m3 rounding boundary, the e4m3 spacing above |q|, |q|, the scale's relative shift, s and v's
+    distance to the nearest boundary (in units of v)."""
     q, s = quantize_activation(x, scheme)
     P, K = x.shape
     err = err.to(_F64)
@@ -159,8 +164,8 @@ def _flip_terms(x: torch.Tensor, err: torch.Tensor, scheme: str):
     step_down = torch.where(is_pow2, step_up / 2, step_up)
     dist_up = torch.where(qm >= E4M3_MAX, torch.full_like(qm, float("inf")), qm + step_up / 2 - vm)
     dist_down = torch.where(qm == 0, torch.full_like(qm, float("inf")), vm - (qm - step_down / 2))
-    near = torch.minimum(dist_up, dist_down) <= window
-    return near, step_up, qm, rel, s
+    dist = torch.minimum(dist_up, dist_down)
+    return dist <= window, step_up, qm, rel, s, dist
 
 
 def flip_allowance(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -172,12 +177,38 @@ def flip_allowance(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Ten
     v = x / s by err / s + |v| rel. An element whose v lies that close to an e4m3 rounding boundary may round to
     the neighbouring value: one e4m3 step (at most the spacing above |q|) times s. Every element's q x s also moves
     by |q| s rel with the scale. Derivation: docs/error-model.md, "FP8 activations"."""
-    near, step_up, qm, rel, s = _flip_terms(x, err, scheme)
+    near, step_up, qm, rel, s, _ = _flip_terms(x, err, scheme)
     return (near.to(_F64) * step_up + qm * rel) * s
 
 
 def flip_step(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Tensor:
     """(P, K) float64: `flip_allowance` without the scale's shift: one e4m3 step times s where the element may flip,
     0 elsewhere. What a single flip moves one element by (the aggregate floor's one flip)."""
-    near, step_up, _, _, s = _flip_terms(x, err, scheme)
+    near, step_up, _, _, s, _ = _flip_terms(x, err, scheme)
     return near.to(_F64) * step_up * s
+
+
+def flip_chance(x: torch.Tensor, err: torch.Tensor, dev_sq: torch.Tensor, scheme: str) -> torch.Tensor:
+    """(P, K) float64: a bound on the probability that a correct kernel's e4m3 code of each element differs from
+    `quantize_activation(x)`'s, when its own x differs from this x by a deviation of expected square at most `dev_sq`
+    (absolute^2, per element) and never by more than `err` (the worst case, as `flip_allowance` takes it).
+
+    The kernel's v = x / s moves by dv = dx / s - v da / amax (its scale follows its group's amax, which moves by at
+    most the deviation of an element that may be the kernel's largest: within err of the top, and within AMAX_SIGMAS
+    of the two elements' deviations' root sum square; E da^2 <= their dev_sq summed), so
+    sqrt(E dv^2) <= m = sqrt(dev_sq) / s + |v| sqrt(E da^2) / amax. A flip needs |dv| past v's distance to the
+    boundary less the scale arithmetic's slack (|v| FP32_SLACK, where it is certain): Chebyshev's inequality,
+    min(1, m^2 / margin^2), for any distribution of the deviation; 0 outside the worst-case window.
+    docs/error-model.md, "FP8 rows in rule 4"."""
+    near, _, _, _, s, dist = _flip_terms(x, err, scheme)
+    ax, e_g, d_g = (_groups(t.to(_F64).abs(), scheme) for t in (x, err, dev_sq))
+    amax, top = ax.max(dim=2, keepdim=True)
+    gap = amax - ax       # elements that may be the kernel's amax: the worst case, and the statistical tail
+    cand = (gap <= e_g + e_g.gather(2, top)) & (gap <= AMAX_SIGMAS * (d_g + d_g.gather(2, top)).sqrt())
+    da_sq = (d_g * cand).sum(dim=2, keepdim=True)
+    amax = amax.clamp_min(AMAX_FLOOR)
+    v = (x.to(_F64) / s).abs()
+    m = dev_sq.to(_F64).clamp_min(0).sqrt() / s + v * (da_sq.sqrt() / amax).expand_as(ax).reshape(v.shape)
+    margin = dist - v * FP32_SLACK
+    chance = torch.where(margin > 0, (m / margin.clamp_min(torch.finfo(_F64).tiny)) ** 2, torch.ones_like(v))
+    return torch.where(near, chance.clamp(max=1.0), torch.zeros_like(v))

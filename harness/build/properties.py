@@ -25,10 +25,28 @@ VIEW_MEANING = {
 TOKEN_VIEWS = ("half", "reversed", "slots_rotated")
 
 
-def contraction_order(n: int) -> torch.Tensor:
-    """The reordered view's permutation of a dimension of size n: fixed by n alone (so an output's columns map back
-    from its shape), scrambling every position."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(0x5EED + n))
+def contraction_order(n: int, blocks: tuple = ()) -> torch.Tensor:
+    """The reordered view's permutation of a dimension of size n: fixed by n (and `blocks`) alone (so an output's
+    columns map back from its shape), scrambling every position. `blocks` (sizes, largest first, each dividing the
+    one before and n): the blocks of each size are permuted whole, and the positions within the smallest: quantized
+    weights' scale blocks and activation groups move as units (fp8_block's 128; 64 pairs of an interleaved w13)."""
+    if not blocks:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(0x5EED + n))
+    b = blocks[0]
+    return (contraction_order(n // b)[:, None] * b + contraction_order(b, tuple(blocks[1:]))[None, :]).reshape(-1)
+
+
+def view_blocks(quant: str, interleaved: bool = False) -> tuple:
+    """`contraction_order`'s blocks for a case's H and I under its weight scheme: () where any permutation keeps the
+    quantization (none, fp8_w8a8: per output channel and per token), (128,) for fp8_block's H, and for its I (128, 64)
+    where w13 interleaves gate and up (a 128-row block of w13 holds 64 of I's positions)."""
+    from moe_lora_harness.reference.fp8 import SCHEMES
+    block = SCHEMES.get(quant, (None, None))[1]
+    if block is None:
+        return (), ()
+    return (block,), ((block, block // 2) if interleaved else (block,))
+
+
 
 
 def _gate_up_rows(si: torch.Tensor, n1: int, interleaved: bool) -> torch.Tensor:
@@ -42,16 +60,20 @@ def _gate_up_rows(si: torch.Tensor, n1: int, interleaved: bool) -> torch.Tensor:
 
 def _reordered(inp, in_place: bool):
     """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order: the
-    plain sums in other orders. `in_place`: the base weights are permuted expert by expert where they lie (a served
-    layer is not held twice), else copied first."""
+    plain sums in other orders. FP8 weights' codes and scales too, blocks whole (`view_blocks`). `in_place`: the base
+    weights are permuted expert by expert where they lie (a served layer is not held twice), else copied first."""
     from moe_lora_harness.reference.activations import lookup_activation
     H, I = inp.hidden.shape[1], inp.w2.shape[2]
-    pi, si = contraction_order(H).to(inp.hidden.device), contraction_order(I).to(inp.hidden.device)
-    rows = _gate_up_rows(si, inp.w13.shape[1], lookup_activation(inp.case.activation, supported_only=False).interleaved)
+    interleaved = lookup_activation(inp.case.activation, supported_only=False).interleaved
+    h_blocks, i_blocks = view_blocks(inp.case.quant, interleaved)
+    dev = inp.hidden.device
+    pi, si = contraction_order(H, h_blocks).to(dev), contraction_order(I, i_blocks).to(dev)
+    rows = _gate_up_rows(si, inp.w13.shape[1], interleaved)
     w13, w2 = (inp.w13, inp.w2) if in_place else (inp.w13.clone(), inp.w2.clone())
     for e in range(w13.shape[0]):
         w13[e] = w13[e][rows][:, pi]
         w2[e] = w2[e][pi][:, si]
+    quantized = _reordered_quantized(inp.quantized, rows, pi, si, bool(h_blocks)) if inp.quantized else inp.quantized
     s = inp.stacked
     if s is not None:
         s = type(s)([a[..., pi].contiguous() for a in s.w13_a], [b[:, :, si, :].contiguous() for b in s.w13_b],
@@ -59,7 +81,34 @@ def _reordered(inp, in_place: bool):
                     s.adapter_enabled)
     pick = lambda t, idx: None if t is None else t[:, idx].contiguous()  # noqa: E731
     return dataclasses.replace(inp, hidden=inp.hidden[:, pi].contiguous(), w13=w13, w2=w2,
-                               w13_bias=pick(inp.w13_bias, rows), w2_bias=pick(inp.w2_bias, pi), stacked=s)
+                               w13_bias=pick(inp.w13_bias, rows), w2_bias=pick(inp.w2_bias, pi), stacked=s,
+                               quantized=quantized)
+
+
+def _reordered_quantized(quantized: tuple, rows: torch.Tensor, pi: torch.Tensor, si: torch.Tensor,
+                         blocked: bool) -> tuple:
+    """FP8 (w13 codes, w13 scales, w2 codes, w2 scales) under the view's orders: codes as the weights; scales per
+    output channel (E, N) by the rows, or per block (E, N/128, K/128) by each block's source block (the orders move
+    blocks whole: `view_blocks`)."""
+    from moe_lora_harness.reference.fp8 import BLOCK
+
+    def codes(q, r, c):     # float8 has no CPU indexing kernel: moved as bytes
+        raw = q.view(torch.uint8)
+        return torch.stack([raw[e][r][:, c] for e in range(raw.shape[0])]).view(q.dtype)
+
+    def source_blocks(order):
+        first = order.reshape(-1, BLOCK)
+        if not bool((first // BLOCK == first[:, :1] // BLOCK).all()):
+            raise ValueError("the reordered view's order splits a quantization block")
+        return first[:, 0] // BLOCK
+
+    w13_q, w13_s, w2_q, w2_s = quantized
+    if blocked:
+        w13_s = w13_s[:, source_blocks(rows)][:, :, source_blocks(pi)].contiguous()
+        w2_s = w2_s[:, source_blocks(pi)][:, :, source_blocks(si)].contiguous()
+    else:
+        w13_s, w2_s = w13_s[:, rows].contiguous(), w2_s[:, pi].contiguous()
+    return codes(w13_q, rows, pi), w13_s, codes(w2_q, pi, si), w2_s
 
 
 def half_tokens(T: int) -> int:
@@ -74,8 +123,10 @@ def view_inputs(inp, view: str, *, in_place: bool = False):
     if not view:
         return inp
     if view == "reordered":
-        if inp.quantized:
-            raise ValueError("view='reordered' permutes the weights' K: quantized weights' blocks would not follow")
+        from moe_lora_harness.harness.spec.case import REORDERED_QUANTS
+        if inp.case.quant not in REORDERED_QUANTS:
+            raise ValueError(f"view='reordered' permutes the weights' K and N: {inp.case.quant}'s packed weights would "
+                             f"not follow (built for {REORDERED_QUANTS})")
         return _reordered(inp, in_place)
     if view == "half":
         n = half_tokens(inp.hidden.shape[0])
@@ -97,19 +148,20 @@ def view_inputs(inp, view: str, *, in_place: bool = False):
     raise ValueError(f"view must be one of {tuple(VIEW_MEANING)} or '', got {view!r}")
 
 
-def plain_rows(out_plain: torch.Tensor, view: str) -> torch.Tensor:
+def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none") -> torch.Tensor:
     """The plain run's output rows that the view's output must equal, in the view's order (and its columns')."""
     if view == "half":
         return out_plain[:half_tokens(out_plain.shape[0])]
     if view == "reversed":
         return out_plain.flip(0)
     if view == "reordered":
-        return out_plain[:, contraction_order(out_plain.shape[1]).to(out_plain.device)]
+        return out_plain[:, contraction_order(out_plain.shape[1], view_blocks(quant)[0]).to(out_plain.device)]
     return out_plain
 
 
-def plain_columns(out_view: torch.Tensor) -> torch.Tensor:
-    """The reordered view's output in the plain case's column order (plain_rows' inverse for that view)."""
+def plain_columns(out_view: torch.Tensor, quant: str = "none") -> torch.Tensor:
+    """The reordered view's output in the plain case's column order (plain_rows' inverse for that view; `quant`: the
+    case's weight scheme, whose blocks the order keeps)."""
     out = torch.empty_like(out_view)
-    out[:, contraction_order(out_view.shape[1]).to(out_view.device)] = out_view
+    out[:, contraction_order(out_view.shape[1], view_blocks(quant)[0]).to(out_view.device)] = out_view
     return out

@@ -164,7 +164,8 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple | N
         # taken while the inputs are alive: reading them after a release rebuilt the whole layer for two small tensors
         groups = row_groups(exp.built, exp.truth)
         exp.groups = None if groups is None else {k: v.clone() for k, v in groups.items()}
-        if twin_applies(case):   # the twin's inputs, digested: the plain ones are permuted in place, then released
+        if twin_applies(case, device, mma, points_only):   # the twin's inputs, digested: the plain ones are
+            # permuted in place, then released
             from moe_lora_harness.harness.build.properties import view_inputs
             exp.twin_digest = inputs_digest(view_inputs(exp.built, "reordered", in_place=True))
             exp.release_inputs()
@@ -259,7 +260,7 @@ def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | 
         return (*_judge_execution(case, exp, ex, spec), ex, None)
     usable = twin.failure is None and twin.output is not None and exp.truth is not None \
         and tuple(twin.output.shape) == tuple(exp.truth.value.shape)
-    mirrored = dataclasses.replace(twin, output=plain_columns(twin.output) if usable else twin.output,
+    mirrored = dataclasses.replace(twin, output=plain_columns(twin.output, case.quant) if usable else twin.output,
                                    built_digest=exp.digest if twin.built_digest == exp.twin_digest else "?")
     held_to = mirrored.output if usable else None
     first = _judge_execution(case, exp, ex, spec, held_to)

@@ -191,10 +191,10 @@ def rule2_bound(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tenso
                 work_dtype: torch.dtype | None = None, flip: torch.Tensor | None = None,
                 acc_var: torch.Tensor | None = None, round_var: torch.Tensor | None = None, **_) -> torch.Tensor:
     """Rule 2's per-element bound as the verdict applies it: the worst case, the smaller of it and the statistical
-    bound where the model applies (`acc_var` and `round_var`, over the written elements' count). The other keywords
+    bound where the model applies (`acc_var` and `round_var`, over the written elements' count; not with FP8 `flip`s). The other keywords
     compare_written takes are accepted and ignored, so that one set of them serves both."""
     bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype, flip=flip)
-    if acc_var is not None and round_var is not None:
+    if acc_var is not None and round_var is not None and flip is None:   # FP8: a flip is no sub-Gaussian step
         stat = statistical_bound(out64, truth, emulation, acc_var, round_var, dtype=dtype, n=int(written.sum()),
                                  underflow=underflow, work_dtype=work_dtype)
         bound = torch.minimum(bound, stat)
@@ -208,7 +208,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                     flip: torch.Tensor | None = None, one_flip: torch.Tensor | None = None,
                     slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
                     round_var: torch.Tensor | None = None, row_groups=None,
-                    model_points_only: bool = False, twin: torch.Tensor | None = None) -> Verdict:
+                    model_points_only: bool = False, twin: torch.Tensor | None = None,
+                    flip_sq: torch.Tensor | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
@@ -222,7 +223,9 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     makes rule 4 hold for each label's rows too. `model_points_only` (the backend declares that it rounds where its
     model rounds and nowhere else): rule 4 allows the accumulation alone, not one more rounding of every value.
     `twin` (the backend's output on the reordered view, in this output's column order): rule 4's accumulation
-    allowance is at most TWIN_FACTOR times the two runs' squared difference. Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
+    allowance is at most TWIN_FACTOR times the two runs' squared difference. `flip_sq` (T, 2; FP8, with `round_var`:
+    reference.experts.ExpertExpected.flip_sq) turns rule 4 on for FP8 rows, each row allowed its flips' expected
+    square (and `slack_flip`'s); without it FP8 rows have rules 2 and 3 alone. Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
@@ -280,8 +283,9 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         floor += float(one_flip.max())
     if slack_flip is not None:
         floor += float(torch.linalg.vector_norm(slack_flip.to(torch.float64)))
-    # a kernel that may round at other points than its model: their error has its own tail, added (rule 3)
-    other_rows = other_points_rows(emulation, round_var, written, dtype, model_points_only)
+    # a kernel that may round at other points than its model: their error has its own tail, added (rule 3; FP8: its
+    # factor 3 over the flip floor, as before rule 4 judged FP8 rows)
+    other_rows = other_points_rows(emulation, round_var if flip is None else None, written, dtype, model_points_only)
     base = max(emu, floor) + (0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     row, row_ratio = None, 0.0
@@ -296,11 +300,13 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     idx = _unravel(order, rel.shape)
     worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
     agg = max(ratio, row_ratio)      # the aggregate statistic: the whole tensor's, or its worst row's
-    modelled = acc_var is not None and round_var is not None        # rule 4 holds (FP8 activations: off)
+    # rule 4 holds (FP8 activations: with their flips' expected square only)
+    modelled = acc_var is not None and round_var is not None and (flip is None or flip_sq is not None)
     sets = _judged_sets(row_groups, _live_rows(written)) if modelled and truth.dim() > 1 else None
     exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
                  work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only, sets=sets,
-                 twin=None if twin is None else twin.detach().to(dev)) if modelled else None
+                 twin=None if twin is None else twin.detach().to(dev),
+                 flips=None if flip is None else (flip_sq.to(dev), slack_flip)) if modelled else None
     x = 0.0 if exc is None else exc[0]
     unseen = _unseen(sets) if sets is not None else (
         RULE4_OFF if not modelled and truth.dim() > 1 and int(_live_rows(written).sum()) > 1 else "")
@@ -333,17 +339,19 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
 def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
            acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
            underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-           row_groups=None, model_points_only: bool = False, sets=None, twin: torch.Tensor | None = None):
+           row_groups=None, model_points_only: bool = False, sets=None, twin: torch.Tensor | None = None,
+           flips=None):
     """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
     the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
     The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
     its allowance; > 1 fails. A 1-D output has none. `model_points_only`: the allowance is the accumulation's alone
     (a kernel that rounds exactly where its model does flips roundings, a mean-zero change: docs/error-model.md).
-    `sets`: `_judged_sets` of these rows and groups, when the caller has them already. `twin`: compare_written's."""
+    `sets`: `_judged_sets` of these rows and groups, when the caller has them already. `twin`: compare_written's.
+    `flips` (FP8): (flip_sq, slack_flip), row_excess's."""
     if truth.dim() < 2:
         return 0.0, 0, 1, 0.0, "no rows"
     d, a = row_excess(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin)
+                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips)
     names, _, member, sizes, keep, z, _ = sets if sets is not None else _judged_sets(row_groups, _live_rows(written))
     m = member[:, keep]
     dm = d[:, None] * m
@@ -364,17 +372,29 @@ def self_normalised(total: float, spread: float, z: float) -> float:
 def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
                acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-               model_points_only: bool = False, twin: torch.Tensor | None = None
+               model_points_only: bool = False, twin: torch.Tensor | None = None, flips=None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
     emulation's minus its allowance; the allowance). With a `twin` run each row's accumulation allowance is the
-    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row."""
+    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row. `flips` (FP8
+    activations): (flip_sq (T, 2), slack_flip (T,) or None): each row also allows its GEMM2 flips' expected square
+    (column 0 for a kernel declared to round at its model's points, with the accumulation under the twin's cap: the
+    twin flips as it does; else column 1, uncapped) and its scale-arithmetic flips in full, slack^2 + 2 slack
+    ||emu - truth|| (certain flips need not be mean-zero). docs/error-model.md, "FP8 rows in rule 4"."""
     dims = tuple(range(1, truth.dim()))
     w = written.to(torch.float64)
     acc = (ACC_SHARE * acc_var.clamp_min(0) * w).sum(dim=dims)
+    flip_sq, slack = flips if flips is not None else (None, None)
+    if flip_sq is not None and model_points_only:   # the flips a twin in another order takes too: measured with it
+        acc = acc + flip_sq[:, 0].to(acc)
     if twin is not None:
         apart = torch.nan_to_num((out64 - twin.to(torch.float64)) ** 2, nan=math.inf, posinf=math.inf)
         acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims))
+    if flip_sq is not None and not model_points_only:   # another rounding's flips need not differ between orders
+        acc = acc + flip_sq[:, 1].to(acc)
+    if slack is not None:     # the scale arithmetic's flips at exact ties: in full (they are not order's, nor random)
+        slack = slack.to(acc)
+        acc = acc + slack * slack + 2.0 * slack * (((emulation - truth) ** 2) * w).sum(dim=dims).sqrt()
     allowed = torch.zeros_like(truth)
     if not model_points_only:
         allowed = allowed + other_points(emulation, round_var, dtype)

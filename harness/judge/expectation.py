@@ -11,7 +11,7 @@ import torch
 
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, ByInverseWeight
 from moe_lora_harness.harness.build.builders import build_device, build_op_inputs, torch_dtype
-from moe_lora_harness.harness.spec.case import Case
+from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.op_contract.validate import validate_call
 from moe_lora_harness.reference.lora_op import fused_moe_lora_expected
 from moe_lora_harness.reference.precision import bound_dtype, precision as make_precision
@@ -79,17 +79,31 @@ def fp8_accumulation_modelled(device, mma=None) -> bool:
     return device is not None and (device_kind(device) == "cpu" or mma is not None)
 
 
+def fp8_sums_exact(device, mma=None) -> bool:
+    """Whether a backend's FP8 base GEMMs sum the exact e4m3 products in fp32 where it ran: on a CPU, and on a GPU
+    where it declares `mma` "fp32" (reference.fp8_mma). There the statistical model covers its activation's deviation
+    from the truth, so rule 4 judges FP8 rows (reference.experts.ExpertExpected.flip_sq) and a twin can run."""
+    from moe_lora_harness.harness.spec.contract import device_kind
+    return device is not None and (device_kind(device) == "cpu" or mma == "fp32")
+
+
 def allowances(truth, device=None, mma=None) -> dict:
     """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
-    (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip; the op level quantizes no activation) and the
-    statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8 activations
-    (`one_flip` set) `round_var` is None (rules 2's statistical form and 4 off) and `acc_var` is kept only where
-    `fp8_accumulation_modelled(device, mma)` (`device`: where the backend ran; None: unknown, the worst-case term)."""
-    got = {name: getattr(truth, name, None) for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var")}
+    (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip, .flip_sq; the op level quantizes no activation)
+    and the statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8
+    activations (`one_flip` set) `acc_var` is kept only where `fp8_accumulation_modelled(device, mma)` (`device`:
+    where the backend ran; None: unknown, the worst-case term), and `round_var` and `flip_sq` (rule 4 over FP8 rows)
+    only where the e4m3 products are summed exactly (`fp8_sums_exact`: the flips' chances are bounded from the fp32
+    accumulation's variance, which a truncating MMA exceeds) and the truth carries the flips' expected square."""
+    got = {name: getattr(truth, name, None)
+           for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq")}
     if got["one_flip"] is not None:
-        got["round_var"] = None
         if not fp8_accumulation_modelled(device, mma):
             got["acc_var"] = None
+        if got["acc_var"] is None or got["flip_sq"] is None or not fp8_sums_exact(device, mma):
+            got["round_var"] = got["flip_sq"] = None
+    else:
+        got["flip_sq"] = None
     return got
 
 
@@ -113,15 +127,21 @@ class Rules:
                     **allowances(truth, self.device, self.mma))
 
 
-def twin_applies(case: Case) -> bool:
+def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -> bool:
     """Whether the judge runs the backend twice on `case`, the second time on its reordered view (every long sum in
     another order), and judges each run with the other as its twin (compare.row_excess): where rule 4 can act (83
     rows or more) on an fp32 output, whose accumulation error a bound for every summation order overstates 25 to 60
-    times for a blocked kernel (docs/error-model.md, "The twin run"). Expert level, one rank, unquantized."""
+    times for a blocked kernel (docs/error-model.md, "The twin run"); and on FP8 activations of a backend declared to
+    round at its model's points (`points_only`) whose e4m3 products are summed exactly there (`device` a CPU, or its
+    declared `mma` "fp32"): its e4m3 flips, which a bound overstates 10-25 times, as the other order flips them
+    (a truncating MMA in the other order would be off the plain one's emulation). Expert level, one rank."""
     from moe_lora_harness.harness.spec.contract import must_reject
-    return (case.level == "expert" and not case.view and not case.dispatched and case.tp_size == 1
-            and case.quant == "none" and torch_dtype(case) == torch.float32 and case.T >= EXCESS_MIN_ROWS
-            and must_reject(case) is None)
+    if not (case.level == "expert" and not case.view and not case.dispatched and case.tp_size == 1
+            and case.T >= EXCESS_MIN_ROWS and must_reject(case) is None):
+        return False
+    if case.quant in FP8_QUANTS:
+        return points_only and fp8_sums_exact(device, mma)
+    return case.quant == "none" and torch_dtype(case) == torch.float32
 
 
 def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, precision: str, rules: Rules,

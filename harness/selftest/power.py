@@ -242,11 +242,11 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     precision, points_only, mma = declared_rounding(spec, case, device)
     inp, truth, emu = expert_expectations(case, precision, device=device, mma=mma)
     out = run_calls(spec, inp.call(device), case)
-    if not twin_applies(case):
+    if not twin_applies(case, device, mma, points_only):
         return CorrectRun(precision, points_only, inp, truth, emu, out, mma=mma)
     twin_inp = view_inputs(inp, "reordered")
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
-                      plain_columns(run_calls(spec, twin_inp.call(device), case)), mma)
+                      plain_columns(run_calls(spec, twin_inp.call(device), case), case.quant), mma)
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BISECTION_STEPS,
@@ -268,7 +268,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BIS
 
     def slipped(slip, alpha):      # the slipped kernel's run, and its twin's in the plain columns
         out = run(slip.make(inp, alpha))
-        return out, None if c.twin_inputs is None else plain_columns(run(slip.make(c.twin_inputs, alpha)))
+        return out, None if c.twin_inputs is None else plain_columns(run(slip.make(c.twin_inputs, alpha)), case.quant)
 
     v0 = judge(out0, c.twin)
     # an oracle that fails the correct kernel (FP8 rows: e4m3 steps exceed its tolerance) fails every slip too: its

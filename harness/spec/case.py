@@ -31,6 +31,9 @@ EP_COMMS = ("simulated", "processes")
 # first half of the tokens, put in reverse token order, with every adapter moved one slot on, or with the hidden and
 # intermediate dimensions permuted (every long sum in another order); "" = the case
 VIEWS = ("", "half", "reversed", "slots_rotated", "reordered")
+# the weight schemes whose reordered view is built: unquantized, and FP8, whose scale blocks move whole
+# (harness.build.properties.view_blocks); packed integer weights would not follow
+REORDERED_QUANTS = ("none",) + FP8_QUANTS
 # input scale: `magnitude` scales every token's hidden state (op level: the LoRA input x); `outliers` tokens
 # are scaled a further `outlier_scale` (default OUTLIER_SCALE), as the massive-activation tokens of real models are
 OUTLIER_SCALE = 30.0
@@ -256,8 +259,9 @@ class Case:
             if self.view == "slots_rotated":
                 need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")
             if self.view == "reordered":
-                need(self.quant == "none", "view='reordered' permutes the weights' K and N: quantized weights' "
-                                           "blocks would not follow (quant='none' only)")
+                need(self.quant in REORDERED_QUANTS, "view='reordered' permutes the weights' K and N: "
+                     f"{self.quant}'s packed weights would not follow (quant 'none' or an FP8 scheme, whose scale "
+                     f"blocks move whole)")
         ct = self.call_tokens
         need(isinstance(ct, int) and not isinstance(ct, bool) and ct >= 0,
              f"call_tokens (tokens per backend call) must be an int >= 0, got {ct!r}")

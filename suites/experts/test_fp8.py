@@ -471,7 +471,9 @@ def test_the_statistical_accumulation_term_is_the_cpus_only(case):
     cpu, gpu = allowances(truth, "cpu"), allowances(truth, "cuda")
     assert cpu["acc_var"] is not None and gpu["acc_var"] is None and allowances(truth)["acc_var"] is None
     assert allowances(truth, "cuda", 128)["acc_var"] is not None      # a declared MMA: the emulation runs it
-    assert cpu["round_var"] is None and gpu["round_var"] is None
+    # rule 4 over FP8 rows needs the statistical accumulation: on the CPU it has it, with the flips' expected square
+    assert cpu["round_var"] is not None and cpu["flip_sq"] is not None
+    assert gpu["round_var"] is None and gpu["flip_sq"] is None
     assert _verdict(case, out, truth, emu).ok and _verdict(case, out, truth, emu, device="cuda").ok
     noise = torch.randn(truth.value.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
     direction = noise * truth.value.abs()       # relative to each element (the case has a massive token)
@@ -598,3 +600,62 @@ def test_our_fp8_experts_land_on_their_declared_accumulation_and_pass_on_its_sta
     assert case.lora or off[exp.mma] <= 0.001 * out.numel(), (off, out.numel())
     o = run_case(spec, case, "cuda", executor=InProcess(), reruns=0)
     assert o.status == "pass", o.detail
+
+
+# rule 4 over FP8 rows (docs/error-model.md, "FP8 rows in rule 4"): 256 rows, enough for it, small enough for a second
+RULE4_ROW = Case(level="expert", T=256, H=256, I=256, E=8, top_k=2, max_loras=2, max_rank=8, mapping="mixed",
+                 dtype="float16", seed=3, quant="fp8_w8a8")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rule_4_judges_fp8_rows_where_the_sums_are_exact_and_the_twin_measures_the_flips(dtype):
+    """A backend declared to round at its model's points (here eager, so declared: it passes) is run twice on an FP8
+    case whose e4m3 products it sums exactly; the twins' difference caps the flips' allowance, so a slip spread over
+    the rows at twice the kernel's error fails by rule 4, where rules 2 and 3 alone (no rule 4: a truncating MMA) pass
+    it; the correct pair passes."""
+    from moe_lora_harness.backends.eager import BACKEND as EAGER
+    from moe_lora_harness.harness.judge.expectation import judge_twins, row_groups
+    case = RULE4_ROW.replace(dtype=dtype)
+    c = power.correct_run(dataclasses.replace(EAGER, name="eager_points_only", model_points_only=True), case, "cpu")
+    assert c.twin is not None
+    rules = Rules("cpu", True, row_groups(c.inputs, c.truth))
+    judge = functools.partial(judge_twins, case, truth=c.truth, emulation=c.emulation.value, precision=c.precision)
+    assert judge(c.out, c.twin, rules=rules).ok
+    g = torch.randn(c.truth.value.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    g *= (c.out.to(torch.float64) - c.truth.value).norm() / g.norm()
+
+    def slipped(o):
+        return (o.to(torch.float64) + 2.0 * g).to(c.out.dtype)
+    v = judge(slipped(c.out), slipped(c.twin), rules=rules)
+    assert not v.ok and "rule 4" in v.message and v.ratio < compare.RATIO, v.message
+    assert judge(slipped(c.out), None, rules=Rules("cuda", True, rules.groups, mma=128)).ok
+
+
+def test_fp8_rows_get_rule_4_only_where_the_e4m3_products_sum_exactly():
+    """The flips' chances are bounded from the fp32 accumulation's variance: on a CPU and under a declared "fp32"
+    accumulation rule 4 holds (round_var and flip_sq carried), under a truncating MMA or undeclared it is off."""
+    _, truth, _ = _expectations(RULE4_ROW.replace(T=8))
+    assert truth.flip_sq is not None and tuple(truth.flip_sq.shape) == (8, 2)
+    assert bool((truth.flip_sq[:, 1] >= truth.flip_sq[:, 0]).all()) and bool((truth.flip_sq >= 0).all())
+    for device, mma, on in (("cpu", None, True), ("cuda:0", "fp32", True), ("cuda:0", 128, False),
+                            ("cuda:0", None, False), (None, None, False)):
+        got = allowances(truth, device, mma)
+        assert (got["flip_sq"] is not None) == on and (got["round_var"] is not None) == on, (device, mma)
+
+
+def test_a_flips_chance_is_chebyshevs_bound_and_zero_outside_the_worst_case_window():
+    """fp8.flip_chance: min(1, m^2 / margin^2), 0 where the worst case says no flip can happen, 1 within the scale
+    arithmetic's slack; it grows with the deviation and stays above a Gaussian deviation's empirical flip rate."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 256, generator=g, dtype=torch.float64)
+    err = 0.25 * x.abs()
+    small, large = (fp8.flip_chance(x, err, (r * x) ** 2, "fp8_w8a8") for r in (1e-4, 1e-3))
+    assert bool((small <= large).all()) and bool((large <= 1).all()) and float(small.max()) > 0
+    assert float(fp8.flip_chance(x, torch.zeros_like(x), (1e-3 * x) ** 2, "fp8_w8a8").sum()) <= float(
+        fp8.flip_step(x, torch.zeros_like(x), "fp8_w8a8").gt(0).sum())      # only the slack's window is left
+    q0, _ = fp8.quantize_activation(x, "fp8_w8a8")
+    flips = torch.zeros_like(x)
+    for seed in range(20):          # a Gaussian deviation of relative size 1e-3, 20 draws: the codes that change
+        dev = 1e-3 * x * torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + seed), dtype=torch.float64)
+        flips += (fp8.quantize_activation(x + dev, "fp8_w8a8")[0] != q0).double()
+    assert float(flips.sum()) / 20 <= float(large.sum())

@@ -69,6 +69,38 @@ def test_the_reordered_views_truth_is_the_plain_truth_in_every_layout(activation
     assert torch.allclose(seen.value, plain_rows(plain.value, "reordered"), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("quant", ["fp8_w8a8", "fp8_block"])
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])     # w13 split and interleaved
+def test_the_reordered_view_of_fp8_weights_moves_their_codes_scales_and_blocks_whole(quant, activation):
+    """FP8 weights' codes and scales follow the view's orders, fp8_block's 128-blocks and activation groups as units
+    (the emulation, quantization included, is the plain one's in the view's columns, bit for bit), and the
+    dequantized weights the reference reads are still code x scale: what the FP8 twin run rests on."""
+    from moe_lora_harness.harness.build.properties import view_blocks
+    from moe_lora_harness.reference.fp8 import dequantize_weights
+    case = CASE.replace(quant=quant, activation=activation, dtype="float16", H=384, I=384, T=9)   # 3 blocks: all move
+    plain, reo = build_expert_inputs(case), build_expert_inputs(case.replace(view="reordered"))
+    for codes, scales, w in ((reo.quantized[0], reo.quantized[1], reo.w13), (reo.quantized[2], reo.quantized[3], reo.w2)):
+        assert bit_equal(dequantize_weights(codes, scales, quant, w.dtype), w)
+    assert not bit_equal(reo.quantized[1], plain.quantized[1])     # the scales moved
+    blocks = view_blocks(quant)[0]
+    pi = contraction_order(case.H, blocks)
+    assert not bit_equal(pi, torch.arange(case.H))
+    if blocks:   # whole blocks: each 128 of the view's positions come from one block of the plain's
+        assert bool(((pi.reshape(-1, 128) // 128) == (pi.reshape(-1, 128)[:, :1] // 128)).all())
+    _, plain_truth, plain_emu = expert_expectations(case, "one_shot")
+    _, seen_truth, seen_emu = expert_expectations(case.replace(view="reordered"), "one_shot")
+    assert bit_equal(seen_emu.value, plain_rows(plain_emu.value, "reordered", quant))
+    assert torch.allclose(seen_truth.value, plain_rows(plain_truth.value, "reordered", quant), rtol=1e-12, atol=1e-12)
+    x = torch.randn(3, case.H)
+    assert bit_equal(plain_columns(plain_rows(x, "reordered", quant), quant), x)
+
+
+def test_the_reordered_view_rejects_packed_integer_weights():
+    case = CASE.replace(quant="int4_g128", H=128, I=128, dtype="float16", view="reordered")
+    assert any("view='reordered'" in p for p in case.problems())
+    assert not CASE.replace(quant="fp8_block", H=128, I=128, dtype="float16", view="reordered").problems()
+
+
 def test_views_change_only_what_they_say():
     plain = build_expert_inputs(CASE)
     half = build_expert_inputs(CASE.replace(view="half"))

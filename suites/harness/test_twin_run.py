@@ -35,6 +35,14 @@ def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
     assert not twin_applies(CASE.replace(view="reordered"))           # a view is judged alone
     assert not twin_applies(CASE.replace(quant="int8_channel"))       # quantized K blocks do not permute
     assert not twin_applies(CASE.replace(level="op"))
+    # FP8 activations: for a backend declared to round at its model's points whose e4m3 products sum exactly where it
+    # runs (a CPU, or a declared "fp32" accumulation), the twin measures its flips too
+    fp8 = CASE.replace(quant="fp8_w8a8", dtype="float16")
+    assert twin_applies(fp8, "cpu", None, True) and twin_applies(fp8, "cuda:0", "fp32", True)
+    assert not twin_applies(fp8, "cpu", None, False)          # other points' flips need not differ between orders
+    assert not twin_applies(fp8, "cuda:0", 128, True)         # the other order's truncating MMA is off the emulation
+    assert not twin_applies(fp8, "cuda:0", None, True) and not twin_applies(fp8)
+    assert not twin_applies(fp8.replace(T=EXCESS_MIN_ROWS - 1), "cpu", None, True)
 
 
 def test_the_judge_runs_the_backend_twice_only_where_the_twin_applies():
