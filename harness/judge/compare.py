@@ -30,6 +30,9 @@ Error model (docs/error-model.md): over the elements the contract writes,
      With a `twin` (the same backend's output on the case's reordered view, every long sum in another order) a
      row's accumulation allowance is the smaller of ACC_SHARE acc_var and TWIN_FACTOR times the two runs' squared
      difference there: the kernel's own accumulation error, measured rather than bounded for every order.
+     FP8 activations (where the e4m3 products sum exactly: `flip_sq`): each row also allows its GEMM2 input flips'
+     expected square (a Chebyshev bound on each flip's chance; for a backend declared to round at its model's points
+     under the twin's cap with the accumulation) and its scale-arithmetic flips (`slack_flip`) in full.
 Elements the contract does not write are compared bit for bit with what the buffer held.
 """
 from __future__ import annotations

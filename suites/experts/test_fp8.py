@@ -609,15 +609,15 @@ RULE4_ROW = Case(level="expert", T=256, H=256, I=256, E=8, top_k=2, max_loras=2,
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_rule_4_judges_fp8_rows_where_the_sums_are_exact_and_the_twin_measures_the_flips(dtype):
-    """A backend declared to round at its model's points (here eager, so declared: it passes) is run twice on an FP8
-    case whose e4m3 products it sums exactly; the twins' difference caps the flips' allowance, so a slip spread over
-    the rows at twice the kernel's error fails by rule 4, where rules 2 and 3 alone (no rule 4: a truncating MMA) pass
+    """A backend declared to round at its model's points (eager declares it on the CPU) is run twice on an FP8 case
+    whose e4m3 products it sums exactly; the twins' difference caps the flips' allowance, so a slip spread over the
+    rows at twice the kernel's error fails by rule 4, where rules 2 and 3 alone (no rule 4: a truncating MMA) pass
     it; the correct pair passes."""
     from moe_lora_harness.backends.eager import BACKEND as EAGER
     from moe_lora_harness.harness.judge.expectation import judge_twins, row_groups
     case = RULE4_ROW.replace(dtype=dtype)
-    c = power.correct_run(dataclasses.replace(EAGER, name="eager_points_only", model_points_only=True), case, "cpu")
-    assert c.twin is not None
+    c = power.correct_run(EAGER, case, "cpu")
+    assert c.points_only and c.twin is not None
     rules = Rules("cpu", True, row_groups(c.inputs, c.truth))
     judge = functools.partial(judge_twins, case, truth=c.truth, emulation=c.emulation.value, precision=c.precision)
     assert judge(c.out, c.twin, rules=rules).ok
