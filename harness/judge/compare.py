@@ -382,7 +382,8 @@ def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
     smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row. `flips` (FP8
     activations): (flip_sq (T, 2), slack_flip (T,) or None): each row also allows its GEMM2 flips' expected square
     (column 0 for a kernel declared to round at its model's points, with the accumulation under the twin's cap: the
-    twin flips as it does; else column 1, uncapped) and its scale-arithmetic flips in full, slack^2 + 2 slack
+    twin flips as it does; else column 1, uncapped) and, unless it is so declared (its scale is amax / 448 and its
+    operand x / s, each rounded once, as the model's), its scale-arithmetic flips in full, slack^2 + 2 slack
     ||emu - truth|| (certain flips need not be mean-zero). docs/error-model.md, "FP8 rows in rule 4"."""
     dims = tuple(range(1, truth.dim()))
     w = written.to(torch.float64)
@@ -395,7 +396,8 @@ def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
         acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims))
     if flip_sq is not None and not model_points_only:   # another rounding's flips need not differ between orders
         acc = acc + flip_sq[:, 1].to(acc)
-    if slack is not None:     # the scale arithmetic's flips at exact ties: in full (they are not order's, nor random)
+    if slack is not None and not model_points_only:   # the scale arithmetic's flips at exact ties: in full (neither
+        # the order's nor random); a backend that rounds only at its model's points divides as the model does
         slack = slack.to(acc)
         acc = acc + slack * slack + 2.0 * slack * (((emulation - truth) ** 2) * w).sum(dim=dims).sqrt()
     allowed = torch.zeros_like(truth)
