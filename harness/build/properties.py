@@ -3,7 +3,7 @@ case's output mapped through the view. The view's own output is judged against t
 the token views add the comparison with the plain run: bit for bit where the backend declares batch invariance
 (Capabilities.batch_invariant, as vLLM's batch-invariant mode promises), else reported, never failed, when the
 rows happen to be identical (docs/semantics.md, "Properties"). The "reordered" view sums every long reduction in
-another order: the judge's twin run of an fp32 case (harness.judge.expectation.twin_applies).
+another order: the judge's twin run of an fp32 or FP8 case (harness.judge.expectation.twin_applies).
 """
 from __future__ import annotations
 

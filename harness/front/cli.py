@@ -968,7 +968,7 @@ def _power(args, device: str) -> int:
         missed = [s for s in r.slips if s.oracle_only]
         where = ("" if not missed else " (" + "; ".join(
             f"{s.slip}: {s.oracle_only}, " + ("within the judge's declared limit"
-                                              if power.within_declared_limit(s, r.case)
+                                              if power.within_declared_limit(s, r)
                                               else "beyond its declared limits") for s in missed) + ")")
         print(f"POWER FAILED: {r.case.to_json()}: " + ("the correct kernel fails the judge" if not r.kernel_ok else
                                                        "an output assert_close fails passes the judge" + where))

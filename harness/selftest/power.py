@@ -7,8 +7,8 @@ by rewriting the inputs a correct expert backend is handed (partial K or N tiles
 a scaling or one slice mis-scaled, one token, slot or expert wrong): SLIPS is the only table a new class needs. For
 each slip the judge's threshold is found by bisection on alpha (the judge's truth and emulation computed once), and
 so is the oracle's; every output evaluated is judged by both, and an output the oracle fails that the judge passes
-is counted (`oracle_only`: it must stay 0). Where the judge runs a twin (expectation.twin_applies: fp32, 83 rows or
-more) the slipped kernel runs on the reordered inputs too, and the pair is judged as the runner judges it. Beside
+is counted (`oracle_only`: it must stay 0). Where the judge runs a twin (expectation.twin_applies: fp32, or FP8
+summed exactly for a backend declared to round at its model's points; 83 rows or more) the slipped kernel runs on the reordered inputs too, and the pair is judged as the runner judges it. Beside
 them, a precision mistake that has no size to bisect: every
 GEMM's accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output judged and put to the
 oracle. docs/error-model.md, "Power".
@@ -25,7 +25,7 @@ import torch
 
 from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
-from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS
+from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, RULE4_OFF
 from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
 from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_twins, row_groups, twin_applies
 from moe_lora_harness.reference.precision import precision as make_precision
@@ -192,6 +192,7 @@ class PowerReport:
     slips: list
     seconds: float
     precision_slips: list = dataclasses.field(default_factory=list)   # PrecisionSlip per accumulator tile
+    rule4_off: bool | None = None    # rule 4 judged none of the rows (compare.RULE4_OFF); None: as the case's quant says
 
     @property
     def oracle_ok(self) -> bool:
@@ -310,7 +311,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BIS
             progress(f"{slip.name}: judge {j.multiple}, oracle {o.multiple}")
     exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok)
     return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, use, res,
-                       time.time() - t0, exact)
+                       time.time() - t0, exact, v0.unseen == RULE4_OFF)
 
 
 def _accumulator_slips(case: Case, inp, truth, emu: torch.Tensor, precision: str, judge, oracle_ok: bool) -> list:
@@ -340,13 +341,13 @@ def _fmt(t: Threshold) -> str:
     return ("<=" if t.smallest else "") + (f"{x:.3g}" if x < 1e4 else f"{x:.2e}")
 
 
-def _missed(s: SlipPower, case: Case) -> str:
+def _missed(s: SlipPower, r: PowerReport) -> str:
     """Where outputs only the oracle failed lie: within one of the judge's declared limits (a mistake confined to
-    fewer rows than rule 4 needs; FP8 activations, where rule 4 is off at any row count: docs/error-model.md, "What
+    fewer rows than rule 4 needs; FP8 activations where rule 4 is off at any row count: docs/error-model.md, "What
     the judge cannot see", items 1 and 3) or not."""
     rows = f"{s.oracle_only_rows} row{'' if s.oracle_only_rows == 1 else 's'}"
     few = s.oracle_only_rows < EXCESS_MIN_ROWS
-    if _rule4_off(case):
+    if _rule4_off(r):
         return (f"up to {rows} changed; FP8 activations: rule 4 is off at any row count"
                 f"{' (and fewer rows than it needs)' if few else ''}, the judge's declared limit")
     if few:
@@ -354,16 +355,16 @@ def _missed(s: SlipPower, case: Case) -> str:
     return f"up to {rows} changed: enough for rule 4"
 
 
-def _rule4_off(case: Case) -> bool:
-    """The case quantizes its activations to FP8: its truth carries no rounding variance, so rule 4 judges none of
-    its rows (compare.RULE4_OFF)."""
-    return case.quant in FP8_QUANTS
+def _rule4_off(r: PowerReport) -> bool:
+    """Rule 4 judged none of the report's rows (compare.RULE4_OFF: FP8 activations where the e4m3 products are not
+    summed exactly, expectation.allowances); a report that did not record it: FP8 activations."""
+    return r.rule4_off if r.rule4_off is not None else r.case.quant in FP8_QUANTS
 
 
-def within_declared_limit(s: SlipPower, case: Case) -> bool:
+def within_declared_limit(s: SlipPower, r: PowerReport) -> bool:
     """Every output only the oracle failed changed fewer token rows than rule 4 can ever fail (EXCESS_MIN_ROWS), or
-    rule 4 judges none of the case's rows (FP8 activations)."""
-    return s.oracle_only_rows < EXCESS_MIN_ROWS or _rule4_off(case)
+    rule 4 judged none of the report's rows (`_rule4_off`)."""
+    return s.oracle_only_rows < EXCESS_MIN_ROWS or _rule4_off(r)
 
 
 def power_table(reports) -> str:
@@ -384,7 +385,7 @@ def power_table(reports) -> str:
         for s in r.slips:
             oracle, only = (_fmt(s.oracle), s.oracle_only) if r.oracle_ok else ("n/a", "n/a")
             lines.append(f"{'':<44} {s.slip:<20} {_fmt(s.judge):>8} {oracle:>9} {only:>11}"
-                         + (f"  ({_missed(s, c)})" if r.oracle_ok and s.oracle_only else ""))
+                         + (f"  ({_missed(s, r)})" if r.oracle_ok and s.oracle_only else ""))
         for p in r.precision_slips:
             oracle = ("FAIL" if p.oracle_fails else "pass") if r.oracle_ok else "n/a"
             only = int(p.oracle_fails and not p.judge_fails) if r.oracle_ok else "n/a"
@@ -396,7 +397,7 @@ def power_table(reports) -> str:
 def to_json(reports) -> list:
     return [dict(case=r.case.to_json(), backend=r.backend, kernel_rel_error=r.kernel_rel_error,
                  kernel_ratio=r.kernel_ratio, kernel_ok=r.kernel_ok, oracle_ok=r.oracle_ok, oracle_use=r.oracle_use,
-                 seconds=round(r.seconds, 2),
+                 seconds=round(r.seconds, 2), rule4_off=_rule4_off(r),
                  slips=[dict(slip=s.slip, judge_alpha=s.judge.alpha, judge_multiple=s.judge.multiple,
                              judge_smallest=s.judge.smallest, oracle_smallest=s.oracle.smallest,
                              no_effect=s.judge.no_effect and s.oracle.no_effect,

@@ -4,6 +4,7 @@ no longer grow with K, so slips the worst-case terms admitted fail, while the co
 per token row; the power table's oracle never fails what the judge passes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -222,11 +223,14 @@ def test_the_power_table_says_whether_outputs_only_the_oracle_fails_lie_within_t
     t = power.Threshold(0.1, 0.5)
     few = power.SlipPower("one-expert-w13", t, t, 3, 20, compare.EXCESS_MIN_ROWS - 1)
     many = power.SlipPower("scaling", t, t, 2, 20, compare.EXCESS_MIN_ROWS)
-    assert power.within_declared_limit(few, case) and not power.within_declared_limit(many, case)
-    fp8 = case.replace(quant="fp8_w8a8")          # rule 4 judges no FP8 row, however many the slip changed
-    assert power.within_declared_limit(many, fp8)
-    assert "FP8 activations: rule 4 is off at any row count" in power.power_table(
-        [power.PowerReport(fp8, "eager", 0.01, 1.0, True, 0.5, [many], 0.0)])
+    plain = power.PowerReport(case, "eager", 0.01, 1.0, True, 0.5, [few, many], 0.0)
+    assert power.within_declared_limit(few, plain) and not power.within_declared_limit(many, plain)
+    fp8 = case.replace(quant="fp8_w8a8")    # where rule 4 judged no FP8 row, however many rows the slip changed
+    off = power.PowerReport(fp8, "eager", 0.01, 1.0, True, 0.5, [many], 0.0, rule4_off=True)
+    assert power.within_declared_limit(many, off)
+    assert "FP8 activations: rule 4 is off at any row count" in power.power_table([off])
+    on = dataclasses.replace(off, rule4_off=False)     # FP8 rows rule 4 judged (sums exact): no such excuse
+    assert not power.within_declared_limit(many, on) and "enough for rule 4" in power.power_table([on])
     table = power.power_table([power.PowerReport(case, "eager", 0.01, 1.0, True, 0.5, [few, many], 0.0)])
     assert f"at most {compare.EXCESS_MIN_ROWS - 1} rows changed: fewer than rule 4 needs" in table
     assert f"up to {compare.EXCESS_MIN_ROWS} rows changed: enough for rule 4" in table
