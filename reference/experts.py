@@ -369,7 +369,8 @@ def _flip_squares(a: Tensor, err: Tensor, var: Tensor, rnd: Tensor, det: Tensor,
     """(P, 2): each pair's expected square of its output change from flips of GEMM2's quantized input `a` (P, I):
     sum_j chance_j (one e4m3 step x s)^2 ||w2[e][:, j]||^2 (x w^2 with `w_pair`, the weight on the output). A
     kernel's activation lies off the truth's by its fp32 accumulation (`var`), its roundings (`rnd`, in eps_dt^2:
-    variance eps_dt^2 rnd / 12 once (dt: the working dtype), twice for a kernel that may round once more at every point: the two columns)
+    variance eps_dt^2 rnd / 12 once (dt: the working dtype), twice for a kernel that may round once more at every
+    point: the two columns)
     and at most `det` more (GEMM1's flips, underflow); `fp8.flip_chance` bounds each flip's probability from that.
     docs/error-model.md, "FP8 rows in rule 4"."""
     reach = flip_step(a, err, scheme) ** 2 * _per_expert_rows(_column_norms(W2) ** 2, e_flat)

@@ -31,7 +31,8 @@ FP32_SLACK = 4 * 2.0 ** -23
 A_BOUND_ULPS = 4.0
 # `flip_chance`: how many standard deviations of their deviations an element's magnitude may lie below its group's
 # amax and still be the kernel's amax: the statistical model's per-element tail at 1e-9 over up to 2^32 elements
-# (harness.judge.compare.sigmas(2^32); the model's rounding errors are sub-Gaussian, as rule 2's statistical form takes them)
+# (harness.judge.compare.sigmas(2^32); the model's rounding errors are sub-Gaussian, as rule 2's statistical form
+# takes them)
 AMAX_SIGMAS = 9.34
 _F64, _F32 = torch.float64, torch.float32
 

@@ -194,8 +194,9 @@ def rule2_bound(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tenso
                 work_dtype: torch.dtype | None = None, flip: torch.Tensor | None = None,
                 acc_var: torch.Tensor | None = None, round_var: torch.Tensor | None = None, **_) -> torch.Tensor:
     """Rule 2's per-element bound as the verdict applies it: the worst case, the smaller of it and the statistical
-    bound where the model applies (`acc_var` and `round_var`, over the written elements' count; not with FP8 `flip`s). The other keywords
-    compare_written takes are accepted and ignored, so that one set of them serves both."""
+    bound where the model applies (`acc_var` and `round_var`, over the written elements' count; not with FP8
+    `flip`s). The other keywords compare_written takes are accepted and ignored, so that one set of them serves
+    both."""
     bound = element_bound(scale, dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype, flip=flip)
     if acc_var is not None and round_var is not None and flip is None:   # FP8: a flip is no sub-Gaussian step
         stat = statistical_bound(out64, truth, emulation, acc_var, round_var, dtype=dtype, n=int(written.sum()),
@@ -228,7 +229,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     `twin` (the backend's output on the reordered view, in this output's column order): rule 4's accumulation
     allowance is at most TWIN_FACTOR times the two runs' squared difference. `flip_sq` (T, 2; FP8, with `round_var`:
     reference.experts.ExpertExpected.flip_sq) turns rule 4 on for FP8 rows, each row allowed its flips' expected
-    square (and `slack_flip`'s); without it FP8 rows have rules 2 and 3 alone. Computed where `truth` lies (a CUDA judge's device): the other tensors are moved there.
+    square (and `slack_flip`'s); without it FP8 rows have rules 2 and 3 alone. Computed where `truth` lies (a CUDA
+    judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")

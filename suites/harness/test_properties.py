@@ -79,7 +79,8 @@ def test_the_reordered_view_of_fp8_weights_moves_their_codes_scales_and_blocks_w
     from moe_lora_harness.reference.fp8 import dequantize_weights
     case = CASE.replace(quant=quant, activation=activation, dtype="float16", H=384, I=384, T=9)   # 3 blocks: all move
     plain, reo = build_expert_inputs(case), build_expert_inputs(case.replace(view="reordered"))
-    for codes, scales, w in ((reo.quantized[0], reo.quantized[1], reo.w13), (reo.quantized[2], reo.quantized[3], reo.w2)):
+    w13_q, w13_s, w2_q, w2_s = reo.quantized
+    for codes, scales, w in ((w13_q, w13_s, reo.w13), (w2_q, w2_s, reo.w2)):
         assert bit_equal(dequantize_weights(codes, scales, quant, w.dtype), w)
     assert not bit_equal(reo.quantized[1], plain.quantized[1])     # the scales moved
     blocks = view_blocks(quant)[0]
