@@ -370,9 +370,8 @@ def _flip_squares(a: Tensor, err: Tensor, var: Tensor, rnd: Tensor, det: Tensor,
     sum_j chance_j (one e4m3 step x s)^2 ||w2[e][:, j]||^2 (x w^2 with `w_pair`, the weight on the output). A
     kernel's activation lies off the truth's by its fp32 accumulation (`var`), its roundings (`rnd`, in eps_dt^2:
     variance eps_dt^2 rnd / 12 once (dt: the working dtype), twice for a kernel that may round once more at every
-    point: the two columns)
-    and at most `det` more (GEMM1's flips, underflow); `fp8.flip_chance` bounds each flip's probability from that.
-    docs/error-model.md, "FP8 rows in rule 4"."""
+    point: the two columns) and at most `det` more (GEMM1's flips, underflow); `fp8.flip_chance` bounds each flip's
+    probability from that. docs/error-model.md, "FP8 rows in rule 4"."""
     reach = flip_step(a, err, scheme) ** 2 * _per_expert_rows(_column_norms(W2) ** 2, e_flat)
     rounding = eps(dt) ** 2 / 12.0 * rnd.clamp_min(0)
     cols = []
@@ -583,8 +582,8 @@ def forward_steps(
     scale1 = under1 = flip1 = slack_step = var1 = rnd1 = None
     # FP8 too: the fp32 accumulation of the exact e4m3 products and the scale multiplies (IEEE on a CPU; on a GPU
     # where the backend declares its accumulation, its truncating MMA then in the emulation; elsewhere the harness
-    # keeps the worst-case term: harness.judge.expectation.allowances); its round_var is not carried (e4m3 roundings
-    # are the flip terms' to allow)
+    # keeps the worst-case term: harness.judge.expectation.allowances); its round_var holds only the roundings after
+    # GEMM2's quantized input and the w2 LoRA's (e4m3 roundings are the flip terms' to allow: flip, flip_sq)
     track_var = magnitudes
     jobs = {} if mma1 is not None else {"c1": (xr, None)}     # every GEMM over w13 in one pass over the experts
     if track_var:   # GEMM1's fp32 accumulation over H (its input exact: the hidden states or their rounded product)
@@ -802,7 +801,7 @@ def forward_steps(
     if var3 is not None:   # moe_sum's own fp32 accumulation over the k pairs
         flips["acc_var"] = ((var3 * keep).sum(dim=1)
                             + dot_variance(out, (cache3 * cache3 * keep).sum(dim=1), k))
-        # the output's own rounding is the judge's to add; FP8: not carried (rules 2's statistical form and 4 stay off)
+        # the output's own rounding is the judge's to add; FP8: for rule 4 alone (rule 2 keeps its worst case there)
         flips["round_var"] = (rnd3 * keep).sum(dim=1)
     if flip3 is not None:   # slack_flip: each pair's Gram bound (_slack_flips), the token's pairs added
         flips.update(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),

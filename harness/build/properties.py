@@ -47,8 +47,6 @@ def view_blocks(quant: str, interleaved: bool = False) -> tuple:
     return (block,), ((block, block // 2) if interleaved else (block,))
 
 
-
-
 def _gate_up_rows(si: torch.Tensor, n1: int, interleaved: bool) -> torch.Tensor:
     """w13's rows under the order `si` of I: gate and up alike, in the activation's layout ([g; u] split, or
     [g0, u0, g1, u1, ...] interleaved); a non-gated w13's rows are I's."""
