@@ -659,3 +659,18 @@ def test_a_flips_chance_is_chebyshevs_bound_and_zero_outside_the_worst_case_wind
         dev = 1e-3 * x * torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + seed), dtype=torch.float64)
         flips += (fp8.quantize_activation(x + dev, "fp8_w8a8")[0] != q0).double()
     assert float(flips.sum()) / 20 <= float(large.sum())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", FP8_QUANTS)
+def test_our_triton_experts_pass_fp8_rows_under_rule_4_and_their_twin(quant):
+    """Our Triton experts (declared to round at their model's points everywhere) on an FP8 case of 96 rows on the CPU:
+    run twice (the reordered view's codes, scales and blocks moved whole), the pair passes with rule 4 judging it."""
+    from moe_lora_harness.harness.judge.expectation import judge_twins, row_groups
+    from moe_lora_harness.harness.spec.registry import available_backends
+    case = RULE4_ROW.replace(T=96, H=128, I=128, E=4, quant=quant)
+    c = power.correct_run(available_backends()["triton_experts"], case, "cpu")
+    assert c.points_only and c.twin is not None
+    v = judge_twins(case, c.out, c.twin, c.truth, c.emulation.value, c.precision,
+                    Rules("cpu", True, row_groups(c.inputs, c.truth)))
+    assert v.ok and v.unseen != compare.RULE4_OFF, v.summary()
