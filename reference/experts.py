@@ -364,21 +364,19 @@ def _activation_change(c: Tensor, e: Tensor, spec) -> Tensor:
     return worst
 
 
-def _flip_squares(a: Tensor, err: Tensor, var: Tensor, rnd: Tensor, det: Tensor, W2: Tensor, e_flat: Tensor,
-                  scheme: str, dt: torch.dtype, w_pair: Tensor | None) -> Tensor:
+def _flip_squares(a: Tensor, err: Tensor, var: Tensor, rnd: Tensor, det: Tensor, reach: Tensor, scheme: str,
+                  dt: torch.dtype, w_pair: Tensor | None) -> Tensor:
     """(P, 2): each pair's expected square of its output change from flips of GEMM2's quantized input `a` (P, I):
-    sum_j chance_j (one e4m3 step x s)^2 ||w2[e][:, j]||^2 (x w^2 with `w_pair`, the weight on the output). A
-    kernel's activation lies off the truth's by its fp32 accumulation (`var`), its roundings (`rnd`, in eps_dt^2:
+    sum_j chance_j reach_j^2, `reach` (P, I) one flip's row change (one e4m3 step x s x ||w2[e][:, j]||: the floor's
+    one flip, computed once for both), times w^2 with `w_pair` (the weight on the output). A kernel's activation
+    lies off the truth's by its fp32 accumulation (`var`), its roundings (`rnd`, in eps_dt^2:
     variance eps_dt^2 rnd / 12 once (dt: the working dtype), twice for a kernel that may round once more at every
     point: the two columns) and at most `det` more (GEMM1's flips, underflow); `fp8.flip_chance` bounds each flip's
     probability from that. docs/error-model.md, "FP8 rows in rule 4"."""
-    reach = flip_step(a, err, scheme) ** 2 * _per_expert_rows(_column_norms(W2) ** 2, e_flat)
     rounding = eps(dt) ** 2 / 12.0 * rnd.clamp_min(0)
-    cols = []
-    for times in (1.0, 2.0):
-        dev_sq = ((var.clamp_min(0) + times * rounding).sqrt() + det) ** 2
-        cols.append((flip_chance(a, err, dev_sq, scheme) * reach).sum(dim=1))
-    out = torch.stack(cols, dim=1)
+    dev_sqs = [((var.clamp_min(0) + times * rounding).sqrt() + det) ** 2 for times in (1.0, 2.0)]
+    reach_sq = reach * reach
+    out = torch.stack([(chance * reach_sq).sum(dim=1) for chance in flip_chance(a, err, dev_sqs, scheme)], dim=1)
     return out if w_pair is None else out * (w_pair.reshape(-1, 1) ** 2)
 
 
@@ -748,7 +746,8 @@ def forward_steps(
         if fp8 is not None:
             f3 = got.pop("f3")
             # one element j of the pair's activation flipped changes its output row by one step x column j of w2
-            o3 = (flip_step(a, err, fp8) * _per_expert_rows(_column_norms(W2), e_flat)).amax(dim=1, keepdim=True)
+            reach = flip_step(a, err, fp8) * _per_expert_rows(_column_norms(W2), e_flat)    # (P, I)
+            o3 = reach.amax(dim=1, keepdim=True)
             flip3 = (w_pair.abs() * f3 if weight_out else f3).reshape(T, k, H)
             one3 = (w_pair.abs() * o3 if weight_out else o3).reshape(T, k)
             # the flips of GEMM1's input that only a kernel's scale arithmetic takes (err 0): exact, one at a time,
@@ -762,9 +761,9 @@ def forward_steps(
             slack_base = _slack_flips(slack_step, cache1_exact, W13, W2, e_flat, k, spec,
                                       w_pair.abs().reshape(P) if weight_out else torch.ones(P, dtype=_F64, device=dev),
                                       w2_lora)
-            flip_sq = _flip_squares(a, err, var2, rnd2, flip2 + tiny(dt) * under2, W2, e_flat, fp8, dt,
+            flip_sq = _flip_squares(a, err, var2, rnd2, flip2 + tiny(dt) * under2, reach, fp8, dt,
                                     w_pair if weight_out else None)
-            del f3, o3, err, allow2
+            del f3, o3, reach, err, allow2
         if weight_out:
             s3 = w_pair.abs() * s3
             u3 = w_pair.abs() * u3

@@ -189,10 +189,11 @@ def flip_step(x: torch.Tensor, err: torch.Tensor, scheme: str) -> torch.Tensor:
     return near.to(_F64) * step_up * s
 
 
-def flip_chance(x: torch.Tensor, err: torch.Tensor, dev_sq: torch.Tensor, scheme: str) -> torch.Tensor:
+def flip_chance(x: torch.Tensor, err: torch.Tensor, dev_sq, scheme: str):
     """(P, K) float64: a bound on the probability that a correct kernel's e4m3 code of each element differs from
     `quantize_activation(x)`'s, when its own x differs from this x by a deviation of expected square at most `dev_sq`
-    (absolute^2, per element) and never by more than `err` (the worst case, as `flip_allowance` takes it).
+    (absolute^2, per element) and never by more than `err` (the worst case, as `flip_allowance` takes it). `dev_sq`
+    a list of such tensors: a list of bounds, the quantization's terms computed once for all.
 
     The kernel's v = x / s moves by dv = dx / s - v da / amax (its scale follows its group's amax, which moves by at
     most the deviation of an element that may be the kernel's largest: within err of the top, and within AMAX_SIGMAS
@@ -202,14 +203,18 @@ def flip_chance(x: torch.Tensor, err: torch.Tensor, dev_sq: torch.Tensor, scheme
     min(1, m^2 / margin^2), for any distribution of the deviation; 0 outside the worst-case window.
     docs/error-model.md, "FP8 rows in rule 4"."""
     near, _, _, _, s, dist = _flip_terms(x, err, scheme)
-    ax, e_g, d_g = (_groups(t.to(_F64).abs(), scheme) for t in (x, err, dev_sq))
+    ax, e_g = (_groups(t.to(_F64).abs(), scheme) for t in (x, err))
     amax, top = ax.max(dim=2, keepdim=True)
     gap = amax - ax       # elements that may be the kernel's amax: the worst case, and the statistical tail
-    cand = (gap <= e_g + e_g.gather(2, top)) & (gap <= AMAX_SIGMAS * (d_g + d_g.gather(2, top)).sqrt())
-    da_sq = (d_g * cand).sum(dim=2, keepdim=True)
+    worst = gap <= e_g + e_g.gather(2, top)
     amax = amax.clamp_min(AMAX_FLOOR)
     v = (x.to(_F64) / s).abs()
-    m = dev_sq.to(_F64).clamp_min(0).sqrt() / s + v * (da_sq.sqrt() / amax).expand_as(ax).reshape(v.shape)
     margin = dist - v * FP32_SLACK
-    chance = torch.where(margin > 0, (m / margin.clamp_min(torch.finfo(_F64).tiny)) ** 2, torch.ones_like(v))
-    return torch.where(near, chance.clamp(max=1.0), torch.zeros_like(v))
+
+    def chance(d: torch.Tensor) -> torch.Tensor:
+        d_g = _groups(d.to(_F64).abs(), scheme)
+        da_sq = (d_g * (worst & (gap <= AMAX_SIGMAS * (d_g + d_g.gather(2, top)).sqrt()))).sum(dim=2, keepdim=True)
+        m = d.to(_F64).clamp_min(0).sqrt() / s + v * (da_sq.sqrt() / amax).expand_as(ax).reshape(v.shape)
+        c = torch.where(margin > 0, (m / margin.clamp_min(torch.finfo(_F64).tiny)) ** 2, torch.ones_like(v))
+        return torch.where(near, c.clamp(max=1.0), torch.zeros_like(v))
+    return [chance(d) for d in dev_sq] if isinstance(dev_sq, (list, tuple)) else chance(dev_sq)

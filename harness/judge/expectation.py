@@ -102,8 +102,6 @@ def allowances(truth, device=None, mma=None) -> dict:
             got["acc_var"] = None
         if got["acc_var"] is None or got["flip_sq"] is None or not fp8_sums_exact(device, mma):
             got["round_var"] = got["flip_sq"] = None
-    else:
-        got["flip_sq"] = None
     return got
 
 
