@@ -15,6 +15,7 @@ from moe_lora_harness.harness.build.builders import outlier_tokens, torch_dtype
 from moe_lora_harness.harness.spec.case import (FP16_MASSIVE_MAGNITUDE, FP16_MAX_PEAK, FP8_QUANTS, MASSIVE_OUTLIER_SCALE,
                                            Case)
 from moe_lora_harness.harness.judge.diagnose import diagnose
+from moe_lora_harness.harness.execution.device import interpreting
 from moe_lora_harness.harness.judge.expectation import Rules, allowances
 from moe_lora_harness.harness.build.expert_runner import expert_expectations, expert_forward
 from moe_lora_harness.harness.check.features import FEATURES, feature_cases
@@ -662,6 +663,8 @@ def test_a_flips_chance_is_chebyshevs_bound_and_zero_outside_the_worst_case_wind
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not interpreting(), reason="our Triton kernels on CPU tensors need Triton's interpreter: the lane's "
+                    "CPU full tier runs this test (on an H100 our FP8 sums truncate and rule 4 is off)")
 @pytest.mark.parametrize("quant", FP8_QUANTS)
 def test_our_triton_experts_pass_fp8_rows_under_rule_4_and_their_twin(quant):
     """Our Triton experts (declared to round at their model's points everywhere) on an FP8 case of 96 rows on the CPU:
