@@ -21,8 +21,9 @@ from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, m
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.build.guards import outside_message
-from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_output, judging,
-                                                        op_expectations, row_groups, twin_applies)
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, held_to, judge_output, judging,
+                                                        op_expectations, row_groups, twin_applies,
+                                                        twin_own_emulation)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -121,6 +122,8 @@ class Expectation:
     twin_digest: str = ""                      # of the reordered view's inputs, where the judge runs a twin
                                                # (expectation.twin_applies); '' where it does not
     mma: int | str | None = None               # the e4m3 MMA the emulation runs (expectation.modelled_mma)
+    twin_emulation: torch.Tensor | None = None  # the twin's own emulation, in the plain columns, where it has one
+                                                # (expectation.twin_own_emulation)
 
     @property
     def rules(self) -> Rules:
@@ -164,10 +167,16 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple | N
         # taken while the inputs are alive: reading them after a release rebuilt the whole layer for two small tensors
         groups = row_groups(exp.built, exp.truth)
         exp.groups = None if groups is None else {k: v.clone() for k, v in groups.items()}
-        if twin_applies(case, device, mma, points_only):   # the twin's inputs, digested: the plain ones are
-            # permuted in place, then released
-            from moe_lora_harness.harness.build.properties import view_inputs
-            exp.twin_digest = inputs_digest(view_inputs(exp.built, "reordered", in_place=True))
+        if twin_applies(case, device, mma, points_only):   # the twin's inputs, digested (and emulated where it
+            # has its own emulation): the plain ones are permuted in place, then released
+            from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
+            view = view_inputs(exp.built, "reordered", in_place=True)
+            exp.twin_digest = inputs_digest(view)
+            if twin_own_emulation(case, mma):
+                from moe_lora_harness.harness.build.expert_runner import expert_expectations
+                emu = expert_expectations(case.replace(view="reordered"), precision, emulation_only=True, device=at,
+                                          inputs=view, mma=mma)[2]
+                exp.twin_emulation = plain_columns(emu.value, case.quant)
             exp.release_inputs()
     if at != "cpu":     # the worker needs the GPU next: keep the (T, H)-sized results, not the layer
         exp.release_inputs()
@@ -218,9 +227,10 @@ def _is_environment(spec: BackendSpec, message: str) -> bool:
 
 
 def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendSpec | None = None,
-                     twin: torch.Tensor | None = None) -> tuple[str, str, Verdict | None]:
+                     twin: torch.Tensor | None = None, emulation: torch.Tensor | None = None
+                     ) -> tuple[str, str, Verdict | None]:
     """(kind, message, verdict): kind 'pass' or a failure kind. `twin`: the output the run is held to as its twin
-    (rule 4; None: none)."""
+    (rule 4; None: none); `emulation`: the run's own (a twin's, `Expectation.twin_emulation`; None: the case's)."""
     if ex.failure is not None and ex.failure.kind == "raised" and spec is not None \
             and _is_environment(spec, ex.failure.message):
         f = ex.failure
@@ -234,8 +244,8 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     if ex.built_digest != exp.digest:
         return "inputs-differ", ("the worker built other inputs than the judge did (the backend changed the "
                                  "worker's global state, e.g. torch's RNG or a harness function)"), None
-    verdict = judge_output(case, ex.output, exp.truth, exp.emulation.value, exp.precision, exp.rules_with(twin),
-                           exp.before)
+    verdict = judge_output(case, ex.output, exp.truth, exp.emulation.value if emulation is None else emulation,
+                           exp.precision, exp.rules_with(twin), exp.before)
     if ex.inputs_written:
         return "input-written", (f"the backend wrote its input(s) {', '.join(ex.inputs_written)} (inputs are "
                                  f"read-only; compared bit for bit before and after the call)"), verdict
@@ -251,25 +261,29 @@ TWIN_RUN = ("its twin run (view 'reordered': the case with the hidden and interm
 
 
 def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | None, spec: BackendSpec
-                 ) -> tuple[str, str, Verdict | None, Execution, torch.Tensor | None]:
-    """(kind, message, verdict, the run that verdict is of, the twin output it was held to): the plain run judged
-    with its twin (the reordered view's run, `expectation.twin_applies`; None: no twin), and, if it passes, the twin
-    judged likewise, with the plain run as its twin. Either run's failure is the case's."""
+                 ) -> tuple[str, str, Verdict | None, Execution, torch.Tensor | None, torch.Tensor | None]:
+    """(kind, message, verdict, the run that verdict is of, the twin output it was held to, that run's own emulation
+    or None for the case's): the plain run judged with its twin (the reordered view's run,
+    `expectation.twin_applies`; None: no twin), and, if it passes, the twin judged likewise, with the plain run as its
+    twin (each against its own emulation where it has one: `expectation.held_to`). Either run's failure is the
+    case's."""
     from moe_lora_harness.harness.build.properties import plain_columns
     if twin is None:
-        return (*_judge_execution(case, exp, ex, spec), ex, None)
+        return (*_judge_execution(case, exp, ex, spec), ex, None, None)
     usable = twin.failure is None and twin.output is not None and exp.truth is not None \
         and tuple(twin.output.shape) == tuple(exp.truth.value.shape)
     mirrored = dataclasses.replace(twin, output=plain_columns(twin.output, case.quant) if usable else twin.output,
                                    built_digest=exp.digest if twin.built_digest == exp.twin_digest else "?")
-    held_to = mirrored.output if usable else None
-    first = _judge_execution(case, exp, ex, spec, held_to)
+    emu, twin_emu = exp.emulation.value, exp.twin_emulation
+    plain_held = held_to(mirrored.output, twin_emu, emu) if usable else None
+    first = _judge_execution(case, exp, ex, spec, plain_held)
     if first[0] != "pass":
-        return (*first, ex, held_to)
-    kind, message, verdict = _judge_execution(case, exp, mirrored, spec, ex.output)
+        return (*first, ex, plain_held, None)
+    twin_held = held_to(ex.output, None if twin_emu is None else emu, emu if twin_emu is None else twin_emu)
+    kind, message, verdict = _judge_execution(case, exp, mirrored, spec, twin_held, twin_emu)
     if kind == "pass":
-        return (*first, ex, held_to)
-    return kind, f"{TWIN_RUN}: {message}", verdict, mirrored, ex.output
+        return (*first, ex, plain_held, None)
+    return kind, f"{TWIN_RUN}: {message}", verdict, mirrored, twin_held, twin_emu
 
 
 def _judge_view(spec: BackendSpec, case: Case, device: str, executor, ex: Execution) -> tuple[str, str, str]:
@@ -345,7 +359,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if not_here:   # the machine cannot compute what the kernel computes: neither a pass nor a failure
         return Outcome(spec.name, case, device, "not-runnable", not_here, seconds=ex.seconds)
     seconds = ex.seconds + (twin.seconds if twin is not None else 0.0)
-    kind, message, verdict, ex, held_to = _judge_twins(case, exp, ex, twin, spec)
+    kind, message, verdict, ex, held, own_emulation = _judge_twins(case, exp, ex, twin, spec)
     runs = []
     if kind not in ("pass", "timeout", "environment") and reruns > 0 and ok:
         # a failure is run again (a hang is not: it would cost the timeout again); a changed outcome means
@@ -354,7 +368,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         for _ in range(reruns):
             ex_i, twin_i = execute()
             seconds += ex_i.seconds + (twin_i.seconds if twin_i is not None else 0.0)
-            kind_i, _, _, judged_i, _ = _judge_twins(case, exp, ex_i, twin_i, spec)
+            kind_i, _, _, judged_i, _, _ = _judge_twins(case, exp, ex_i, twin_i, spec)
             runs.append(_signature(kind_i, judged_i))
         if len(set(runs)) > 1:
             kind = "nondeterministic"
@@ -383,7 +397,8 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if passed:
         return Outcome(spec.name, case, device, "pass", note, verdict, seconds=seconds)
     repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
-    notes, semantics, also = _diagnoses(case, kind, verdict, ex, exp, held_to) if diagnose else ([], "", ())
+    notes, semantics, also = (_diagnoses(case, kind, verdict, ex, exp, held, own_emulation) if diagnose
+                              else ([], "", ()))
     return Outcome(spec.name, case, device, "fail", kind, verdict,
                    _explain(spec, case, device, kind, message, verdict, ex, exp, repro, notes), kind=kind,
                    runs=runs, seconds=seconds, message=message, repro=repro, semantics=semantics,
@@ -411,27 +426,29 @@ def _expert_coords(case: Case, inp):
 
 
 def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation,
-               twin: torch.Tensor | None = None) -> tuple[list, str]:
+               twin: torch.Tensor | None = None, emulation: torch.Tensor | None = None) -> tuple[list, str]:
     """(report lines, the named semantic alternative or ''): the rounding model a bound failure follows
     (harness.judge.diagnose); beyond every rounding model, the integration mistake (harness.judge.semantic_diagnosis);
     and, when only some rows fail, which they are; each under the verdict's rules (`twin`: the output the run was
-    held to). Advice only: its own failure is reported, never raised."""
+    held to; `emulation`: the run's own, None for the case's). Advice only: its own failure is reported, never
+    raised."""
     if verdict is None or ex.output is None or kind not in (*WRONG_VALUE_KINDS, "nonfinite"):
         return [], "", ()
     lines, name, also = [], "", ()
     rules = exp.rules_with(twin)
+    emu = exp.emulation.value if emulation is None else emulation
     try:
         d = None
         if kind in ("element", "aggregate"):
             d = diagnose_precision(case, exp.precision, ex.output, exp.truth, inputs=exp.inputs,
-                                   emulation=exp.emulation.value, rules=rules)
+                                   emulation=emu, rules=rules)
             lines.append("  precision: " + (d.text if d is not None
                                             else "the error is too large for any rounding model"))
         if kind != "nonfinite" and (d is None or not d.matched):
-            s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, exp.emulation.value,
+            s = semantic_diagnosis(case, exp.precision, ex.output, exp.inputs, exp.truth, emu,
                                    verdict.ratio if kind != "untouched" else None, before=exp.before, rules=rules)
             n = (kind == "untouched" and s is not None and not s.name
-                 and sign_of_zero_only(case, exp.precision, ex.output, exp.truth, exp.emulation.value, exp.before,
+                 and sign_of_zero_only(case, exp.precision, ex.output, exp.truth, emu, exp.before,
                                        rules=rules))
             if n:      # no mistake of the table fits, and only zeros changed sign: said so (harness.judge.zero_sign)
                 lines.append("  semantics: " + sign_of_zero_text(n))
@@ -440,7 +457,7 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation,
                 lines.append("  semantics: " + s.text)
                 name, also = s.name, tuple(f.name for f in s.matched[1:])
         where = locate(case, exp.inputs, failing_rows(case, exp.precision, ex.output, exp.truth,
-                                                      exp.emulation.value, exp.before, rules))
+                                                      emu, exp.before, rules))
         if where:
             lines.append("  rows: " + where)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict

@@ -430,8 +430,8 @@ def _judged_sets(row_groups, live: torch.Tensor):
 
 # a verdict's `unseen` where the truth carries no rounding-variance model (FP8 activations: their e4m3 steps are rule
 # 2's flip terms), so rule 4 judges no row
-RULE4_OFF = ("rule 4 is off (the truth carries no rounding-variance model, as with FP8 activations under a truncating "
-             "or undeclared e4m3 accumulation): rules 2 and 3 alone judge every row")
+RULE4_OFF = ("rule 4 is off (the truth carries no rounding-variance model, as with FP8 activations under an undeclared "
+             "e4m3 accumulation, or a truncating one without a twin run): rules 2 and 3 alone judge every row")
 
 
 def rule4_unseen(written: torch.Tensor, row_groups=None) -> str:

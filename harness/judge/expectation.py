@@ -5,6 +5,7 @@ is computed where the inputs lie: on a CUDA run's device (the judge's own proces
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,21 +88,26 @@ def fp8_sums_exact(device, mma=None) -> bool:
     return device is not None and (device_kind(device) == "cpu" or mma == "fp32")
 
 
-def allowances(truth, device=None, mma=None) -> dict:
+def allowances(truth, device=None, mma=None, twin: bool = False, points_only: bool = False) -> dict:
     """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
     (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip, .flip_sq; the op level quantizes no activation)
     and the statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8
     activations (`one_flip` set) `acc_var` is kept only where `fp8_accumulation_modelled(device, mma)` (`device`:
     where the backend ran; None: unknown, the worst-case term), and `round_var` and `flip_sq` (rule 4 over FP8 rows)
     only where the e4m3 products are summed exactly (`fp8_sums_exact`: the flips' chances are bounded from the fp32
-    accumulation's variance, which a truncating MMA exceeds) and the truth carries the flips' expected square."""
+    accumulation's variance, which a truncating MMA exceeds) and the truth carries the flips' expected square; under a
+    modelled truncating MMA only with a `twin` run of a backend that rounds at its model's points (`points_only`),
+    whose measure alone then bounds the flips (flip_sq infinite: the twin's cap is the allowance)."""
     got = {name: getattr(truth, name, None)
            for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq")}
     if got["one_flip"] is not None:
         if not fp8_accumulation_modelled(device, mma):
             got["acc_var"] = None
-        if got["acc_var"] is None or got["flip_sq"] is None or not fp8_sums_exact(device, mma):
+        measured = twin and points_only and mma is not None and not fp8_sums_exact(device, mma)
+        if got["acc_var"] is None or got["flip_sq"] is None or not (fp8_sums_exact(device, mma) or measured):
             got["round_var"] = got["flip_sq"] = None
+        elif measured:
+            got["flip_sq"] = torch.full_like(got["flip_sq"], math.inf)
     return got
 
 
@@ -122,7 +128,7 @@ class Rules:
     def kwargs(self, truth) -> dict:
         """compare_written's keyword arguments for `truth` (its allowances) under these rules."""
         return dict(row_groups=self.groups, model_points_only=self.points_only, twin=self.twin,
-                    **allowances(truth, self.device, self.mma))
+                    **allowances(truth, self.device, self.mma, self.twin is not None, self.points_only))
 
 
 def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -> bool:
@@ -131,15 +137,35 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
     rows or more) on an fp32 output, whose accumulation error a bound for every summation order overstates 25 to 60
     times for a blocked kernel (docs/error-model.md, "The twin run"); and on FP8 activations of a backend declared to
     round at its model's points (`points_only`) whose e4m3 products are summed exactly there (`device` a CPU, or its
-    declared `mma` "fp32"): its e4m3 flips, which a bound overstates 10-25 times, as the other order flips them
-    (a truncating MMA in the other order would be off the plain one's emulation). Expert level, one rank."""
+    declared `mma` "fp32"): its e4m3 flips, which a bound overstates 10-25 times, as the other order flips them; or
+    under a declared truncating MMA the judge emulates (`mma` an int), each run then held to its own emulation
+    (`twin_own_emulation`) where both emulations fit MMA_PRODUCTS_MAX. Expert level, one rank."""
     from moe_lora_harness.harness.spec.contract import must_reject
     if not (case.level == "expert" and not case.view and not case.dispatched and case.tp_size == 1
             and case.T >= EXCESS_MIN_ROWS and must_reject(case) is None):
         return False
     if case.quant in FP8_QUANTS:
-        return points_only and fp8_sums_exact(device, mma)
+        return points_only and (fp8_sums_exact(device, mma)
+                                or (mma is not None and 2 * mma_products(case) <= MMA_PRODUCTS_MAX))
     return case.quant == "none" and torch_dtype(case) == torch.float32
+
+
+def twin_own_emulation(case: Case, mma=None) -> bool:
+    """Whether each run of a twin pair is judged against its own emulation: FP8 under a truncating e4m3 MMA (`mma`
+    an int: modelled_mma), whose promotion windows follow the K order, so that the reordered view's emulation is
+    another than the plain case's by far more than a correct kernel's deviation from either (the emulations cost
+    twice: twin_applies keeps both within MMA_PRODUCTS_MAX)."""
+    return case.quant in FP8_QUANTS and mma not in (None, "fp32")
+
+
+def held_to(other: torch.Tensor | None, other_emulation: torch.Tensor | None, emulation: torch.Tensor):
+    """The twin a run is held to (`Rules.twin`): the other run, moved by the two emulations' difference where each run
+    has its own (`twin_own_emulation`; `other_emulation` None: they share one), so that the pair's difference is
+    their two deviations from their own emulations, which is what rule 4's twin measures."""
+    if other is None or other_emulation is None:
+        return other
+    f64 = lambda t: t.to(emulation.device, torch.float64)  # noqa: E731
+    return f64(other) - f64(other_emulation) + f64(emulation)
 
 
 def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, precision: str, rules: Rules,
@@ -155,15 +181,19 @@ def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, 
 
 
 def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth, emulation: torch.Tensor,
-                precision: str, rules: Rules):
+                precision: str, rules: Rules, twin_emulation: torch.Tensor | None = None):
     """`judge_output` of a run and, where it passes, of its twin (`twin_applies`; in the plain columns), each held to
-    the other: the first failing verdict, else the run's. The runner's pairing on outputs alone (selftest --power)."""
+    the other (`held_to`; `twin_emulation`: the twin's own emulation, in the plain columns, where it has one): the
+    first failing verdict, else the run's. The runner's pairing on outputs alone (selftest --power)."""
     if twin is None:
         return judge_output(case, out, truth, emulation, precision, rules)
-    v = judge_output(case, out, truth, emulation, precision, dataclasses.replace(rules, twin=twin))
+    v = judge_output(case, out, truth, emulation, precision,
+                     dataclasses.replace(rules, twin=held_to(twin, twin_emulation, emulation)))
     if not v.ok:
         return v
-    v2 = judge_output(case, twin, truth, emulation, precision, dataclasses.replace(rules, twin=out))
+    own = emulation if twin_emulation is None else twin_emulation
+    v2 = judge_output(case, twin, truth, own, precision,
+                      dataclasses.replace(rules, twin=held_to(out, None if twin_emulation is None else emulation, own)))
     return v if v2.ok else v2
 
 

@@ -28,7 +28,8 @@ from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, RULE4_OFF
 from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
-from moe_lora_harness.harness.judge.expectation import Rules, declared_rounding, judge_twins, row_groups, twin_applies
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_twins, row_groups, twin_applies,
+                                                        twin_own_emulation)
 from moe_lora_harness.reference.precision import precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
@@ -235,6 +236,7 @@ class CorrectRun:
     twin_inputs: ExpertInputs | None = None    # the reordered view's inputs, where the judge runs a twin
     twin: torch.Tensor | None = None            # the backend's output on them, in the plain columns
     mma: int | str | None = None                # the e4m3 MMA the emulation runs (expectation.modelled_mma)
+    twin_emulation: torch.Tensor | None = None  # the twin's own emulation, in the plain columns, where it has one
 
 
 def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
@@ -247,8 +249,12 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     if not twin_applies(case, device, mma, points_only):
         return CorrectRun(precision, points_only, inp, truth, emu, out, mma=mma)
     twin_inp = view_inputs(inp, "reordered")
+    twin_emu = None
+    if twin_own_emulation(case, mma):
+        twin_emu = plain_columns(expert_expectations(case.replace(view="reordered"), precision, emulation_only=True,
+                                                     device=device, inputs=twin_inp, mma=mma)[2].value, case.quant)
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
-                      plain_columns(run_calls(spec, twin_inp.call(device), case), case.quant), mma)
+                      plain_columns(run_calls(spec, twin_inp.call(device), case), case.quant), mma, twin_emu)
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BISECTION_STEPS,
@@ -266,7 +272,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BIS
         return run_calls(spec, i.call(device), case)
 
     def judge(out, twin=None):     # the runner's verdict (with the twin run, where it runs one)
-        return judge_twins(case, out, twin, truth, emu.value, precision, rules)
+        return judge_twins(case, out, twin, truth, emu.value, precision, rules, c.twin_emulation)
 
     def slipped(slip, alpha):      # the slipped kernel's run, and its twin's in the plain columns
         out = run(slip.make(inp, alpha))

@@ -16,7 +16,7 @@ from moe_lora_harness.harness.spec.case import (FP16_MASSIVE_MAGNITUDE, FP16_MAX
                                            Case)
 from moe_lora_harness.harness.judge.diagnose import diagnose
 from moe_lora_harness.harness.execution.device import interpreting
-from moe_lora_harness.harness.judge.expectation import Rules, allowances
+from moe_lora_harness.harness.judge.expectation import Rules, allowances, twin_applies
 from moe_lora_harness.harness.build.expert_runner import expert_expectations, expert_forward
 from moe_lora_harness.harness.check.features import FEATURES, feature_cases
 from moe_lora_harness.harness.selftest import power
@@ -579,7 +579,8 @@ def test_our_fp8_experts_land_on_their_declared_accumulation_and_pass_on_its_sta
     """On the GPU our Triton experts' output lies on the emulation of the accumulation they declare for the case
     (backends.rounding.triton_fp8_mma: exact sums in fp32 for a row tile under 64, the warpgroup MMA promoted every
     128 from 64) far more often than on the other one (without LoRA the only other differences are fp32 roundings
-    and the flips they cause), and the runner passes it with the accumulation judged statistically."""
+    and the flips they cause), and the runner passes it with the accumulation judged statistically and rule 4 on
+    (a twin run)."""
     from moe_lora_harness.harness.build.expert_runner import run_calls
     from moe_lora_harness.harness.execution.execute import InProcess
     from moe_lora_harness.harness.execution.runner import expectations, run_case
@@ -601,6 +602,9 @@ def test_our_fp8_experts_land_on_their_declared_accumulation_and_pass_on_its_sta
     assert case.lora or off[exp.mma] <= 0.001 * out.numel(), (off, out.numel())
     o = run_case(spec, case, "cuda", executor=InProcess(), reruns=0)
     assert o.status == "pass", o.detail
+    # every row has the rows rule 4 needs, and its twin: exact sums' order, or the MMA's, each with its own emulation
+    assert twin_applies(case, "cuda", exp.mma, True) and (exp.twin_emulation is not None) == (exp.mma == 128)
+    assert o.verdict.unseen != compare.RULE4_OFF, o.verdict.summary()
 
 
 # rule 4 over FP8 rows (docs/error-model.md, "FP8 rows in rule 4"): 256 rows, enough for it, small enough for a second
@@ -632,16 +636,60 @@ def test_rule_4_judges_fp8_rows_where_the_sums_are_exact_and_the_twin_measures_t
     assert judge(slipped(c.out), None, rules=Rules("cuda", True, rules.groups, mma=128)).ok
 
 
-def test_fp8_rows_get_rule_4_only_where_the_e4m3_products_sum_exactly():
+@pytest.mark.parametrize("quant", FP8_QUANTS)
+def test_under_a_truncating_mma_each_twin_is_held_to_its_own_emulation(quant):
+    """A truncating e4m3 MMA (promoted every 128) sums the reordered view in other windows: its emulation is off the
+    plain one's by about the kernel's whole error, so each run of the pair is judged against its own emulation and
+    held to the other moved by the emulations' difference (expectation.held_to). A kernel that lies off each
+    emulation as eager lies off exact sums (the CPU's stand-in for the GPU's MMA) passes with rule 4 on; a slip spread
+    over the rows at the kernel's own error fails by rule 4, where rules 2 and 3 alone (no twin) pass it."""
+    from moe_lora_harness.backends.eager import BACKEND as EAGER
+    from moe_lora_harness.harness.build.properties import plain_columns
+    from moe_lora_harness.harness.judge.expectation import held_to, judge_twins, row_groups
+    case = RULE4_ROW.replace(quant=quant)
+    c = power.correct_run(EAGER, case, "cpu")
+
+    def emulation(inputs, mma, view=""):
+        e = expert_expectations(case.replace(view=view), c.precision, emulation_only=True, inputs=inputs, mma=mma)
+        return plain_columns(e[2].value, quant) if view else e[2].value
+    on_mma, twin_on_mma = emulation(c.inputs, 128), emulation(c.twin_inputs, 128, "reordered")
+    exact_twin = emulation(c.twin_inputs, None, "reordered")
+    out = (on_mma + (c.out.to(F64) - c.emulation.value)).to(c.out.dtype)
+    twin = (twin_on_mma + (c.twin.to(F64) - exact_twin)).to(c.out.dtype)
+    err = float((out.to(F64) - c.truth.value).norm())
+    assert float((on_mma - twin_on_mma).norm()) > 0.1 * err          # the two orders' emulations differ
+    assert float((out.to(F64) - held_to(twin, twin_on_mma, on_mma)).norm()) < 0.01 * err
+    rules = Rules("cuda:0", True, row_groups(c.inputs, c.truth), mma=128)
+    judge = functools.partial(judge_twins, case, truth=c.truth, emulation=on_mma, precision=c.precision, rules=rules)
+    v = judge(out, twin, twin_emulation=twin_on_mma)
+    assert v.ok and v.unseen != compare.RULE4_OFF, v.summary()
+    g = torch.randn(c.truth.value.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    g *= err / g.norm()
+
+    def slipped(o):
+        return (o.to(F64) + g).to(c.out.dtype)
+    v = judge(slipped(out), slipped(twin), twin_emulation=twin_on_mma)
+    assert not v.ok and "rule 4" in v.message, v.message
+    v = judge(slipped(out), None)
+    assert v.ok and v.unseen == compare.RULE4_OFF, v.summary()
+
+
+def test_fp8_rows_get_rule_4_only_where_the_e4m3_products_sum_exactly_or_a_twin_measures_them():
     """The flips' chances are bounded from the fp32 accumulation's variance: on a CPU and under a declared "fp32"
-    accumulation rule 4 holds (round_var and flip_sq carried), under a truncating MMA or undeclared it is off."""
+    accumulation rule 4 holds (round_var and flip_sq carried); under a truncating MMA only with a twin run of a
+    backend declared to round at its model's points, the twin's measure alone bounding the flips (flip_sq infinite);
+    undeclared, or without such a twin, it is off."""
     _, truth, _ = _expectations(RULE4_ROW.replace(T=8))
     assert truth.flip_sq is not None and tuple(truth.flip_sq.shape) == (8, 2)
     assert bool((truth.flip_sq[:, 1] >= truth.flip_sq[:, 0]).all()) and bool((truth.flip_sq >= 0).all())
-    for device, mma, on in (("cpu", None, True), ("cuda:0", "fp32", True), ("cuda:0", 128, False),
-                            ("cuda:0", None, False), (None, None, False)):
-        got = allowances(truth, device, mma)
+    for device, mma, twin, points_only, on in (
+            ("cpu", None, False, False, True), ("cuda:0", "fp32", False, False, True),
+            ("cuda:0", 128, False, True, False), ("cuda:0", 128, True, False, False), ("cuda:0", 128, True, True, True),
+            ("cuda:0", None, True, True, False), (None, None, False, False, False)):
+        got = allowances(truth, device, mma, twin, points_only)
         assert (got["flip_sq"] is not None) == on and (got["round_var"] is not None) == on, (device, mma)
+        measured = on and mma == 128
+        assert not on or bool(torch.isinf(got["flip_sq"]).all()) == measured, (device, mma)
 
 
 def test_a_flips_chance_is_chebyshevs_bound_and_zero_outside_the_worst_case_window():

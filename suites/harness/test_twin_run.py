@@ -14,7 +14,8 @@ from moe_lora_harness.backends.eager import run_experts
 from moe_lora_harness.harness.execution.execute import InProcess
 from moe_lora_harness.harness.execution.runner import TWIN_RUN, run_case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, TWIN_FACTOR
-from moe_lora_harness.harness.judge.expectation import Rules, judge_output, judge_twins, row_groups, twin_applies
+from moe_lora_harness.harness.judge.expectation import (MMA_PRODUCTS_MAX, Rules, judge_output, judge_twins,
+                                                        mma_products, row_groups, twin_applies, twin_own_emulation)
 from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.harness.spec.case import Case
 
@@ -40,7 +41,12 @@ def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
     fp8 = CASE.replace(quant="fp8_w8a8", dtype="float16")
     assert twin_applies(fp8, "cpu", None, True) and twin_applies(fp8, "cuda:0", "fp32", True)
     assert not twin_applies(fp8, "cpu", None, False)          # other points' flips need not differ between orders
-    assert not twin_applies(fp8, "cuda:0", 128, True)         # the other order's truncating MMA is off the emulation
+    # under a truncating MMA the judge emulates, each run is held to its own emulation (twin_own_emulation), where
+    # both emulations fit the emulation's cap
+    assert twin_applies(fp8, "cuda:0", 128, True) and twin_own_emulation(fp8, 128)
+    assert not twin_own_emulation(fp8, "fp32") and not twin_own_emulation(fp8) and not twin_own_emulation(CASE, 128)
+    big = fp8.replace(T=2048, H=4096, I=4096)
+    assert 2 * mma_products(big) > MMA_PRODUCTS_MAX >= mma_products(big) and not twin_applies(big, "cuda:0", 128, True)
     assert not twin_applies(fp8, "cuda:0", None, True) and not twin_applies(fp8)
     assert not twin_applies(fp8.replace(T=EXCESS_MIN_ROWS - 1), "cpu", None, True)
 
