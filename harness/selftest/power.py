@@ -407,7 +407,7 @@ def to_json(reports) -> list:
                  seconds=round(r.seconds, 2), rule4_off=_rule4_off(r),
                  slips=[dict(slip=s.slip, judge_alpha=s.judge.alpha, judge_multiple=s.judge.multiple,
                              judge_smallest=s.judge.smallest, oracle_smallest=s.oracle.smallest,
-                             no_effect=s.judge.no_effect and s.oracle.no_effect,
+                             no_effect=s.judge.no_effect or s.oracle.no_effect,   # the output unchanged
                              oracle_alpha=s.oracle.alpha, oracle_multiple=s.oracle.multiple,
                              oracle_only=s.oracle_only, oracle_only_rows=s.oracle_only_rows,
                              evaluated=s.evaluated) for s in r.slips],

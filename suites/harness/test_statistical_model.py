@@ -230,6 +230,12 @@ def test_the_power_table_says_whether_outputs_only_the_oracle_fails_lie_within_t
     assert power.within_declared_limit(many, off)
     assert "FP8 activations: rule 4 is off at any row count" in power.power_table([off])
     on = dataclasses.replace(off, rule4_off=False)     # FP8 rows rule 4 judged (sums exact): no such excuse
+    # a slip that changes nothing is a no-op in the JSON too where the oracle, failing the correct kernel, has no
+    # threshold of its own (FP8 rows: the base-GEMM slips rewrite weights a quantized backend does not read)
+    noop = power.SlipPower("base-gemm1-k-tail", power.Threshold(None, None, no_effect=True), power.Threshold(None, None),
+                           0, 1)
+    assert power.to_json([dataclasses.replace(off, oracle_use=2.0, slips=[noop])])[0]["slips"][0]["no_effect"]
+    assert "no-op" in power.power_table([dataclasses.replace(off, oracle_use=2.0, slips=[noop])])
     assert not power.within_declared_limit(many, on) and "enough for rule 4" in power.power_table([on])
     table = power.power_table([power.PowerReport(case, "eager", 0.01, 1.0, True, 0.5, [few, many], 0.0)])
     assert f"at most {compare.EXCESS_MIN_ROWS - 1} rows changed: fewer than rule 4 needs" in table
