@@ -21,9 +21,8 @@ from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, m
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.build.guards import outside_message
-from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, held_to, judge_output, judging,
-                                                        op_expectations, row_groups, twin_applies,
-                                                        twin_own_emulation)
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, held_to, judge_output,
+                                                        judging, op_expectations, row_groups, twin_applies)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -169,14 +168,10 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple | N
         exp.groups = None if groups is None else {k: v.clone() for k, v in groups.items()}
         if twin_applies(case, device, mma, points_only):   # the twin's inputs, digested (and emulated where it
             # has its own emulation): the plain ones are permuted in place, then released
-            from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
+            from moe_lora_harness.harness.build.properties import view_inputs
             view = view_inputs(exp.built, "reordered", in_place=True)
             exp.twin_digest = inputs_digest(view)
-            if twin_own_emulation(case, mma):
-                from moe_lora_harness.harness.build.expert_runner import expert_expectations
-                emu = expert_expectations(case.replace(view="reordered"), precision, emulation_only=True, device=at,
-                                          inputs=view, mma=mma)[2]
-                exp.twin_emulation = plain_columns(emu.value, case.quant)
+            exp.twin_emulation = emulate_twin(case, precision, view, at, mma)
             exp.release_inputs()
     if at != "cpu":     # the worker needs the GPU next: keep the (T, H)-sized results, not the layer
         exp.release_inputs()
@@ -275,11 +270,12 @@ def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | 
     mirrored = dataclasses.replace(twin, output=plain_columns(twin.output, case.quant) if usable else twin.output,
                                    built_digest=exp.digest if twin.built_digest == exp.twin_digest else "?")
     emu, twin_emu = exp.emulation.value, exp.twin_emulation
-    plain_held = held_to(mirrored.output, twin_emu, emu) if usable else None
+    own = emu if twin_emu is None else twin_emu
+    plain_held = held_to(mirrored.output, own, emu) if usable else None
     first = _judge_execution(case, exp, ex, spec, plain_held)
     if first[0] != "pass":
         return (*first, ex, plain_held, None)
-    twin_held = held_to(ex.output, None if twin_emu is None else emu, emu if twin_emu is None else twin_emu)
+    twin_held = held_to(ex.output, emu, own)
     kind, message, verdict = _judge_execution(case, exp, mirrored, spec, twin_held, twin_emu)
     if kind == "pass":
         return (*first, ex, plain_held, None)

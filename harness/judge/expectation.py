@@ -146,7 +146,7 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
         return False
     if case.quant in FP8_QUANTS:
         return points_only and (fp8_sums_exact(device, mma)
-                                or (mma is not None and 2 * mma_products(case) <= MMA_PRODUCTS_MAX))
+                                or (twin_own_emulation(case, mma) and 2 * mma_products(case) <= MMA_PRODUCTS_MAX))
     return case.quant == "none" and torch_dtype(case) == torch.float32
 
 
@@ -158,11 +158,23 @@ def twin_own_emulation(case: Case, mma=None) -> bool:
     return case.quant in FP8_QUANTS and mma not in (None, "fp32")
 
 
-def held_to(other: torch.Tensor | None, other_emulation: torch.Tensor | None, emulation: torch.Tensor):
+def emulate_twin(case: Case, precision: str, view_inputs, device: str, mma=None) -> torch.Tensor | None:
+    """The twin's own emulation (`twin_own_emulation`), computed on the reordered view's inputs `view_inputs` on
+    `device`, in the plain columns; None where the twin shares the case's. The runner's and selftest --power's."""
+    if not twin_own_emulation(case, mma):
+        return None
+    from moe_lora_harness.harness.build.expert_runner import expert_expectations
+    from moe_lora_harness.harness.build.properties import plain_columns
+    emu = expert_expectations(case.replace(view="reordered"), precision, emulation_only=True, device=device,
+                              inputs=view_inputs, mma=mma)[2]
+    return plain_columns(emu.value, case.quant)
+
+
+def held_to(other: torch.Tensor | None, other_emulation: torch.Tensor, emulation: torch.Tensor):
     """The twin a run is held to (`Rules.twin`): the other run, moved by the two emulations' difference where each run
-    has its own (`twin_own_emulation`; `other_emulation` None: they share one), so that the pair's difference is
-    their two deviations from their own emulations, which is what rule 4's twin measures."""
-    if other is None or other_emulation is None:
+    has its own (`twin_own_emulation`; the same tensor: they share one, and `other` is returned as it is), so that
+    the pair's difference is their two deviations from their own emulations, which is what rule 4's twin measures."""
+    if other is None or other_emulation is emulation:
         return other
     f64 = lambda t: t.to(emulation.device, torch.float64)  # noqa: E731
     return f64(other) - f64(other_emulation) + f64(emulation)
@@ -187,13 +199,12 @@ def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth,
     first failing verdict, else the run's. The runner's pairing on outputs alone (selftest --power)."""
     if twin is None:
         return judge_output(case, out, truth, emulation, precision, rules)
+    own = emulation if twin_emulation is None else twin_emulation
     v = judge_output(case, out, truth, emulation, precision,
-                     dataclasses.replace(rules, twin=held_to(twin, twin_emulation, emulation)))
+                     dataclasses.replace(rules, twin=held_to(twin, own, emulation)))
     if not v.ok:
         return v
-    own = emulation if twin_emulation is None else twin_emulation
-    v2 = judge_output(case, twin, truth, own, precision,
-                      dataclasses.replace(rules, twin=held_to(out, None if twin_emulation is None else emulation, own)))
+    v2 = judge_output(case, twin, truth, own, precision, dataclasses.replace(rules, twin=held_to(out, emulation, own)))
     return v if v2.ok else v2
 
 

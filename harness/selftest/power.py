@@ -28,8 +28,8 @@ from moe_lora_harness.harness.build.builders import ExpertInputs
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, RULE4_OFF
 from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
-from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, judge_twins, row_groups, twin_applies,
-                                                        twin_own_emulation)
+from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, judge_twins, row_groups,
+                                                        twin_applies)
 from moe_lora_harness.reference.precision import precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
@@ -249,12 +249,9 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     if not twin_applies(case, device, mma, points_only):
         return CorrectRun(precision, points_only, inp, truth, emu, out, mma=mma)
     twin_inp = view_inputs(inp, "reordered")
-    twin_emu = None
-    if twin_own_emulation(case, mma):
-        twin_emu = plain_columns(expert_expectations(case.replace(view="reordered"), precision, emulation_only=True,
-                                                     device=device, inputs=twin_inp, mma=mma)[2].value, case.quant)
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
-                      plain_columns(run_calls(spec, twin_inp.call(device), case), case.quant), mma, twin_emu)
+                      plain_columns(run_calls(spec, twin_inp.call(device), case), case.quant), mma,
+                      emulate_twin(case, precision, twin_inp, device, mma))
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BISECTION_STEPS,

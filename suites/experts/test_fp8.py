@@ -645,14 +645,15 @@ def test_under_a_truncating_mma_each_twin_is_held_to_its_own_emulation(quant):
     over the rows at the kernel's own error fails by rule 4, where rules 2 and 3 alone (no twin) pass it."""
     from moe_lora_harness.backends.eager import BACKEND as EAGER
     from moe_lora_harness.harness.build.properties import plain_columns
-    from moe_lora_harness.harness.judge.expectation import held_to, judge_twins, row_groups
+    from moe_lora_harness.harness.judge.expectation import emulate_twin, held_to, judge_twins, row_groups
     case = RULE4_ROW.replace(quant=quant)
     c = power.correct_run(EAGER, case, "cpu")
 
     def emulation(inputs, mma, view=""):
         e = expert_expectations(case.replace(view=view), c.precision, emulation_only=True, inputs=inputs, mma=mma)
         return plain_columns(e[2].value, quant) if view else e[2].value
-    on_mma, twin_on_mma = emulation(c.inputs, 128), emulation(c.twin_inputs, 128, "reordered")
+    on_mma, twin_on_mma = emulation(c.inputs, 128), emulate_twin(case, c.precision, c.twin_inputs, "cpu", 128)
+    assert torch.equal(twin_on_mma, emulation(c.twin_inputs, 128, "reordered"))   # the runner's, as built here
     exact_twin = emulation(c.twin_inputs, None, "reordered")
     out = (on_mma + (c.out.to(F64) - c.emulation.value)).to(c.out.dtype)
     twin = (twin_on_mma + (c.twin.to(F64) - exact_twin)).to(c.out.dtype)
