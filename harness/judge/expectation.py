@@ -97,10 +97,14 @@ def allowances(truth, device=None, mma=None, twin: bool = False, points_only: bo
     only where the e4m3 products are summed exactly (`fp8_sums_exact`: the flips' chances are bounded from the fp32
     accumulation's variance, which a truncating MMA exceeds) and the truth carries the flips' expected square; under a
     modelled truncating MMA only with a `twin` run of a backend that rounds at its model's points (`points_only`),
-    whose measure alone then bounds the flips (flip_sq infinite: the twin's cap is the allowance)."""
+    whose measure alone then bounds the flips (flip_sq infinite: the twin's cap is the allowance). Such a backend
+    computes the activations' scales and operands with the model's own fp32 divisions, so the GEMM1 flips only
+    another scale arithmetic takes (`slack_flip`) are allowed it nowhere (rule 3's floors as rule 4)."""
     got = {name: getattr(truth, name, None)
            for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq")}
     if got["one_flip"] is not None:
+        if points_only:
+            got["slack_flip"] = None
         if not fp8_accumulation_modelled(device, mma):
             got["acc_var"] = None
         measured = twin and points_only and mma is not None and not fp8_sums_exact(device, mma)

@@ -308,6 +308,26 @@ def test_gemm1_flips_of_another_scale_arithmetic_pass_thanks_to_slack_flip(case)
     assert _verdict(case, call.output, truth, emu, slack_flip=None).kind == "aggregate"
 
 
+@pytest.mark.parametrize("case", [SLACK_CASE, SLACK_CASE.replace(lora=True, max_loras=2)], ids=["base", "lora"])
+def test_a_backend_declared_to_round_at_its_models_points_is_allowed_no_scale_arithmetic_flips(case):
+    """Declared to round only at its model's points, a backend divides as the model does (`amax / 448`, then
+    `x / s`), so rule 3's floors allow it no GEMM1 flips of another scale arithmetic (`allowances` drops
+    `slack_flip`), as rule 4 allows none: the eager experts so declared pass; the reciprocal quantizer, whose ties
+    round the other way, fails when it claims the declaration and passes without it."""
+    from moe_lora_harness.backends.eager import run_experts
+    inp, truth, emu = expert_expectations(case, "one_shot")
+    assert allowances(truth, "cpu", points_only=True)["slack_flip"] is None
+    assert allowances(truth, "cpu")["slack_flip"] is not None
+    declared = dict(allowances(truth, "cpu", points_only=True), model_points_only=True)
+    plain = inp.call("cpu")
+    run_experts(plain)
+    assert _verdict(case, plain.output, truth, emu, **declared).ok
+    call = inp.call("cpu")
+    run_experts(call, fp8_ops=dataclasses.replace(eager_fp8.FP8_OPS, quantize=_quantize_by_reciprocals))
+    assert _verdict(case, call.output, truth, emu, **declared).kind == "aggregate"
+    assert _verdict(case, call.output, truth, emu).ok
+
+
 @pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_no_mul"])
 def test_slack_flips_bound_any_subset_and_signs_and_beats_the_sum_of_norms(activation):
     """`experts._slack_flips`' Gram bound, both ways: the exact change of a pair's output row when any subset of its
