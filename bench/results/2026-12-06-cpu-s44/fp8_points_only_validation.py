@@ -1,6 +1,7 @@
 """Validation (forty-fourth session): correct backends declared to round at their model's points on random FP8 cases
 of 1-300 rows through the runner, rule 3's floors without the scale arithmetic's flips (slack_flip) for such a
-backend. `python fp8_points_only_validation.py BACKEND N SECONDS SEED`: one line of counts, then any failure."""
+backend. `python fp8_points_only_validation.py BACKEND N SECONDS SEED [DEVICE]`: one line of counts, then any
+failure."""
 import sys, random, time
 from moe_lora_harness.harness.spec.case import Case, MASSIVE_OUTLIER_SCALE, FP16_MASSIVE_MAGNITUDE
 from moe_lora_harness.harness.spec.registry import available_backends
@@ -9,6 +10,7 @@ from moe_lora_harness.harness.execution.execute import InProcess
 backend = sys.argv[1]; n = int(sys.argv[2]); budget = float(sys.argv[3])
 spec = available_backends()[backend]
 rng = random.Random(int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
 t0 = time.time(); counts = {}; fails = []
 acts = ["silu", "gelu", "swigluoai", "relu2_no_mul"]
 i = 0
@@ -28,10 +30,10 @@ while i < n and time.time() - t0 < budget:
     if case.problems():
         continue
     i += 1
-    o = run_case(spec, case, "cpu", executor=InProcess(), reruns=0)
+    o = run_case(spec, case, device, executor=InProcess(), reruns=0)
     counts[o.status] = counts.get(o.status, 0) + 1
     if o.status not in ("pass", "unsupported"):
         fails.append((case.to_json(), o.status, (o.message or "")[:400]))
-print(backend, "cases", i, counts, "%.0fs" % (time.time() - t0))
+print(backend, device, "cases", i, counts, "%.0fs" % (time.time() - t0))
 for f in fails[:8]:
     print("FAIL", f)
