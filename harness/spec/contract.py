@@ -150,8 +150,10 @@ class BackendSpec:
     a GPU by default, IEEE fp32 in the CPU interpreter).
     `model_points_only`: True (or a mapping from device kind to it) when the backend rounds exactly where its
     precision model rounds and nowhere else (no extra or double rounding, no reduced-precision reduction); rule 4
-    then allows its fp32 accumulation alone, a sharper judge (docs/error-model.md). A false claim fails correct
-    outputs that round elsewhere: declare it only where that is known.
+    then allows its fp32 accumulation alone, a sharper judge (docs/error-model.md); with FP8 activations it also
+    claims the model's scale arithmetic (`amax / 448`, then `x / s`, each an fp32 division), and no rule allows it
+    the flips another arithmetic takes at e4m3 ties. A false claim fails correct outputs that round elsewhere:
+    declare it only where that is known.
     `fp8_mma`: a mapping from device kind to how the backend's FP8 base GEMMs accumulate there (or to `case -> that`,
     asked about one call of the case): the products per tile of the sm_90 warpgroup MMA promoted into an fp32
     accumulator (an int, a multiple of 32, K in order, no split-K), "chained" (that MMA's one accumulator through
