@@ -421,13 +421,21 @@ def _expert_coords(case: Case, inp):
     return coords
 
 
+# the diagnosis of a bound failure of a backend declared to round only at its model's points whose output the judge
+# passes without that declaration
+UNDECLARED_PASS = ("judged as a backend that does not declare model_points_only (one more rounding of every value "
+                   "allowed, and with FP8 activations the flips another scale arithmetic takes at e4m3 ties), the "
+                   "output passes: it rounds where its model does not, and if that is meant the declaration is the "
+                   "mistake")
+
+
 def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation,
                twin: torch.Tensor | None = None, emulation: torch.Tensor | None = None) -> tuple[list, str]:
     """(report lines, the named semantic alternative or ''): the rounding model a bound failure follows
     (harness.judge.diagnose); beyond every rounding model, the integration mistake (harness.judge.semantic_diagnosis);
     and, when only some rows fail, which they are; each under the verdict's rules (`twin`: the output the run was
-    held to; `emulation`: the run's own, None for the case's). Advice only: its own failure is reported, never
-    raised."""
+    held to; `emulation`: the run's own, None for the case's); and whether the output passes without the backend's
+    model_points_only declaration (UNDECLARED_PASS). Advice only: its own failure is reported, never raised."""
     if verdict is None or ex.output is None or kind not in (*WRONG_VALUE_KINDS, "nonfinite"):
         return [], "", ()
     lines, name, also = [], "", ()
@@ -456,6 +464,10 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation,
                                                       emu, exp.before, rules))
         if where:
             lines.append("  rows: " + where)
+        if kind in ("element", "aggregate") and rules.points_only and judge_output(
+                case, ex.output, exp.truth, emu, exp.precision, dataclasses.replace(rules, points_only=False),
+                exp.before).ok:
+            lines.append("  declaration: " + UNDECLARED_PASS)
     except Exception as e:  # noqa: BLE001 - the diagnosis is advice; its failure must not hide the verdict
         lines.append(f"  (no diagnosis: {type(e).__name__}: {e})")
     return lines, name, also

@@ -328,6 +328,24 @@ def test_a_backend_declared_to_round_at_its_models_points_is_allowed_no_scale_ar
     assert _verdict(case, call.output, truth, emu).ok
 
 
+def test_a_failure_the_declaration_causes_says_so():
+    """The reciprocal quantizer run through the runner as a backend declaring model_points_only fails SLACK_CASE,
+    and its report says that the output passes without the declaration (runner.UNDECLARED_PASS); undeclared, the
+    same backend passes."""
+    from moe_lora_harness.backends.eager import BACKEND as EAGER, run_experts
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.runner import UNDECLARED_PASS, run_case
+
+    def reciprocal(call):
+        run_experts(call, fp8_ops=dataclasses.replace(eager_fp8.FP8_OPS, quantize=_quantize_by_reciprocals))
+
+    declared = dataclasses.replace(EAGER, name="eager_reciprocal_declared", experts=reciprocal)
+    o = run_case(declared, SLACK_CASE, "cpu", executor=InProcess(), reruns=0)
+    assert o.status == "fail" and "declaration: " + UNDECLARED_PASS in o.detail, o.detail
+    plain = dataclasses.replace(declared, name="eager_reciprocal", model_points_only=False)
+    assert run_case(plain, SLACK_CASE, "cpu", executor=InProcess(), reruns=0).status == "pass"
+
+
 @pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_no_mul"])
 def test_slack_flips_bound_any_subset_and_signs_and_beats_the_sum_of_norms(activation):
     """`experts._slack_flips`' Gram bound, both ways: the exact change of a pair's output row when any subset of its
