@@ -464,7 +464,8 @@ def _diagnoses(case: Case, kind: str, verdict, ex: Execution, exp: Expectation,
                                                       emu, exp.before, rules))
         if where:
             lines.append("  rows: " + where)
-        if kind in ("element", "aggregate") and rules.points_only and judge_output(
+        # only an aggregate verdict reads the declaration (rule 2's bound does not): an element failure stays one
+        if kind == "aggregate" and rules.points_only and judge_output(
                 case, ex.output, exp.truth, emu, exp.precision, dataclasses.replace(rules, points_only=False),
                 exp.before).ok:
             lines.append("  declaration: " + UNDECLARED_PASS)
