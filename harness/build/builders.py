@@ -235,6 +235,9 @@ def build_op_inputs(case: Case, device="cpu") -> OpInputs:
         raise ValueError(f"malformed case {case.to_json()}: " + "; ".join(probs))
     if case.level != "op":
         raise ValueError(f"build_op_inputs needs an op-level case, got level={case.level!r}")
+    if case.view:   # the plain case's inputs, seen through the view (harness.build.properties)
+        from moe_lora_harness.harness.build.properties import view_inputs
+        return dataclasses.replace(view_inputs(build_op_inputs(case.replace(view=""), device), case.view), case=case)
     dt = torch_dtype(case)
     at = build_device(device)
     T, k = case.T, case.top_k

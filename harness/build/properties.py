@@ -1,5 +1,5 @@
 """Metamorphic properties of an expert-level case: a view of its inputs (Case.view) whose output is the plain
-case's output mapped through the view. The view's own output is judged against the reference as any case is;
+case's output mapped through the view (an op-level case has the reordered view alone). The view's own output is judged against the reference as any case is;
 the token views add the comparison with the plain run: bit for bit where the backend declares batch invariance
 (Capabilities.batch_invariant, as vLLM's batch-invariant mode promises), else reported, never failed, when the
 rows happen to be identical (docs/semantics.md, "Properties"). The "reordered" view sums every long reduction in
@@ -18,7 +18,8 @@ VIEW_MEANING = {
     "slots_rotated": "every adapter moved to the next slot and the mapping relabelled: a token's output must not "
                      "depend on the slot number its adapter sits in",
     "reordered": "the hidden and intermediate dimensions permuted through every tensor (the output's hidden columns "
-                 "too): the same sums, each reduction over them in another order",
+                 "too): the same sums, each reduction over them in another order (an op-level case: K through x "
+                 "and every LoRA A, the output's columns kept)",
 }
 # the views under which a batch-invariant backend keeps its bits (a token's inputs and sums are the same); the
 # reordered view changes every summation order, so its bits may differ
@@ -83,6 +84,19 @@ def _reordered(inp, in_place: bool):
                                quantized=quantized)
 
 
+def _reordered_op(inp):
+    """An op-level case's inputs with K permuted (contraction_order) through x and every LoRA A: each shrink sums in
+    another order, and the output's columns stay where they are. A shared A (a stride-0 view over the experts) stays
+    one."""
+    pi = contraction_order(inp.x.shape[-1]).to(inp.x.device)
+
+    def a_view(a):
+        if a.dim() == 4 and a.shape[1] > 1 and a.stride(1) == 0:
+            return a[:, :1][..., pi].contiguous().expand(a.shape)
+        return a[..., pi].contiguous()
+    return dataclasses.replace(inp, x=inp.x[:, pi].contiguous(), lora_a=[a_view(a) for a in inp.lora_a])
+
+
 def _reordered_quantized(quantized: tuple, rows: torch.Tensor, pi: torch.Tensor, si: torch.Tensor,
                          blocked: bool) -> tuple:
     """FP8 (w13 codes, w13 scales, w2 codes, w2 scales) under the view's orders: codes as the weights; scales per
@@ -120,6 +134,10 @@ def view_inputs(inp, view: str, *, in_place: bool = False):
     lie, for a caller that holds `inp` nowhere else)."""
     if not view:
         return inp
+    if inp.case.level == "op":
+        if view != "reordered":
+            raise ValueError(f"an op-level case has the view 'reordered' alone, got {view!r}")
+        return _reordered_op(inp)
     if view == "reordered":
         from moe_lora_harness.harness.spec.case import REORDERED_QUANTS
         if inp.case.quant not in REORDERED_QUANTS:
@@ -146,8 +164,11 @@ def view_inputs(inp, view: str, *, in_place: bool = False):
     raise ValueError(f"view must be one of {tuple(VIEW_MEANING)} or '', got {view!r}")
 
 
-def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none") -> torch.Tensor:
-    """The plain run's output rows that the view's output must equal, in the view's order (and its columns')."""
+def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none", level: str = "expert") -> torch.Tensor:
+    """The plain run's output rows that the view's output must equal, in the view's order (and its columns'; an
+    op-level case's reordered view keeps them)."""
+    if level == "op":
+        return out_plain
     if view == "half":
         return out_plain[:half_tokens(out_plain.shape[0])]
     if view == "reversed":
@@ -157,9 +178,11 @@ def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none") -> torch
     return out_plain
 
 
-def plain_columns(out_view: torch.Tensor, quant: str = "none") -> torch.Tensor:
+def plain_columns(out_view: torch.Tensor, quant: str = "none", level: str = "expert") -> torch.Tensor:
     """The reordered view's output in the plain case's column order (plain_rows' inverse for that view; `quant`: the
-    case's weight scheme, whose blocks the order keeps)."""
+    case's weight scheme, whose blocks the order keeps; an op-level case's view moves no column)."""
+    if level == "op":
+        return out_view
     out = torch.empty_like(out_view)
     out[:, contraction_order(out_view.shape[1], view_blocks(quant)[0]).to(out_view.device)] = out_view
     return out

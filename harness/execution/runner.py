@@ -251,8 +251,8 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
     return "pass", "", verdict
 
 
-TWIN_RUN = ("its twin run (view 'reordered': the case with the hidden and intermediate dimensions permuted, every "
-            "long sum in another order), judged with the plain run as its twin")
+TWIN_RUN = ("its twin run (view 'reordered': the case with the dimensions it sums over permuted, every long sum "
+            "in another order), judged with the plain run as its twin")
 
 
 def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | None, spec: BackendSpec
@@ -267,7 +267,8 @@ def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | 
         return (*_judge_execution(case, exp, ex, spec), ex, None, None)
     usable = twin.failure is None and twin.output is not None and exp.truth is not None \
         and tuple(twin.output.shape) == tuple(exp.truth.value.shape)
-    mirrored = dataclasses.replace(twin, output=plain_columns(twin.output, case.quant) if usable else twin.output,
+    mirrored = dataclasses.replace(twin, output=plain_columns(twin.output, case.quant, case.level) if usable
+                                   else twin.output,
                                    built_digest=exp.digest if twin.built_digest == exp.twin_digest else "?")
     emu, twin_emu = exp.emulation.value, exp.twin_emulation
     own = emu if twin_emu is None else twin_emu
@@ -348,7 +349,7 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         first = executor.execute(spec, case, device, exp.poison)
         if not exp.twin_digest or first.failure is not None:
             return first, None
-        return first, executor.execute(spec, case.replace(view="reordered"), device, None)
+        return first, executor.execute(spec, case.replace(view="reordered"), device, exp.poison)
 
     ex, twin = execute()
     not_here = cannot_run_here(ex.launches) if must_reject(case) is None else ""

@@ -143,9 +143,10 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
     round at its model's points (`points_only`) whose e4m3 products are summed exactly there (`device` a CPU, or its
     declared `mma` "fp32"): its e4m3 flips, which a bound overstates 10-25 times, as the other order flips them; or
     under a declared truncating MMA the judge emulates (`mma` an int), each run then held to its own emulation
-    (`twin_own_emulation`) where both emulations fit MMA_PRODUCTS_MAX. Expert level, one rank."""
+    (`twin_own_emulation`) where both emulations fit MMA_PRODUCTS_MAX. Expert level, one rank; and an op-level fp32
+    case (its reordered view permutes K through x and every LoRA A: each shrink in another order)."""
     from moe_lora_harness.harness.spec.contract import must_reject
-    if not (case.level == "expert" and not case.view and not case.dispatched and case.tp_size == 1
+    if not (case.level in ("expert", "op") and not case.view and not case.dispatched and case.tp_size == 1
             and case.T >= EXCESS_MIN_ROWS and must_reject(case) is None):
         return False
     if case.quant in FP8_QUANTS:

@@ -29,7 +29,7 @@ ACTIVE_LORAS = ("all", "unique")
 EP_COMMS = ("simulated", "processes")
 # a metamorphic view of an expert-level case (harness.build.properties): its inputs are the plain case's, then cut to the
 # first half of the tokens, put in reverse token order, with every adapter moved one slot on, or with the hidden and
-# intermediate dimensions permuted (every long sum in another order); "" = the case
+# intermediate dimensions permuted (every long sum in another order; an op-level case's K alike); "" = the case
 VIEWS = ("", "half", "reversed", "slots_rotated", "reordered")
 # the weight schemes whose reordered view is built: unquantized, and FP8, whose scale blocks move whole
 # (harness.build.properties.view_blocks); packed integer weights would not follow
@@ -113,7 +113,8 @@ class Case:
     magnitude: float = 1.0
     outliers: int = 0
     outlier_scale: float = OUTLIER_SCALE
-    # expert level: a view of this case's inputs (VIEWS; harness.build.properties), judged against the plain case's output
+    # a view of this case's inputs (VIEWS; harness.build.properties), judged against the plain case's output: expert
+    # level; the op level has 'reordered' (its K permuted through x and every LoRA A)
     view: str = ""
     # expert level: PEFT adapter folders (harness.served.peft_adapters) loaded into slots 0.. instead of random adapters
     # (`ranks` gives each slot's rank, the file's; slots past them stay empty), their decoder layer `adapter_layer`
@@ -253,8 +254,9 @@ class Case:
              f"adapter_layer must be an int >= 0, got {self.adapter_layer!r}")
         need(self.view in VIEWS, f"view must be one of {VIEWS}, got {self.view!r}")
         if self.view:
-            need(self.level == "expert" and not self.dispatched and self.tp_size == 1,
-                 f"view={self.view!r} is an expert-level setting of one rank (no dispatched EP, tp_size 1)")
+            need((self.level == "expert" or self.view == "reordered") and not self.dispatched and self.tp_size == 1,
+                 f"view={self.view!r} is an expert-level setting of one rank (no dispatched EP, tp_size 1); the op "
+                 f"level has the 'reordered' view alone")
             need(self.T >= 2, f"view={self.view!r} needs T >= 2 tokens (a view of one token is the token)")
             if self.view == "slots_rotated":
                 need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")

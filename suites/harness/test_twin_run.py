@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from moe_lora_harness.backends.eager import BACKEND as EAGER
@@ -23,6 +24,30 @@ F64 = torch.float64
 # 128 rows: enough for rule 4 (EXCESS_MIN_ROWS), small enough for the CPU in a second
 CASE = Case(level="expert", T=128, H=256, I=128, E=4, top_k=2, max_loras=2, max_rank=8, mapping="mixed",
             dtype="float32", seed=3)
+# a w13 fused_moe_lora call, x (256, 256), rank 8: rows enough that rule 4 fails a run held to itself (at 128 rows
+# the correct op's excess over its emulation sits at 0.96 of the threshold)
+OP_CASE = CASE.replace(level="op", T=256)
+
+
+def _op_spec(name, op):
+    return dataclasses.replace(EAGER, name=name, op=op, experts=None, description=f"test backend {name}")
+
+
+def _op_run(inp) -> torch.Tensor:
+    kw = inp.call_kwargs()
+    kw["output"] = inp.output.clone()
+    EAGER.op(**kw)
+    return kw["output"]
+
+
+def _op_pair(case=OP_CASE):
+    """(truth, emulation, precision, rules, out, twin) of the eager op on an op-level case and its reordered view."""
+    from moe_lora_harness.harness.build.properties import view_inputs
+    from moe_lora_harness.harness.judge.expectation import op_expectations
+    precision = EAGER.precision_for(case, "cpu")
+    inp, truth, emu = op_expectations(case, precision)
+    rules = Rules("cpu", EAGER.model_points_only_for("cpu"), row_groups(inp, truth))
+    return truth, emu, precision, rules, _op_run(inp), _op_run(view_inputs(inp, "reordered"))
 
 
 def _spec(name, experts):
@@ -35,7 +60,10 @@ def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
     assert not twin_applies(CASE.replace(dtype="float16"))            # its rounding, not its sums, bounds it
     assert not twin_applies(CASE.replace(view="reordered"))           # a view is judged alone
     assert not twin_applies(CASE.replace(quant="int8_channel"))       # quantized K blocks do not permute
-    assert not twin_applies(CASE.replace(level="op"))
+    # the op level: its K permuted through x and every LoRA A (each shrink in another order), the columns kept
+    assert twin_applies(OP_CASE) and twin_applies(OP_CASE.replace(which="w2"))
+    assert not twin_applies(OP_CASE.replace(dtype="float16")) and not twin_applies(OP_CASE.replace(view="reordered"))
+    assert not twin_applies(OP_CASE.replace(T=EXCESS_MIN_ROWS - 1))
     # FP8 activations: for a backend declared to round at its model's points whose e4m3 products sum exactly where it
     # runs (a CPU, or a declared "fp32" accumulation), the twin measures its flips too
     fp8 = CASE.replace(quant="fp8_w8a8", dtype="float16")
@@ -66,6 +94,23 @@ def test_the_judge_runs_the_backend_twice_only_where_the_twin_applies():
     assert len(calls) == 1
 
 
+def test_the_judge_runs_an_op_twice_only_where_the_twin_applies():
+    seen = []
+
+    def counted(**kw):
+        seen.append(kw["qcurr_hidden_states"].clone())
+        EAGER.op(**kw)
+
+    spec = _op_spec("counted-op", counted)
+    for case, runs in ((OP_CASE, 2), (OP_CASE.replace(which="w2"), 2), (OP_CASE.replace(dtype="float16"), 1),
+                       (OP_CASE.replace(add_inputs=False), 2)):
+        seen.clear()
+        assert run_case(spec, case, "cpu", executor=InProcess(), reruns=0).status == "pass", case
+        assert len(seen) == runs, case
+    # the twin's x is the plain x with its columns (K) permuted: the same values, another order
+    assert not torch.equal(seen[0], seen[1]) and torch.equal(seen[0].sort(dim=1).values, seen[1].sort(dim=1).values)
+
+
 def test_the_twins_difference_covers_the_kernels_accumulation_with_room():
     """q = |a - b|^2 / (2 X), X the kernel's squared error beyond the emulation's: TWIN_FACTOR 2 q >= 1 is what the
     allowance needs; independent roundings give q near 1 (the room is for correlated partial sums)."""
@@ -77,32 +122,49 @@ def test_the_twins_difference_covers_the_kernels_accumulation_with_room():
     assert not torch.equal(c.out, c.twin), "the twin must sum in another order"
 
 
-def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without():
+def test_the_op_twins_difference_covers_its_accumulation_with_room():
+    """The op level's twin (K permuted: each shrink in another order) measures the op's accumulation as the expert
+    level's does: q near 1, TWIN_FACTOR 2 q >= 1 needed."""
+    for which in ("w13", "w2"):
+        truth, emu, _, _, out, twin = _op_pair(OP_CASE.replace(which=which))
+        tv, out, twin = truth.value, out.to(F64), twin.to(F64)
+        excess = float(((out - tv) ** 2).sum() - ((emu.value - tv) ** 2).sum())
+        q = float(((out - twin) ** 2).sum()) / (2 * excess)
+        assert TWIN_FACTOR * 2 * q >= 2.0, (which, q)
+        assert not torch.equal(out, twin), "the twin must sum in another order"
+
+
+def _expert_pair(case=CASE):
+    c = power.correct_run(EAGER, case, "cpu")
+    return c.truth, c.emulation, c.precision, Rules("cpu", c.points_only, row_groups(c.inputs, c.truth)), c.out, c.twin
+
+
+@pytest.mark.parametrize("case, pair", [(CASE, _expert_pair), (OP_CASE, _op_pair)], ids=["expert", "op"])
+def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without(case, pair):
     """A slip spread like the accumulation's allowance (in both runs: it does not depend on the order) fails rule 4 with
     the twin at under 2.5 times the kernel's own error (the model: sqrt(2 q TWIN_FACTOR - 1) = 1.4, plus the tail), and
     strictly sooner than under the bound for every order, whose threshold follows the kernel's share of acc_var (3-4
     with this CPU's GEMM); the correct pair passes."""
-    c = power.correct_run(EAGER, CASE, "cpu")
-    rules = Rules("cpu", c.points_only, row_groups(c.inputs, c.truth))
-    tv, out, twin = c.truth.value, c.out.to(F64), c.twin.to(F64)
-    g = torch.randn(tv.shape, generator=torch.Generator().manual_seed(1), dtype=F64) * c.truth.acc_var.sqrt()
+    truth, emu, precision, rules, out0, twin0 = pair(case)
+    tv, out, twin = truth.value, out0.to(F64), twin0.to(F64)
+    g = torch.randn(tv.shape, generator=torch.Generator().manual_seed(1), dtype=F64) * truth.acc_var.sqrt()
     g = g * (float((out - tv).norm()) / float(g.norm()))          # a slip of the kernel's own size
 
     def fails(m: float, paired: bool) -> bool:
         if paired:
-            return not judge_twins(CASE, (out + m * g).float(), (twin + m * g).float(), c.truth, c.emulation.value,
-                                   c.precision, rules).ok
-        return not judge_output(CASE, (out + m * g).float(), c.truth, c.emulation.value, c.precision, rules).ok
+            return not judge_twins(case, (out + m * g).float(), (twin + m * g).float(), truth, emu.value,
+                                   precision, rules).ok
+        return not judge_output(case, (out + m * g).float(), truth, emu.value, precision, rules).ok
 
     def threshold(paired: bool) -> float:
         assert not fails(0.25, paired) and fails(64.0, paired)
         return power.bisect_geometric(lambda m: fails(m, paired), 0.25, 64.0, steps=12)
 
-    assert judge_twins(CASE, c.out, c.twin, c.truth, c.emulation.value, c.precision, rules).ok
+    assert judge_twins(case, out0, twin0, truth, emu.value, precision, rules).ok
     with_twin, alone = threshold(True), threshold(False)
     assert with_twin <= 2.5 and with_twin < alone, (with_twin, alone)
-    v = judge_twins(CASE, (out + with_twin * g).float(), (twin + with_twin * g).float(), c.truth, c.emulation.value,
-                    c.precision, rules)
+    v = judge_twins(case, (out + with_twin * g).float(), (twin + with_twin * g).float(), truth, emu.value,
+                    precision, rules)
     assert "rule 4" in v.message and "as its twin run measured it" in v.message, v.message
 
 
@@ -122,6 +184,29 @@ def test_a_run_wrong_only_in_the_reordered_order_fails_naming_the_twin():
     out = run_case(_spec("stale-cache", stale), CASE, "cpu", executor=InProcess(), reruns=0)
     assert out.status == "fail" and out.kind in ("element", "aggregate"), out.detail
     assert TWIN_RUN in out.message and "REPRO:" in out.detail and '"view"' not in out.detail.split("REPRO:")[1]
+
+
+def test_an_op_that_returns_one_output_for_both_orders_fails_on_its_twin():
+    """The stale cache at the op level: the twin, routed alike, gets the plain call's output back. The columns stay
+    (the op's view moves none), so the values fit the twin too; but two orders summed alike measure no accumulation,
+    and the run, held to an allowance of zero, fails rule 4."""
+    cache: dict = {}
+
+    def stale(**kw):
+        key = kw["topk_weights"].cpu().numpy().tobytes()
+        if key in cache:
+            kw["output"].copy_(cache[key])
+            return
+        EAGER.op(**kw)
+        cache[key] = kw["output"].clone()
+
+    out = run_case(_op_spec("stale-cache-op", stale), OP_CASE, "cpu", executor=InProcess(), reruns=0)
+    assert out.status == "fail" and out.kind == "aggregate", out.detail
+    assert "as its twin run measured it" in out.message and "the allowance is all but zero" in out.message, out.message
+    assert "REPRO:" in out.detail and '"view"' not in out.detail.split("REPRO:")[1]
+    cache.clear()
+    assert run_case(_op_spec("stale-cache-op", stale), OP_CASE.replace(dtype="float16"), "cpu",
+                    executor=InProcess(), reruns=0).status == "pass"    # no twin: one call, nothing stale
 
 
 def test_a_twin_that_raises_is_the_cases_failure():
