@@ -1,9 +1,10 @@
 """Metamorphic properties of an expert-level case: a view of its inputs (Case.view) whose output is the plain
-case's output mapped through the view (an op-level case has the reordered view alone). The view's own output is judged against the reference as any case is;
-the token views add the comparison with the plain run: bit for bit where the backend declares batch invariance
-(Capabilities.batch_invariant, as vLLM's batch-invariant mode promises), else reported, never failed, when the
-rows happen to be identical (docs/semantics.md, "Properties"). The "reordered" view sums every long reduction in
-another order: the judge's twin run of an fp32 or FP8 case (harness.judge.expectation.twin_applies).
+case's output mapped through the view (an op-level case has the reordered view alone). The view's own output is
+judged against the reference as any case is; the token views add the comparison with the plain run: bit for bit
+where the backend declares batch invariance (Capabilities.batch_invariant, as vLLM's batch-invariant mode promises),
+else reported, never failed, when the rows happen to be identical (docs/semantics.md, "Properties"). The "reordered"
+view sums every long reduction in another order: the judge's twin run of an fp32 or FP8 case
+(harness.judge.expectation.twin_applies).
 """
 from __future__ import annotations
 

@@ -180,6 +180,7 @@ def test_an_op_level_reordered_view_permutes_k_and_keeps_the_outputs_columns(whi
     _, truth, _ = op_expectations(case, "one_shot")
     _, truth_seen, _ = op_expectations(case.replace(view="reordered"), "one_shot")
     assert torch.equal(plain_columns(truth_seen.value, level="op"), truth_seen.value)
+    assert torch.equal(plain_rows(truth.value, "reordered", level="op"), truth.value)
     assert torch.allclose(truth_seen.value, truth.value, rtol=1e-12, atol=1e-12)
 
 
