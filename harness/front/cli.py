@@ -937,21 +937,26 @@ def _power(args, device: str) -> int:
         layers = [model_named(m) for m in args.model]
     except ValueError as e:
         raise UsageError(str(e)) from None
-    name = args.only[0] if args.only else ("triton_experts" if device == "cuda" else "eager")
+    name = args.only[0] if args.only else ("eager" if device != "cuda" else
+                                            "triton_one_shot" if args.level == "op" else "triton_experts")
     if not args.only:
         args.only = [name]
     specs = _backends(args)
     if name not in specs:
         raise UsageError(f"--only {name!r}: no such backend")
+    op = args.level == "op"
+    if op and (args.quant != "none" or args.calls > 1):
+        raise UsageError("--level op: one fused_moe_lora call of unquantized weights (no --quant, no --calls)")
     cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
                               dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=args.rank,
-                              quant=args.quant, calls=args.calls)
+                              quant=args.quant, calls=args.calls, level=args.level)
     problems = next((p for p in (c.problems() for c in cases) if p), None)
     if problems:
         raise UsageError(f"--quant {args.quant!r}: {problems[0]}")
     reports = []
     if not args.quiet:    # a table can take minutes per case (the Triton interpreter: hours): say so before it starts
-        print(f"[power] {len(cases)} case(s) of {name} on {device}, {len(power.SLIPS)} slip classes each, every slip "
+        print(f"[power] {len(cases)} case(s) of {name} on {device}, "
+              f"{len(power.OP_SLIPS if op else power.SLIPS)} slip classes each, every slip "
               f"bisected over up to {power.BISECTION_STEPS} sizes; a table prints after each case"
               + ("" if args.verbose else " (-v: a line per slip)"), file=sys.stderr, flush=True)
     for case in cases:
@@ -1137,6 +1142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--power's LoRA ranks, e.g. 16,32,64 (default 64)")
     t.add_argument("--quant", default="none", metavar="SCHEME",
                    help="--power's weight scheme (e.g. fp8_w8a8; default none)")
+    t.add_argument("--level", choices=("expert", "op"), default="expert",
+                   help="--power's level: the expert layer (default), or its two fused_moe_lora calls (w13, w2)")
     t.add_argument("--calls", type=_positive(int), default=1, metavar="N",
                    help="--power: each token count is one call's, judged over N such calls of the same layer "
                         "(decode steps; Case.call_tokens; default 1)")

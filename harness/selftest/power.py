@@ -9,10 +9,10 @@ each slip the judge's threshold is found by bisection on alpha (the judge's trut
 so is the oracle's; every output evaluated is judged by both, and an output the oracle fails that the judge passes
 is counted (`oracle_only`: it must stay 0). Where the judge runs a twin (expectation.twin_applies: fp32, or FP8
 summed exactly for a backend declared to round at its model's points; 83 rows or more) the slipped kernel runs on
-the reordered inputs too, and the pair is judged as the runner judges it. Beside
-them, a precision mistake that has no size to bisect: every
-GEMM's accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output judged and put to the
-oracle. docs/error-model.md, "Power".
+the reordered inputs too, and the pair is judged as the runner judges it. Beside them, a precision mistake that has
+no size to bisect: every GEMM's accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output
+judged and put to the oracle. An op-level case (one `fused_moe_lora` call) has its own table of the same mistakes,
+OP_SLIPS. docs/error-model.md, "Power".
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from moe_lora_harness.harness.build.builders import ExpertInputs
+from moe_lora_harness.harness.build.builders import ExpertInputs, OpInputs
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, RULE4_OFF
 from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
@@ -89,7 +89,7 @@ class Slip:
 
     name: str
     description: str
-    make: Callable[[ExpertInputs, float], ExpertInputs]
+    make: Callable[[ExpertInputs | OpInputs, float], ExpertInputs | OpInputs]
     lora: bool = True          # needs the case's LoRA
 
 
@@ -129,6 +129,58 @@ SLIPS = (
          _token_from_neighbour, lora=False),
     Slip("router-weight", "every token's first routing weight read 1 + alpha times too large",
          _first_pair_weight, lora=False),
+)
+
+
+def _op_lists(inp, name, fn):
+    """Op inputs with `fn` applied to a copy of every tensor of the list `name` (lora_a or lora_b)."""
+    return dataclasses.replace(inp, **{name: [fn(t.clone()) for t in getattr(inp, name)]})
+
+
+def _op_tail(t, dim, alpha):
+    idx = [slice(None)] * t.dim()
+    idx[dim] = _tail(t.shape[dim], alpha)
+    t[tuple(idx)] = 0
+    return t
+
+
+def _op_scaled(t, index, factor):
+    t[index] = (t[index].to(torch.float64) * factor).to(t.dtype)
+    return t
+
+
+def _op_last_slice(inp, alpha):
+    b = list(inp.lora_b)
+    b[-1] = (b[-1].to(torch.float64) * (1 + alpha)).to(b[-1].dtype)
+    return dataclasses.replace(inp, lora_b=b)
+
+
+def _op_row_from_neighbour(inp, alpha):
+    x = inp.x.clone()
+    if x.shape[0] > 1:
+        x[0] = ((1 - alpha) * x[0].to(torch.float64) + alpha * x[1].to(torch.float64)).to(x.dtype)
+    return dataclasses.replace(inp, x=x)
+
+
+# the same classes of mistake in one fused_moe_lora call (an op-level case; harness.build.builders.OpInputs): the only
+# table a new op-level class needs
+OP_SLIPS = (
+    Slip("shrink-k-tail", "the shrink drops its last K tiles (alpha of K, every slice)",
+         lambda i, a: _op_lists(i, "lora_a", lambda t: _op_tail(t, 3, a))),
+    Slip("expand-n-tail", "the expand drops its last N tiles (alpha of N, every slice)",
+         lambda i, a: _op_lists(i, "lora_b", lambda t: _op_tail(t, 2, a))),
+    Slip("rank-component", "the last rank component of every A reduced by alpha (lost at 1)",
+         lambda i, a: _op_lists(i, "lora_a", lambda t: _op_scaled(t, (..., -1, slice(None)), 1 - a))),
+    Slip("scaling", "every B scaled by 1 - alpha (r/(r+1): alpha = 1/(r+1))",
+         lambda i, a: _op_lists(i, "lora_b", lambda t: t * (1 - a))),
+    Slip("slice-scale", "the last slice's delta scaled by 1 + alpha", _op_last_slice),
+    Slip("one-slot", "slot 0's delta reduced by alpha (missing at 1)",
+         lambda i, a: _op_lists(i, "lora_b", lambda t: _op_scaled(t, (0,), 1 - a))),
+    Slip("one-expert", "expert 0's delta reduced by alpha (missing at 1)",
+         lambda i, a: _op_lists(i, "lora_b", lambda t: _op_scaled(t, (slice(None), 0), 1 - a))),
+    Slip("one-row", "x's row 0 reads alpha of row 1 (a row offset)", _op_row_from_neighbour),
+    Slip("router-weight", "every token's first routing weight read 1 + alpha times too large (where the call "
+                          "multiplies by it: mul_routed_weight)", _first_pair_weight),
 )
 
 
@@ -223,57 +275,79 @@ def _oracle_fails(out: torch.Tensor, truth: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class CorrectRun:
-    """A backend's output on one expert-level case beside what the judge holds it to: the case's inputs, the float64
-    truth, the emulation of the backend's declared rounding model (`precision`), and whether it declares it rounds
-    only at that model's points."""
+    """A backend's output on one case (expert or op level) beside what the judge holds it to: the case's inputs, the
+    float64 truth, the emulation of the backend's declared rounding model (`precision`), and whether it declares it
+    rounds only at that model's points."""
 
     precision: str
     points_only: bool
-    inputs: ExpertInputs
+    inputs: ExpertInputs | OpInputs
     truth: object             # reference.experts.ExpertExpected
     emulation: object         # its emulation (`.value`)
     out: torch.Tensor         # the backend's output, in its dtype and on its device
-    twin_inputs: ExpertInputs | None = None    # the reordered view's inputs, where the judge runs a twin
+    twin_inputs: ExpertInputs | OpInputs | None = None   # the reordered view's inputs, where the judge runs a twin
     twin: torch.Tensor | None = None            # the backend's output on them, in the plain columns
     mma: int | str | None = None                # the e4m3 MMA the emulation runs (expectation.modelled_mma)
     twin_emulation: torch.Tensor | None = None  # the twin's own emulation, in the plain columns, where it has one
 
 
+def runner(spec, case: Case, device: str) -> Callable:
+    """inputs -> `spec`'s output on them, run in this process on `device`: an expert-level case's calls
+    (run_calls), or one `fused_moe_lora` call on a copy of the op's output buffer."""
+    if case.level != "op":
+        from moe_lora_harness.harness.build.expert_runner import run_calls
+        return lambda i: run_calls(spec, i.call(device), case)
+
+    def run_op(i):
+        if i.x.device.type != torch.device(device).type:
+            i = i.to(device)
+        kw = i.call_kwargs()
+        kw["output"] = i.output.clone()
+        spec.op(**kw)
+        return kw["output"]
+    return run_op
+
+
 def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
-    """`spec`'s output on `case` (run in this process) with its truth and declared model's emulation: what `measure`
-    starts from, and the studies under bench/ read."""
-    from moe_lora_harness.harness.build.expert_runner import expert_expectations, run_calls
+    """`spec`'s output on `case` (expert or op level; run in this process) with its truth and declared model's
+    emulation: what `measure` starts from, and the studies under bench/ read."""
+    from moe_lora_harness.harness.build.expert_runner import expert_expectations
+    from moe_lora_harness.harness.judge.expectation import op_expectations
     precision, points_only, mma = declared_rounding(spec, case, device)
-    inp, truth, emu = expert_expectations(case, precision, device=device, mma=mma)
-    out = run_calls(spec, inp.call(device), case)
+    if case.level == "op":
+        inp, truth, emu = op_expectations(case, precision, device)
+    else:
+        inp, truth, emu = expert_expectations(case, precision, device=device, mma=mma)
+    run = runner(spec, case, device)
+    out = run(inp)
     if not twin_applies(case, device, mma, points_only):
         return CorrectRun(precision, points_only, inp, truth, emu, out, mma=mma)
     twin_inp = view_inputs(inp, "reordered")
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
-                      plain_columns(run_calls(spec, twin_inp.call(device), case), case.quant), mma,
+                      plain_columns(run(twin_inp), case.quant, case.level), mma,
                       emulate_twin(case, precision, twin_inp, device, mma))
 
 
-def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BISECTION_STEPS,
+def measure(spec, case: Case, device: str = "cpu", slips=None, steps: int = BISECTION_STEPS,
             progress=None) -> PowerReport:
-    """Thresholds of the judge and the oracle for each slip on one expert-level case, `spec` (an expert backend
-    that claims the case) computing the slipped inputs in this process; and the working-dtype accumulator's outputs
-    (the declared model's emulation with that mistake) judged."""
-    from moe_lora_harness.harness.build.expert_runner import run_calls
+    """Thresholds of the judge and the oracle for each slip (default: SLIPS, OP_SLIPS for an op-level case) on one
+    case, `spec` (a backend that claims it) computing the slipped inputs in this process; and, at the expert level,
+    the working-dtype accumulator's outputs (the declared model's emulation with that mistake) judged."""
     t0 = time.time()
+    if slips is None:
+        slips = OP_SLIPS if case.level == "op" else SLIPS
     c = correct_run(spec, case, device)
     precision, inp, truth, emu, out0 = c.precision, c.inputs, c.truth, c.emulation, c.out
     rules = Rules(device, c.points_only, row_groups(inp, truth), mma=c.mma)     # the runner's (Expectation.rules)
-
-    def run(i: ExpertInputs) -> torch.Tensor:
-        return run_calls(spec, i.call(device), case)
+    run = runner(spec, case, device)
 
     def judge(out, twin=None):     # the runner's verdict (with the twin run, where it runs one)
         return judge_twins(case, out, twin, truth, emu.value, precision, rules, c.twin_emulation)
 
     def slipped(slip, alpha):      # the slipped kernel's run, and its twin's in the plain columns
         out = run(slip.make(inp, alpha))
-        return out, None if c.twin_inputs is None else plain_columns(run(slip.make(c.twin_inputs, alpha)), case.quant)
+        return out, (None if c.twin_inputs is None
+                     else plain_columns(run(slip.make(c.twin_inputs, alpha)), case.quant, case.level))
 
     v0 = judge(out0, c.twin)
     # an oracle that fails the correct kernel (FP8 rows: e4m3 steps exceed its tolerance) fails every slip too: its
@@ -284,7 +358,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BIS
     tnorm = float(torch.linalg.vector_norm(truth.value))
     res = []
     for slip in slips:
-        if slip.lora and inp.stacked is None:
+        if slip.lora and getattr(inp, "stacked", True) is None:     # an op-level case always has its LoRA
             continue
         cache: dict = {}
 
@@ -313,7 +387,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=SLIPS, steps: int = BIS
         res.append(SlipPower(slip.name, j, o, len(missed), len(cache), max(missed, default=0)))
         if progress:
             progress(f"{slip.name}: judge {j.multiple}, oracle {o.multiple}")
-    exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok)
+    exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok) if case.level != "op" else []
     return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, use, res,
                        time.time() - t0, exact, v0.unseen == RULE4_OFF)
 
@@ -380,7 +454,7 @@ def power_table(reports) -> str:
     for r in reports:
         c = r.case
         label = f"{c.dtype} T{c.per_call().T}{f'x{c.calls}calls' if c.call_tokens else ''} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}" + (
-            f" {c.quant}" if c.quant != "none" else "")
+            f" {c.quant}" if c.quant != "none" else "") + (f" op {c.which}" if c.level == "op" else "")
         lines.append(f"{label:<44} {'(correct kernel)':<20} ratio {r.kernel_ratio:.3g} err {r.kernel_rel_error:.2e}"
                      f" judge {'pass' if r.kernel_ok else 'FAIL'} oracle {'pass' if r.oracle_ok else 'FAIL'}"
                      f" (its worst element at {r.oracle_use:.2f} of the oracle's tolerance)")
@@ -413,12 +487,14 @@ def to_json(reports) -> list:
 
 
 def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0, quant: str = "none",
-                calls: int = 1) -> list:
+                calls: int = 1, level: str = "expert") -> list:
     """The cases of a power table: each catalogued layer's (harness.served.models.MoELayer; TP 1, EP 1) at each token count,
     dtype and rank, every slot at that rank; without layers, one of H 1024, I 512, E 8, top-k 2 (what a CPU computes
     in seconds), at 16 tokens. `quant`: the weights' scheme (an FP8 one quantizes the activations too; the base-GEMM
     slips rewrite the dequantized weights a quantized backend does not read, so they are no-ops there). `calls` > 1:
-    each token count is one call's, the case `calls` such calls (Case.call_tokens), judged together."""
+    each token count is one call's, the case `calls` such calls (Case.call_tokens), judged together. `level` "op":
+    the layer's two `fused_moe_lora` calls instead (w13, and w2 with the routing weight, as the expert layer makes
+    them), unquantized, one call each."""
     from moe_lora_harness.harness.served.models import case_fields
     shapes = [case_fields(m) for m in layers] if layers else [
         dict(H=1024, I=512, E=8, top_k=2, activation="silu", bias=False)]
@@ -427,6 +503,11 @@ def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed:
         for T in tokens or (16,):
             for dt in dtypes or (("bfloat16", "float16") if device != "cpu" else ("float16", "float32")):
                 for r in ranks:
+                    if level == "op":
+                        out += [Case(level="op", T=T, dtype=dt, max_rank=r, seed=seed, which=w,
+                                     mul_routed_weight=w == "w2", **{k: fields[k] for k in ("H", "I", "E", "top_k")})
+                                for w in ("w13", "w2")]
+                        continue
                     split = dict(T=T * calls, call_tokens=T) if calls > 1 else dict(T=T)
                     out.append(Case(level="expert", **split, dtype=dt, max_rank=r, seed=seed, quant=quant,
                                     **{k: v for k, v in fields.items() if k not in ("tp_size", "ep_size", "ep_rank")}))
