@@ -29,29 +29,17 @@ CASE = Case(level="expert", T=128, H=256, I=128, E=4, top_k=2, max_loras=2, max_
 OP_CASE = CASE.replace(level="op", T=256)
 
 
-def _op_spec(name, op):
-    return dataclasses.replace(EAGER, name=name, op=op, experts=None, description=f"test backend {name}")
+def _spec(name, experts=None, op=None):
+    """A test backend: the eager one with its expert function `experts`, or its op `op`, replaced (the other level
+    not provided)."""
+    return dataclasses.replace(EAGER, name=name, experts=experts, op=op, description=f"test backend {name}")
 
 
-def _op_run(inp) -> torch.Tensor:
-    kw = inp.call_kwargs()
-    kw["output"] = inp.output.clone()
-    EAGER.op(**kw)
-    return kw["output"]
-
-
-def _op_pair(case=OP_CASE):
-    """(truth, emulation, precision, rules, out, twin) of the eager op on an op-level case and its reordered view."""
-    from moe_lora_harness.harness.build.properties import view_inputs
-    from moe_lora_harness.harness.judge.expectation import op_expectations
-    precision = EAGER.precision_for(case, "cpu")
-    inp, truth, emu = op_expectations(case, precision)
-    rules = Rules("cpu", EAGER.model_points_only_for("cpu"), row_groups(inp, truth))
-    return truth, emu, precision, rules, _op_run(inp), _op_run(view_inputs(inp, "reordered"))
-
-
-def _spec(name, experts):
-    return dataclasses.replace(EAGER, name=name, experts=experts, op=None, description=f"test backend {name}")
+def _pair(case):
+    """(truth, emulation, precision, rules, out, twin) of the eager backend on `case` (expert or op level) and its
+    reordered view, as the runner judges them (power.correct_run)."""
+    c = power.correct_run(EAGER, case, "cpu")
+    return c.truth, c.emulation, c.precision, Rules("cpu", c.points_only, row_groups(c.inputs, c.truth)), c.out, c.twin
 
 
 def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
@@ -101,7 +89,7 @@ def test_the_judge_runs_an_op_twice_only_where_the_twin_applies():
         seen.append(kw["qcurr_hidden_states"].clone())
         EAGER.op(**kw)
 
-    spec = _op_spec("counted-op", counted)
+    spec = _spec("counted-op", op=counted)
     for case, runs in ((OP_CASE, 2), (OP_CASE.replace(which="w2"), 2), (OP_CASE.replace(dtype="float16"), 1),
                        (OP_CASE.replace(add_inputs=False), 2)):
         seen.clear()
@@ -126,7 +114,7 @@ def test_the_op_twins_difference_covers_its_accumulation_with_room():
     """The op level's twin (K permuted: each shrink in another order) measures the op's accumulation as the expert
     level's does: q near 1, TWIN_FACTOR 2 q >= 1 needed."""
     for which in ("w13", "w2"):
-        truth, emu, _, _, out, twin = _op_pair(OP_CASE.replace(which=which))
+        truth, emu, _, _, out, twin = _pair(OP_CASE.replace(which=which))
         tv, out, twin = truth.value, out.to(F64), twin.to(F64)
         excess = float(((out - tv) ** 2).sum() - ((emu.value - tv) ** 2).sum())
         q = float(((out - twin) ** 2).sum()) / (2 * excess)
@@ -134,18 +122,13 @@ def test_the_op_twins_difference_covers_its_accumulation_with_room():
         assert not torch.equal(out, twin), "the twin must sum in another order"
 
 
-def _expert_pair(case=CASE):
-    c = power.correct_run(EAGER, case, "cpu")
-    return c.truth, c.emulation, c.precision, Rules("cpu", c.points_only, row_groups(c.inputs, c.truth)), c.out, c.twin
-
-
-@pytest.mark.parametrize("case, pair", [(CASE, _expert_pair), (OP_CASE, _op_pair)], ids=["expert", "op"])
-def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without(case, pair):
+@pytest.mark.parametrize("case", [CASE, OP_CASE], ids=["expert", "op"])
+def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without(case):
     """A slip spread like the accumulation's allowance (in both runs: it does not depend on the order) fails rule 4 with
     the twin at under 2.5 times the kernel's own error (the model: sqrt(2 q TWIN_FACTOR - 1) = 1.4, plus the tail), and
     strictly sooner than under the bound for every order, whose threshold follows the kernel's share of acc_var (3-4
     with this CPU's GEMM); the correct pair passes."""
-    truth, emu, precision, rules, out0, twin0 = pair(case)
+    truth, emu, precision, rules, out0, twin0 = _pair(case)
     tv, out, twin = truth.value, out0.to(F64), twin0.to(F64)
     g = torch.randn(tv.shape, generator=torch.Generator().manual_seed(1), dtype=F64) * truth.acc_var.sqrt()
     g = g * (float((out - tv).norm()) / float(g.norm()))          # a slip of the kernel's own size
@@ -200,12 +183,12 @@ def test_an_op_that_returns_one_output_for_both_orders_fails_on_its_twin():
         EAGER.op(**kw)
         cache[key] = kw["output"].clone()
 
-    out = run_case(_op_spec("stale-cache-op", stale), OP_CASE, "cpu", executor=InProcess(), reruns=0)
+    out = run_case(_spec("stale-cache-op", op=stale), OP_CASE, "cpu", executor=InProcess(), reruns=0)
     assert out.status == "fail" and out.kind == "aggregate", out.detail
     assert "as its twin run measured it" in out.message and "the allowance is all but zero" in out.message, out.message
     assert "REPRO:" in out.detail and '"view"' not in out.detail.split("REPRO:")[1]
     cache.clear()
-    assert run_case(_op_spec("stale-cache-op", stale), OP_CASE.replace(dtype="float16"), "cpu",
+    assert run_case(_spec("stale-cache-op", op=stale), OP_CASE.replace(dtype="float16"), "cpu",
                     executor=InProcess(), reruns=0).status == "pass"    # no twin: one call, nothing stale
 
 
