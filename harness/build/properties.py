@@ -27,11 +27,19 @@ VIEW_MEANING = {
 TOKEN_VIEWS = ("half", "reversed", "slots_rotated")
 
 
-def contraction_order(n: int, blocks: tuple = ()) -> torch.Tensor:
-    """The reordered view's permutation of a dimension of size n: fixed by n (and `blocks`) alone (so an output's
-    columns map back from its shape), scrambling every position. `blocks` (sizes, largest first, each dividing the
-    one before and n): the blocks of each size are permuted whole, and the positions within the smallest: quantized
-    weights' scale blocks and activation groups move as units (fp8_block's 128; 64 pairs of an interleaved w13)."""
+def contraction_order(n: int, blocks: tuple = (), shards: int = 1) -> torch.Tensor:
+    """The reordered view's permutation of a dimension of size n: fixed by n (and `blocks`, `shards`) alone (so an
+    output's columns map back from its shape), scrambling every position. `blocks` (sizes, largest first, each
+    dividing the one before and n): the blocks of each size are permuted whole, and the positions within the smallest:
+    quantized weights' scale blocks and activation groups move as units (fp8_block's 128; 64 pairs of an interleaved
+    w13). `shards` (a TP case's tp_size): each of that many equal shards keeps its place and is permuted within, so
+    that every TP rank holds the same positions and sums them in another order."""
+    if shards > 1:
+        if n % shards or (blocks and (n // shards) % blocks[0]):
+            raise ValueError(f"the reordered view's order of a dimension of {n} splits its {shards} TP shard(s) "
+                             f"or their blocks {blocks}")
+        inner = contraction_order(n // shards, blocks)
+        return (torch.arange(shards)[:, None] * (n // shards) + inner[None, :]).reshape(-1)
     if not blocks:
         return torch.randperm(n, generator=torch.Generator().manual_seed(0x5EED + n))
     b = blocks[0]
@@ -66,8 +74,8 @@ def _reordered(inp, in_place: bool):
     H, I = inp.hidden.shape[1], inp.w2.shape[2]
     interleaved = lookup_activation(inp.case.activation, supported_only=False).interleaved
     h_blocks, i_blocks = view_blocks(inp.case.quant, interleaved)
-    dev = inp.hidden.device
-    pi, si = contraction_order(H, h_blocks).to(dev), contraction_order(I, i_blocks).to(dev)
+    dev, tp = inp.hidden.device, inp.case.tp_size    # TP: I and (fully sharded) H permuted within each rank's shard
+    pi, si = contraction_order(H, h_blocks, tp).to(dev), contraction_order(I, i_blocks, tp).to(dev)
     rows = _gate_up_rows(si, inp.w13.shape[1], interleaved)
     w13, w2 = (inp.w13, inp.w2) if in_place else (inp.w13.clone(), inp.w2.clone())
     for e in range(w13.shape[0]):
@@ -165,9 +173,10 @@ def view_inputs(inp, view: str, *, in_place: bool = False):
     raise ValueError(f"view must be one of {tuple(VIEW_MEANING)} or '', got {view!r}")
 
 
-def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none", level: str = "expert") -> torch.Tensor:
+def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none", level: str = "expert",
+               shards: int = 1) -> torch.Tensor:
     """The plain run's output rows that the view's output must equal, in the view's order (and its columns'; an
-    op-level case's reordered view keeps them)."""
+    op-level case's reordered view keeps them; `shards`: a TP case's tp_size)."""
     if level == "op":
         return out_plain
     if view == "half":
@@ -175,15 +184,22 @@ def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none", level: s
     if view == "reversed":
         return out_plain.flip(0)
     if view == "reordered":
-        return out_plain[:, contraction_order(out_plain.shape[1], view_blocks(quant)[0]).to(out_plain.device)]
+        order = contraction_order(out_plain.shape[1], view_blocks(quant)[0], shards)
+        return out_plain[:, order.to(out_plain.device)]
     return out_plain
 
 
-def plain_columns(out_view: torch.Tensor, quant: str = "none", level: str = "expert") -> torch.Tensor:
+def plain_columns(out_view: torch.Tensor, quant: str = "none", level: str = "expert", shards: int = 1) -> torch.Tensor:
     """The reordered view's output in the plain case's column order (plain_rows' inverse for that view; `quant`: the
-    case's weight scheme, whose blocks the order keeps; an op-level case's view moves no column)."""
+    case's weight scheme, whose blocks the order keeps; an op-level case's view moves no column; `shards`: a TP
+    case's tp_size, whose shards the order keeps)."""
     if level == "op":
         return out_view
     out = torch.empty_like(out_view)
-    out[:, contraction_order(out_view.shape[1], view_blocks(quant)[0]).to(out_view.device)] = out_view
+    out[:, contraction_order(out_view.shape[1], view_blocks(quant)[0], shards).to(out_view.device)] = out_view
     return out
+
+
+def twin_columns(out_view: torch.Tensor, case) -> torch.Tensor:
+    """`case`'s reordered view's output (a twin run's) in the plain case's columns."""
+    return plain_columns(out_view, case.quant, case.level, case.tp_size)

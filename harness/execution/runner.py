@@ -262,12 +262,12 @@ def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | 
     `expectation.twin_applies`; None: no twin), and, if it passes, the twin judged likewise, with the plain run as its
     twin (each against its own emulation where it has one: `expectation.held_to`). Either run's failure is the
     case's."""
-    from moe_lora_harness.harness.build.properties import plain_columns
+    from moe_lora_harness.harness.build.properties import twin_columns
     if twin is None:
         return (*_judge_execution(case, exp, ex, spec), ex, None, None)
     usable = twin.failure is None and twin.output is not None and exp.truth is not None \
         and tuple(twin.output.shape) == tuple(exp.truth.value.shape)
-    mirrored = dataclasses.replace(twin, output=plain_columns(twin.output, case.quant, case.level) if usable
+    mirrored = dataclasses.replace(twin, output=twin_columns(twin.output, case) if usable
                                    else twin.output,
                                    built_digest=exp.digest if twin.built_digest == exp.twin_digest else "?")
     emu, twin_emu = exp.emulation.value, exp.twin_emulation

@@ -143,14 +143,15 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
     round at its model's points (`points_only`) whose e4m3 products are summed exactly there (`device` a CPU, or its
     declared `mma` "fp32"): its e4m3 flips, which a bound overstates 10-25 times, as the other order flips them; or
     under a declared truncating MMA the judge emulates (`mma` an int), each run then held to its own emulation
-    (`twin_own_emulation`) where both emulations fit MMA_PRODUCTS_MAX. Expert level, one rank; and an op-level fp32
-    case (its reordered view permutes K through x and every LoRA A: each shrink in another order)."""
+    (`twin_own_emulation`) where both emulations fit MMA_PRODUCTS_MAX: expert level, one rank. An fp32 case at the
+    expert level (TP: each rank's shard permuted within; dispatched EP) or the op level (its reordered view permutes K
+    through x and every LoRA A: each shrink in another order)."""
     from moe_lora_harness.harness.spec.contract import must_reject
-    if not (case.level in ("expert", "op") and not case.view and not case.dispatched and case.tp_size == 1
-            and case.T >= EXCESS_MIN_ROWS and must_reject(case) is None):
+    if not (case.level in ("expert", "op") and not case.view and case.T >= EXCESS_MIN_ROWS
+            and must_reject(case) is None):
         return False
     if case.quant in FP8_QUANTS:
-        return points_only and (fp8_sums_exact(device, mma)
+        return points_only and not case.dispatched and case.tp_size == 1 and (fp8_sums_exact(device, mma)
                                 or (twin_own_emulation(case, mma) and 2 * mma_products(case) <= MMA_PRODUCTS_MAX))
     return case.quant == "none" and torch_dtype(case) == torch.float32
 
@@ -169,10 +170,10 @@ def emulate_twin(case: Case, precision: str, view_inputs, device: str, mma=None)
     if not twin_own_emulation(case, mma):
         return None
     from moe_lora_harness.harness.build.expert_runner import expert_expectations
-    from moe_lora_harness.harness.build.properties import plain_columns
+    from moe_lora_harness.harness.build.properties import twin_columns
     emu = expert_expectations(case.replace(view="reordered"), precision, emulation_only=True, device=device,
                               inputs=view_inputs, mma=mma)[2]
-    return plain_columns(emu.value, case.quant)
+    return twin_columns(emu.value, case)
 
 
 def held_to(other: torch.Tensor | None, other_emulation: torch.Tensor, emulation: torch.Tensor):

@@ -27,7 +27,7 @@ import torch
 from moe_lora_harness.harness.build.builders import ExpertInputs, OpInputs
 from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, RULE4_OFF
-from moe_lora_harness.harness.build.properties import plain_columns, view_inputs
+from moe_lora_harness.harness.build.properties import twin_columns, view_inputs
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, judge_twins, row_groups,
                                                         twin_applies)
 from moe_lora_harness.reference.precision import precision as make_precision
@@ -263,7 +263,14 @@ class CorrectRun:
 
 def runner(spec, case: Case, device: str) -> Callable:
     """inputs -> `spec`'s output on them, run in this process on `device`: an expert-level case's calls
-    (run_calls), or one `fused_moe_lora` call on a copy of the op's output buffer."""
+    (run_calls; every simulated TP or dispatched EP rank, recombined as the runner does), or one `fused_moe_lora`
+    call on a copy of the op's output buffer."""
+    if case.dispatched:
+        from moe_lora_harness.harness.execution.ep_ranks import run_simulated
+        return lambda i: run_simulated(spec, i, case, device)
+    if case.level != "op" and case.tp_size > 1:
+        from moe_lora_harness.harness.build.expert_runner import run_tp_ranks
+        return lambda i: run_tp_ranks(spec, i, case, device)
     if case.level != "op":
         from moe_lora_harness.harness.build.expert_runner import run_calls
         return lambda i: run_calls(spec, i.call(device), case)
@@ -294,7 +301,7 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
         return CorrectRun(precision, points_only, inp, truth, emu, out, mma=mma)
     twin_inp = view_inputs(inp, "reordered")
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
-                      plain_columns(run(twin_inp), case.quant, case.level), mma,
+                      twin_columns(run(twin_inp), case), mma,
                       emulate_twin(case, precision, twin_inp, device, mma))
 
 
@@ -317,7 +324,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=None, steps: int = BISE
     def slipped(slip, alpha):      # the slipped kernel's run, and its twin's in the plain columns
         out = run(slip.make(inp, alpha))
         return out, (None if c.twin_inputs is None
-                     else plain_columns(run(slip.make(c.twin_inputs, alpha)), case.quant, case.level))
+                     else twin_columns(run(slip.make(c.twin_inputs, alpha)), case))
 
     v0 = judge(out0, c.twin)
     # an oracle that fails the correct kernel (FP8 rows: e4m3 steps exceed its tolerance) fails every slip too: its

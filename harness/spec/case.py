@@ -254,9 +254,9 @@ class Case:
              f"adapter_layer must be an int >= 0, got {self.adapter_layer!r}")
         need(self.view in VIEWS, f"view must be one of {VIEWS}, got {self.view!r}")
         if self.view:
-            need((self.level == "expert" or self.view == "reordered") and not self.dispatched and self.tp_size == 1,
+            need(self.view == "reordered" or (self.level == "expert" and not self.dispatched and self.tp_size == 1),
                  f"view={self.view!r} is an expert-level setting of one rank (no dispatched EP, tp_size 1); the op "
-                 f"level has the 'reordered' view alone")
+                 f"level, TP and dispatched EP have the 'reordered' view alone")
             need(self.T >= 2, f"view={self.view!r} needs T >= 2 tokens (a view of one token is the token)")
             if self.view == "slots_rotated":
                 need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")

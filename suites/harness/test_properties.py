@@ -96,6 +96,28 @@ def test_the_reordered_view_of_fp8_weights_moves_their_codes_scales_and_blocks_w
     assert bit_equal(plain_columns(plain_rows(x, "reordered", quant), quant), x)
 
 
+@pytest.mark.parametrize("tp,fully_sharded", [(2, False), (2, True), (4, True)])
+def test_a_tp_cases_reordered_view_permutes_within_each_ranks_shard(tp, fully_sharded):
+    """Under TP each rank holds I's positions (and, fully sharded, H's) of its own shard: the view permutes within
+    each, so every rank holds the same values and sums them in another order. Its emulation (each rank's partial
+    output rounded, then all-reduced) is the plain one's in the view's columns bit for bit, which a permutation across
+    the shards would not keep: the twin of a TP case measures its accumulation alone."""
+    case = CASE.replace(tp_size=tp, fully_sharded=fully_sharded, H=64, I=48, max_rank=8, T=9)
+    for n in (case.H, case.I):
+        order, s = contraction_order(n, (), tp), n // tp
+        assert not bit_equal(order, torch.arange(n))
+        assert bool((order.reshape(tp, s) // s == torch.arange(tp)[:, None]).all())    # each shard stays in place
+    _, plain_truth, plain_emu = expert_expectations(case, "one_shot")
+    _, seen_truth, seen_emu = expert_expectations(case.replace(view="reordered"), "one_shot")
+    assert bit_equal(seen_emu.value, plain_rows(plain_emu.value, "reordered", shards=tp))
+    assert torch.allclose(seen_truth.value, plain_rows(plain_truth.value, "reordered", shards=tp), rtol=1e-12,
+                          atol=1e-12)
+    x = torch.randn(3, case.H)
+    assert bit_equal(plain_columns(plain_rows(x, "reordered", shards=tp), shards=tp), x)
+    with pytest.raises(ValueError, match="TP shard"):
+        contraction_order(30, (), 4)
+
+
 def test_the_reordered_view_rejects_packed_integer_weights():
     case = CASE.replace(quant="int4_g128", H=128, I=128, dtype="float16", view="reordered")
     assert any("view='reordered'" in p for p in case.problems())

@@ -27,6 +27,8 @@ CASE = Case(level="expert", T=128, H=256, I=128, E=4, top_k=2, max_loras=2, max_
 # a w13 fused_moe_lora call, x (256, 256), rank 8: rows enough that rule 4 fails a run held to itself (at 128 rows
 # the correct op's excess over its emulation sits at 0.96 of the threshold)
 OP_CASE = CASE.replace(level="op", T=256)
+# TP with fully-sharded LoRA: every shard of H and I permuted within (each rank holds the same positions)
+TP_CASE = CASE.replace(tp_size=2, fully_sharded=True)
 
 
 def _spec(name, experts=None, op=None):
@@ -52,6 +54,10 @@ def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
     assert twin_applies(OP_CASE) and twin_applies(OP_CASE.replace(which="w2"))
     assert not twin_applies(OP_CASE.replace(dtype="float16")) and not twin_applies(OP_CASE.replace(view="reordered"))
     assert not twin_applies(OP_CASE.replace(T=EXCESS_MIN_ROWS - 1))
+    # TP (each rank's shard permuted within) and dispatched EP (H and I are not split across its ranks)
+    assert twin_applies(TP_CASE) and twin_applies(CASE.replace(tp_size=2))
+    assert twin_applies(CASE.replace(ep_size=2, ep_tokens=(64, 64)))
+    assert not twin_applies(TP_CASE.replace(dtype="float16"))
     # FP8 activations: for a backend declared to round at its model's points whose e4m3 products sum exactly where it
     # runs (a CPU, or a declared "fp32" accumulation), the twin measures its flips too
     fp8 = CASE.replace(quant="fp8_w8a8", dtype="float16")
@@ -65,6 +71,7 @@ def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
     assert 2 * mma_products(big) > MMA_PRODUCTS_MAX >= mma_products(big) and not twin_applies(big, "cuda:0", 128, True)
     assert not twin_applies(fp8, "cuda:0", None, True) and not twin_applies(fp8)
     assert not twin_applies(fp8.replace(T=EXCESS_MIN_ROWS - 1), "cpu", None, True)
+    assert not twin_applies(fp8.replace(tp_size=2), "cpu", None, True)     # one rank's flips alone are modelled
 
 
 def test_the_judge_runs_the_backend_twice_only_where_the_twin_applies():
@@ -75,11 +82,30 @@ def test_the_judge_runs_the_backend_twice_only_where_the_twin_applies():
         run_experts(call)
 
     spec = _spec("counted", counted)
-    assert run_case(spec, CASE, "cpu", executor=InProcess(), reruns=0).status == "pass"
-    assert len(calls) == 2
-    calls.clear()
-    assert run_case(spec, CASE.replace(dtype="float16"), "cpu", executor=InProcess(), reruns=0).status == "pass"
-    assert len(calls) == 1
+    # (case, calls): one rank; TP, each rank once; fully sharded TP, each rank in three passes (SimulatedTPGroup)
+    for case, runs in ((CASE, 2), (CASE.replace(dtype="float16"), 1), (CASE.replace(tp_size=2), 4),
+                       (TP_CASE, 12), (TP_CASE.replace(dtype="float16"), 6)):
+        calls.clear()
+        assert run_case(spec, case, "cpu", executor=InProcess(), reruns=0).status == "pass", case
+        assert len(calls) == runs, case
+
+
+def test_a_dispatched_ep_case_runs_its_twin_and_passes():
+    """Dispatched EP: each rank's experts see the same tokens in both runs, H and I permuted (our Triton experts, the
+    backend that declares it; the interpreter on a CPU)."""
+    from moe_lora_harness.backends.experts import TRITON_EXPERTS
+    if not TRITON_EXPERTS.capabilities.devices:
+        pytest.skip(f"triton_experts unavailable here: {TRITON_EXPERTS.capabilities.rules[0].reason}")
+    calls = []
+
+    def counted(call):
+        calls.append(call.hidden_states.shape)
+        TRITON_EXPERTS.experts(call)
+
+    spec = dataclasses.replace(TRITON_EXPERTS, name="counted-ep", experts=counted)
+    case = CASE.replace(ep_size=2, ep_tokens=(60, 68))
+    assert run_case(spec, case, "cpu", executor=InProcess(), reruns=0).status == "pass"
+    assert len(calls) == 4
 
 
 def test_the_judge_runs_an_op_twice_only_where_the_twin_applies():
@@ -99,10 +125,11 @@ def test_the_judge_runs_an_op_twice_only_where_the_twin_applies():
     assert not torch.equal(seen[0], seen[1]) and torch.equal(seen[0].sort(dim=1).values, seen[1].sort(dim=1).values)
 
 
-def test_the_twins_difference_covers_the_kernels_accumulation_with_room():
+@pytest.mark.parametrize("case", [CASE, TP_CASE], ids=["one-rank", "tp"])
+def test_the_twins_difference_covers_the_kernels_accumulation_with_room(case):
     """q = |a - b|^2 / (2 X), X the kernel's squared error beyond the emulation's: TWIN_FACTOR 2 q >= 1 is what the
     allowance needs; independent roundings give q near 1 (the room is for correlated partial sums)."""
-    c = power.correct_run(EAGER, CASE, "cpu")
+    c = power.correct_run(EAGER, case, "cpu")
     tv, out, twin = c.truth.value, c.out.to(F64), c.twin.to(F64)
     excess = float(((out - tv) ** 2).sum() - ((c.emulation.value - tv) ** 2).sum())
     q = float(((out - twin) ** 2).sum()) / (2 * excess)
@@ -122,7 +149,7 @@ def test_the_op_twins_difference_covers_its_accumulation_with_room():
         assert not torch.equal(out, twin), "the twin must sum in another order"
 
 
-@pytest.mark.parametrize("case", [CASE, OP_CASE], ids=["expert", "op"])
+@pytest.mark.parametrize("case", [CASE, OP_CASE, TP_CASE], ids=["expert", "op", "tp"])
 def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without(case):
     """A slip spread like the accumulation's allowance (in both runs: it does not depend on the order) fails rule 4 with
     the twin at under 2.5 times the kernel's own error (the model: sqrt(2 q TWIN_FACTOR - 1) = 1.4, plus the tail), and
@@ -151,20 +178,21 @@ def test_a_spread_slip_fails_with_the_twin_at_a_smaller_size_than_without(case):
     assert "rule 4" in v.message and "as its twin run measured it" in v.message, v.message
 
 
-def test_a_run_wrong_only_in_the_reordered_order_fails_naming_the_twin():
-    """A stale cache keyed by the routing (a real class of bug): the twin, routed alike, gets the plain run's
-    columns back. The plain run passes; the case fails, as the twin's, with a REPRO of the case."""
+@pytest.mark.parametrize("case", [CASE, CASE.replace(tp_size=2)], ids=["one-rank", "tp"])
+def test_a_run_wrong_only_in_the_reordered_order_fails_naming_the_twin(case):
+    """A stale cache keyed by the routing (and the TP rank; a real class of bug): the twin, routed alike, gets the
+    plain run's columns back. The plain run passes; the case fails, as the twin's, with a REPRO of the case."""
     cache: dict = {}
 
     def stale(call):
-        key = call.topk_ids.cpu().numpy().tobytes()
+        key = (call.topk_ids.cpu().numpy().tobytes(), call.tp_rank)
         if key in cache:
             call.output.copy_(cache[key])
             return
         run_experts(call)
         cache[key] = call.output.clone()
 
-    out = run_case(_spec("stale-cache", stale), CASE, "cpu", executor=InProcess(), reruns=0)
+    out = run_case(_spec("stale-cache", stale), case, "cpu", executor=InProcess(), reruns=0)
     assert out.status == "fail" and out.kind in ("element", "aggregate"), out.detail
     assert TWIN_RUN in out.message and "REPRO:" in out.detail and '"view"' not in out.detail.split("REPRO:")[1]
 
