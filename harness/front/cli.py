@@ -945,14 +945,15 @@ def _power(args, device: str) -> int:
     if name not in specs:
         raise UsageError(f"--only {name!r}: no such backend")
     op = args.level == "op"
-    if op and (args.quant != "none" or args.calls > 1):
-        raise UsageError("--level op: one fused_moe_lora call of unquantized weights (no --quant, no --calls)")
+    if op and (args.quant != "none" or args.calls > 1 or args.tp > 1):
+        raise UsageError("--level op: one fused_moe_lora call of unquantized weights (no --quant, --calls or --tp)")
     cases = power.power_cases(device, layers=layers, tokens=args.tokens or (),
                               dtypes=tuple(d for d in (args.dtype or "").split(",") if d), ranks=args.rank,
-                              quant=args.quant, calls=args.calls, level=args.level)
+                              quant=args.quant, calls=args.calls, level=args.level, tp=args.tp)
     problems = next((p for p in (c.problems() for c in cases) if p), None)
     if problems:
-        raise UsageError(f"--quant {args.quant!r}: {problems[0]}")
+        raise UsageError(f"--power's case (--quant {args.quant!r}, --calls {args.calls}, --tp {args.tp}): "
+                         f"{problems[0]}")
     reports = []
     if not args.quiet:    # a table can take minutes per case (the Triton interpreter: hours): say so before it starts
         print(f"[power] {len(cases)} case(s) of {name} on {device}, "
@@ -1147,6 +1148,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--calls", type=_positive(int), default=1, metavar="N",
                    help="--power: each token count is one call's, judged over N such calls of the same layer "
                         "(decode steps; Case.call_tokens; default 1)")
+    t.add_argument("--tp", type=_positive(int), default=1, metavar="N",
+                   help="--power: the expert layer on N simulated TP ranks (default 1)")
     palette_option(t)
     t.set_defaults(fn=cmd_selftest)
     from moe_lora_harness.harness.front import cli_adapter

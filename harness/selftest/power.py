@@ -464,14 +464,14 @@ def to_json(reports) -> list:
 
 
 def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed: int = 0, quant: str = "none",
-                calls: int = 1, level: str = "expert") -> list:
+                calls: int = 1, level: str = "expert", tp: int = 1) -> list:
     """The cases of a power table: each catalogued layer's (harness.served.models.MoELayer; TP 1, EP 1) at each token count,
     dtype and rank, every slot at that rank; without layers, one of H 1024, I 512, E 8, top-k 2 (what a CPU computes
     in seconds), at 16 tokens. `quant`: the weights' scheme (an FP8 one quantizes the activations too; the base-GEMM
     slips rewrite the dequantized weights a quantized backend does not read, so they are no-ops there). `calls` > 1:
     each token count is one call's, the case `calls` such calls (Case.call_tokens), judged together. `level` "op":
     the layer's two `fused_moe_lora` calls instead (w13, and w2 with the routing weight, as the expert layer makes
-    them), unquantized, one call each."""
+    them), unquantized, one call each. `tp` > 1: the expert layer on that many simulated TP ranks."""
     from moe_lora_harness.harness.served.models import case_fields
     shapes = [case_fields(m) for m in layers] if layers else [
         dict(H=1024, I=512, E=8, top_k=2, activation="silu", bias=False)]
@@ -486,6 +486,6 @@ def power_cases(device: str, layers=(), tokens=(), dtypes=(), ranks=(64,), seed:
                                 for w in ("w13", "w2")]
                         continue
                     split = dict(T=T * calls, call_tokens=T) if calls > 1 else dict(T=T)
-                    out.append(Case(level="expert", **split, dtype=dt, max_rank=r, seed=seed, quant=quant,
+                    out.append(Case(level="expert", **split, dtype=dt, max_rank=r, seed=seed, quant=quant, tp_size=tp,
                                     **{k: v for k, v in fields.items() if k not in ("tp_size", "ep_size", "ep_rank")}))
     return out

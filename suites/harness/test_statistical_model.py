@@ -332,7 +332,28 @@ def test_selftest_power_takes_the_ranks_asked_for(monkeypatch, capsys):
     assert main(["selftest", "--power", "--device", "cpu", "--quant", "fp8_w8a8", "--dtype", "bfloat16"]) == 0
     assert seen == [(64, "bfloat16", 16, "fp8_w8a8")]
     assert main(["selftest", "--power", "--device", "cpu", "--quant", "fp8"]) == 2
-    assert "--quant 'fp8': quant must be one of" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--quant 'fp8'" in err and "quant must be one of" in err
+
+
+def test_selftest_power_takes_tp_ranks(monkeypatch, capsys):
+    """`selftest --power --tp 2`: the expert layer on two simulated TP ranks (the twin permutes within each rank's
+    shard); a TP size the layer's I does not divide, or --tp at the op level, is a usage error."""
+    from moe_lora_harness.harness.selftest import power
+    from moe_lora_harness.harness.front.cli import main
+    seen = []
+
+    def measured(spec, case, device, **kw):
+        seen.append((case.tp_size, case.level, case.dtype))
+        return power.PowerReport(case, spec.name, 0.01, 1.0, True, 0.5, [], 0.0)
+    monkeypatch.setattr(power, "measure", measured)
+    assert main(["selftest", "--power", "--device", "cpu", "--tp", "2", "--dtype", "float32"]) == 0
+    assert seen == [(2, "expert", "float32")]
+    assert main(["selftest", "--power", "--device", "cpu", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 3" in err and "divisible by tp_size" in err
+    assert main(["selftest", "--power", "--device", "cpu", "--tp", "2", "--level", "op"]) == 2
+    assert "--tp" in capsys.readouterr().err
 
 
 # rule 4, the excess over the emulation: a layer with enough token rows for it to speak (it cannot below 83)
