@@ -297,16 +297,24 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     base = max(emu, floor) + (0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO)
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     row, row_ratio = None, 0.0
-    twin_acc = None
+    twin_acc = None      # the worst row's accumulation term as the twin measured it (None: no twin)
     if truth.dim() > 1 and truth.shape[0] > 1:
+        one_flip_d = one_flip.to(dev) if one_flip is not None else None
+        slack_d = slack_flip.to(dev) if slack_flip is not None else None
+
+        def ratios(idx=None, measured=None):     # rule 3 of the rows idx (None: all), each held to `measured`
+            cut = (lambda t: t) if idx is None else (lambda t: None if t is None else t[idx])  # noqa: E731
+            return row_ratios(cut(o64), cut(truth), cut(emulation), cut(scale), cut(written), cut(one_flip_d),
+                              dtype=dtype, k_plus_r=k_plus_r, underflow=cut(underflow), work_dtype=work_dtype,
+                              slack_flip=cut(slack_d), acc_var=cut(acc_var), other_rows=cut(other_rows),
+                              twin_acc=measured, tests=rule3_tests(truth))
         if twin is not None and acc_var is not None and flip is None:
-            twin_acc = twin_accumulation(o64, twin.detach().to(dev), acc_var, written, rule3_tests(truth))
-        rows = row_ratios(o64, truth, emulation, scale, written, one_flip.to(dev) if one_flip is not None else None,
-                          dtype=dtype, k_plus_r=k_plus_r, underflow=underflow, work_dtype=work_dtype,
-                          slack_flip=slack_flip.to(dev) if slack_flip is not None else None, acc_var=acc_var,
-                          other_rows=other_rows, twin_acc=twin_acc)
-        row = int(rows.argmax())
-        row_ratio = float(rows[row])
+            row, row_ratio, twin_acc = _worst_row_with_twin(o64, twin.detach().to(dev), acc_var, written,
+                                                            rule3_tests(truth), ratios)
+        else:
+            rows = ratios()
+            row = int(rows.argmax())
+            row_ratio = float(rows[row])
     order = torch.topk(rel.flatten(), min(6, rel.numel())).indices   # the worst six, largest first
     idx = _unravel(order, rel.shape)
     worst = _fmt_worst(idx, o64, truth, emulation, bound, names)
@@ -330,9 +338,9 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        "points") + f"); bound {RATIO}",
                        agg, max_ulps, worst, x, unseen)
     if row_ratio > RATIO:
-        measured = ("" if twin_acc is None or not bool(torch.isfinite(twin_acc[row])) else
+        measured = ("" if twin_acc is None or not math.isfinite(twin_acc) else
                     ", its accumulation as its twin run measured it" + (
-                        " (the two runs alike: all but zero)" if float(twin_acc[row]) == 0 else ""))
+                        " (the two runs alike: all but zero)" if twin_acc == 0 else ""))
         return Verdict(False, "aggregate", f"row {names[0]}={row}'s aggregate error is {row_ratio:.3g}x the larger "
                        f"of its emulation's and its floor (rule 3 per token row{measured}); bound {RATIO}; "
                        f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst, x, unseen)
@@ -518,28 +526,70 @@ def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, list, torch.Tensor]
     return names, kinds, torch.cat(cols, dim=1)
 
 
+def _twin_log_delta(tests: int) -> float:
+    """Rule 3's tail for a row's twin measure: its share of FALSE_VERDICT, squared (harness.judge.twin_floor)."""
+    return 2.0 * math.log(FALSE_VERDICT / max(int(tests), 1))
+
+
+def _twin_differences(out64: torch.Tensor, twin: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+    diff = torch.where(written, out64 - twin.to(torch.float64), torch.zeros_like(out64))
+    return torch.linalg.vector_norm(diff.reshape(diff.shape[0], -1), dim=1)
+
+
+def _measured(kappa: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """kappa d, inf where the twin says nothing (no accumulation weights, or a non-finite twin: the other run's
+    verdict fails that)."""
+    acc = kappa * d
+    return torch.where(torch.isfinite(d) & torch.isfinite(kappa), acc, torch.full_like(acc, math.inf))
+
+
 def twin_accumulation(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, written: torch.Tensor,
                       tests: int) -> torch.Tensor:
     """(T,) float64: each row's accumulation term for rule 3's floor as the twin run measures it, kappa ||out - twin||
     over the row's written elements (harness.judge.twin_floor: kappa at FALSE_VERDICT / tests, squared); inf where the
-    twin says nothing (no accumulation weights, or a non-finite twin: the other run's verdict fails that)."""
+    twin says nothing."""
     from moe_lora_harness.harness.judge.twin_floor import row_kappa
-    diff = torch.where(written, out64 - twin.to(torch.float64), torch.zeros_like(out64))
-    d = torch.linalg.vector_norm(diff.reshape(diff.shape[0], -1), dim=1)
-    kappa = row_kappa(acc_var, written, 2.0 * math.log(FALSE_VERDICT / max(int(tests), 1)), TWIN_RHO)
-    acc = kappa * d
-    return torch.where(torch.isfinite(d) & torch.isfinite(kappa), acc, torch.full_like(acc, math.inf))
+    kappa = row_kappa(acc_var, written, _twin_log_delta(tests), TWIN_RHO)
+    return _measured(kappa, _twin_differences(out64, twin, written))
+
+
+TWIN_ROWS_AT_ONCE = 32    # rows whose kappa is searched together while the worst row is sought
+
+
+def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios) -> tuple[int, float, float]:
+    """(row, ratio, its measured accumulation term) of rule 3's worst row under the twin's measure, as if every row's
+    kappa were searched (`twin_accumulation`), searching few: each row's ratio under the least kappa a row of its
+    element count can have (`twin_floor.kappa_lower_bound`) is at least its ratio; rows are refined in that bound's
+    order until no bound left exceeds the worst ratio found. `ratios(idx, measured)`: rule 3 of rows idx."""
+    from moe_lora_harness.harness.judge.twin_floor import kappa_lower_bound
+    d = _twin_differences(out64, twin, written)
+    weighted = (torch.where(written, acc_var, torch.zeros_like(acc_var)) > 0).reshape(d.shape[0], -1).sum(dim=1)
+    upper = ratios(None, _measured(kappa_lower_bound(weighted, _twin_log_delta(tests), TWIN_RHO), d))
+    order = torch.argsort(upper, descending=True)
+    best, row, acc = -1.0, int(order[0]), math.inf
+    for start in range(0, order.numel(), TWIN_ROWS_AT_ONCE):
+        idx = order[start:start + TWIN_ROWS_AT_ONCE]
+        if float(upper[idx[0]]) <= best:
+            break
+        measured = twin_accumulation(out64[idx], twin[idx], acc_var[idx], written[idx], tests)
+        r = ratios(idx, measured)
+        j = int(r.argmax())
+        if float(r[j]) > best:
+            best, row, acc = float(r[j]), int(idx[j]), float(measured[j])
+    return row, best, acc
 
 
 def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, scale: torch.Tensor,
                written: torch.Tensor, one_flip: torch.Tensor | None, *, dtype: torch.dtype, k_plus_r: int,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
                slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
-               other_rows: torch.Tensor | None = None, twin_acc: torch.Tensor | None = None) -> torch.Tensor:
+               other_rows: torch.Tensor | None = None, twin_acc: torch.Tensor | None = None,
+               tests: int | None = None) -> torch.Tensor:
     """(T,) float64: rule 3's ratio of each row (dim 0) over its written elements, against the row's own floor
     (one_flip[t] + slack_flip[t] its flip terms, None: none; acc_var its accumulation term, None: the worst case; at
     most `twin_acc`[t], the twin's measure of it: `twin_accumulation`), plus other_points_tail sqrt(other_rows[t]) /
-    RATIO (`other_points_rows`: a kernel that may round at other points; None: none).
+    RATIO (`other_points_rows`: a kernel that may round at other points; None: none), that tail at `tests`
+    comparisons (None: rule3_tests(truth); a caller judging some rows of an output passes the whole output's).
     Why per row: docs/error-model.md, "The aggregate rule per row". A row with nothing written has ratio 0."""
     for name, t in (("one_flip", one_flip), ("slack_flip", slack_flip)):
         if t is not None and (t.dim() != 1 or t.shape[0] != truth.shape[0]):
@@ -564,7 +614,8 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
         floor = floor + slack_flip.to(torch.float64)
     base = torch.maximum(emu, floor)
     if other_rows is not None:
-        base = base + other_points_tail(rule3_tests(truth)) * other_rows.to(torch.float64).sqrt() / RATIO
+        base = base + other_points_tail(rule3_tests(truth) if tests is None else tests) \
+            * other_rows.to(torch.float64).sqrt() / RATIO
     ratio = kern / torch.where(base > 0, base, torch.ones_like(base))
     return torch.where(base > 0, ratio, torch.where(kern > 0, torch.full_like(kern, math.inf), torch.zeros_like(kern)))
 

@@ -10,6 +10,7 @@ half the effective elements the weights say). The weights s_i^2 follow the refer
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -84,3 +85,20 @@ def row_kappa(acc_var: torch.Tensor, written: torch.Tensor, log_delta: float, rh
     kappa = torch.sqrt(torch.exp(hi)) / 2.0
     reached = ~fails(torch.exp(hi))
     return torch.where(live & reached, kappa, torch.full_like(kappa, math.inf))
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_kappa(m: int, log_delta: float, rho: float) -> float:
+    return float(row_kappa(torch.ones(1, m, dtype=torch.float64), torch.ones(1, m, dtype=torch.bool), log_delta,
+                           rho)[0])
+
+
+def kappa_lower_bound(counts: torch.Tensor, log_delta: float, rho: float) -> torch.Tensor:
+    """(T,) float64: a lower bound of each row's `row_kappa`, from its count of weighted elements alone: both sums of
+    Chernoff's exponent are convex in each weight, so equal weights over the same elements minimise it (Schur), and
+    their kappa is the least any row of that many elements can have. Cheap: one search per distinct count."""
+    out = torch.full(counts.shape, math.inf, dtype=torch.float64, device=counts.device)
+    for m in torch.unique(counts).tolist():
+        if m > 0:
+            out[counts == m] = _uniform_kappa(int(m), log_delta, rho)
+    return out

@@ -97,3 +97,33 @@ def test_a_slip_confined_to_one_row_fails_at_a_few_times_that_rows_error():
     twin_slipped[row] += 1.2 * with_twin * g
     v = judge_twins(CASE, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules)
     assert "rule 3 per token row, its accumulation as its twin run measured it" in v.message, v.message
+
+
+@pytest.mark.parametrize("slipped", [False, True])
+def test_the_worst_row_search_finds_what_searching_every_row_finds(slipped):
+    """compare._worst_row_with_twin refines few rows (kappa_lower_bound orders them) and must name the row, and the
+    ratio, that kappa searched for every row gives; a kappa_lower_bound above some row's kappa would break that."""
+    from moe_lora_harness.harness.judge import compare as C
+    from moe_lora_harness.harness.judge.twin_floor import kappa_lower_bound
+    c = power.correct_run(EAGER, CASE, "cpu")
+    tv, av = c.truth.value, c.truth.acc_var
+    out, twin = c.out.to(F64), c.twin.to(F64)
+    if slipped:
+        out[5] += 2.5 * (out[5] - tv[5])
+        twin[5] += 2.5 * (c.out.to(F64)[5] - tv[5])
+    written = torch.ones_like(tv, dtype=torch.bool)
+    tests = C.rule3_tests(tv)
+
+    def ratios(idx=None, measured=None):
+        cut = (lambda x: x) if idx is None else (lambda x: x[idx])  # noqa: E731
+        return C.row_ratios(cut(out), cut(tv), cut(c.emulation.value), cut(c.truth.scale), cut(written), None,
+                            dtype=torch.float32, k_plus_r=CASE.H + CASE.I + CASE.max_rank, acc_var=cut(av),
+                            twin_acc=measured, tests=tests)
+    every = ratios(None, twin_accumulation(out, twin, av, written, tests))
+    row, ratio, _ = C._worst_row_with_twin(out, twin, av, written, tests, ratios)
+    assert row == int(every.argmax()) and ratio == float(every.max())
+    if slipped:
+        assert row == 5
+    log_delta = 2 * math.log(FALSE_VERDICT / tests)
+    lower = kappa_lower_bound(torch.full((CASE.T,), CASE.H), log_delta, TWIN_RHO)
+    assert bool((lower <= row_kappa(av, written, log_delta, TWIN_RHO)).all())
