@@ -2,7 +2,9 @@
 # Forty-sixth session, call A (rule 3 with the twin; the twin under TP and dispatched EP): correct backends on random
 # fp32 cases through the runner on the GPU (bench/results/2026-12-06-cpu-s46/twin_rule3_validation.py; served sizes
 # too), ours and vLLM 0.33.0's and SGLang 0.5.23's (their files carried in .thirdparty, kept out of the repository);
-# then fp32 power at Qwen3-30B-A3B's layer, 256 tokens, rank 32, in the time left.
+# then fp32 power at Qwen3-30B-A3B's layer, 256 tokens, rank 32, in the time left. vLLM's expert classes need every
+# .py of its wheel in .thirdparty: unzip -q vllm-0.33.0-*.whl 'vllm/*.py' 'vllm/model_executor/layers/fused_moe/configs/*'
+# -d .thirdparty/vllm-0.33.0 (58 MB, within carry's 64 MiB with SGLang's one file).
 set -u
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
