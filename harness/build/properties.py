@@ -184,8 +184,7 @@ def plain_rows(out_plain: torch.Tensor, view: str, quant: str = "none", level: s
     if view == "reversed":
         return out_plain.flip(0)
     if view == "reordered":
-        order = contraction_order(out_plain.shape[1], view_blocks(quant)[0], shards)
-        return out_plain[:, order.to(out_plain.device)]
+        return out_plain[:, _column_order(out_plain, quant, shards)]
     return out_plain
 
 
@@ -196,8 +195,13 @@ def plain_columns(out_view: torch.Tensor, quant: str = "none", level: str = "exp
     if level == "op":
         return out_view
     out = torch.empty_like(out_view)
-    out[:, contraction_order(out_view.shape[1], view_blocks(quant)[0], shards).to(out_view.device)] = out_view
+    out[:, _column_order(out_view, quant, shards)] = out_view
     return out
+
+
+def _column_order(out: torch.Tensor, quant: str, shards: int) -> torch.Tensor:
+    """The reordered view's order of an expert-level output's hidden columns (the order of H), on `out`'s device."""
+    return contraction_order(out.shape[1], view_blocks(quant)[0], shards).to(out.device)
 
 
 def twin_columns(out_view: torch.Tensor, case) -> torch.Tensor:

@@ -164,27 +164,37 @@ def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatc
     return digest, kw["output"]
 
 
+def run_expert_inputs(spec: BackendSpec, built, case: Case, device: str, watch: InputWatch | None = None,
+                      bands: list | None = None) -> torch.Tensor:
+    """The backend on an expert-level case's inputs `built`, in this process, as a run calls it: every simulated
+    dispatched-EP rank, every TP rank (recombined), or the calls of one rank. `watch` snapshots the inputs each call
+    gets; with `bands` (a list) each call's tensors are handed over between guard bands kept there."""
+    from moe_lora_harness.harness.build.expert_runner import run_calls, run_tp_ranks
+    if case.dispatched:
+        from moe_lora_harness.harness.execution.ep_ranks import run_simulated
+        return run_simulated(spec, built, case, device, watch, bands)
+    if case.tp_size > 1:
+        return run_tp_ranks(spec, built, case, device, watch, bands)
+    call = built.call(device)
+    if bands is not None:
+        (call,), guarded = guard_calls([call], [""])
+        bands.extend(guarded)
+    if watch is not None:
+        watch.add("", call)
+    return run_calls(spec, call, case)
+
+
 def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, launches: LaunchWatch, bands: list):
-    from moe_lora_harness.harness.build.expert_runner import run_tp_ranks
     built = build_expert_inputs(case, draw_device(case, device))     # drawn where the judge draws them
     digest = inputs_digest(built)
-    if case.dispatched:
+    if case.dispatched and case.ep_comm == "processes":
         from moe_lora_harness.harness.execution import ep_ranks
-        if case.ep_comm == "processes":
-            output, written, digest, remote, outside = ep_ranks.run_processes(spec, case, device, digest)
-            watch.extra_written.extend(written)
-            bands.append(ReportedBands(outside))
-            launches.launches.extend(remote)     # the ranks' interpreted kernels count as this call's
-        else:
-            output = ep_ranks.run_simulated(spec, built, case, device, watch, bands)
-    elif case.tp_size > 1:
-        output = run_tp_ranks(spec, built, case, device, watch, bands)
+        output, written, digest, remote, outside = ep_ranks.run_processes(spec, case, device, digest)
+        watch.extra_written.extend(written)
+        bands.append(ReportedBands(outside))
+        launches.launches.extend(remote)     # the ranks' interpreted kernels count as this call's
     else:
-        from moe_lora_harness.harness.build.expert_runner import run_calls
-        (call,), guarded = guard_calls([built.call(device)], [""])
-        bands.extend(guarded)
-        watch.add("", call)
-        output = run_calls(spec, call, case)
+        output = run_expert_inputs(spec, built, case, device, watch, bands)
     _sync(device)
     return digest, output
 

@@ -35,7 +35,7 @@ def _eigen(c: torch.Tensor, rho: float):
     return (tr + disc) / 2.0, (tr - disc) / 2.0
 
 
-ROWS_AT_ONCE = 2048    # rows whose bounds are searched together (memory: rows x 25 x 49 doubles, a few times)
+ROWS_AT_ONCE = 2048    # rows whose bounds are searched together (memory: rows x 12 x 49 doubles, a few times)
 
 
 def row_kappa(acc_var: torch.Tensor, written: torch.Tensor, log_delta: float, rho: float) -> torch.Tensor:

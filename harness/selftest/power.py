@@ -262,18 +262,12 @@ class CorrectRun:
 
 
 def runner(spec, case: Case, device: str) -> Callable:
-    """inputs -> `spec`'s output on them, run in this process on `device`: an expert-level case's calls
-    (run_calls; every simulated TP or dispatched EP rank, recombined as the runner does), or one `fused_moe_lora`
-    call on a copy of the op's output buffer."""
-    if case.dispatched:
-        from moe_lora_harness.harness.execution.ep_ranks import run_simulated
-        return lambda i: run_simulated(spec, i, case, device)
-    if case.level != "op" and case.tp_size > 1:
-        from moe_lora_harness.harness.build.expert_runner import run_tp_ranks
-        return lambda i: run_tp_ranks(spec, i, case, device)
+    """inputs -> `spec`'s output on them, run in this process on `device`: an expert-level case's calls as a run
+    makes them (execute.run_expert_inputs: one rank's, every TP rank's or every simulated dispatched-EP rank's), or one
+    `fused_moe_lora` call on a copy of the op's output buffer."""
     if case.level != "op":
-        from moe_lora_harness.harness.build.expert_runner import run_calls
-        return lambda i: run_calls(spec, i.call(device), case)
+        from moe_lora_harness.harness.execution.execute import run_expert_inputs
+        return lambda i: run_expert_inputs(spec, i, case, device)
 
     def run_op(i):
         if i.x.device.type != torch.device(device).type:

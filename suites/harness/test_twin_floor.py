@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from moe_lora_harness.harness.judge.compare import FALSE_VERDICT, TWIN_RHO, twin_accumulation
-from moe_lora_harness.harness.judge.expectation import judge_output, judge_twins
+from moe_lora_harness.backends.eager import BACKEND as EAGER
+from moe_lora_harness.harness.judge.expectation import Rules, judge_output, judge_twins, row_groups
 from moe_lora_harness.harness.judge.twin_floor import row_kappa
 from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.harness.spec.case import Case
-from moe_lora_harness.backends.eager import BACKEND as EAGER
-from moe_lora_harness.harness.judge.expectation import Rules, row_groups
 
 F64 = torch.float64
 LOG_DELTA = 2 * math.log(FALSE_VERDICT / 257)     # a 256-row output's rule 3, squared (half the elements)
