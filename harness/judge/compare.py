@@ -282,9 +282,16 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     max_ulps = float(rel.max())
     kern = float(torch.linalg.vector_norm(ow - tw))
     emu = float(torch.linalg.vector_norm(ew - tw))
-    floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + (
-        ACC_SIGMAS * math.sqrt(float(acc_var[written].clamp_min(0).sum())) if acc_var is not None
-        else acc * float(torch.linalg.vector_norm(sw)))
+    whole_acc = (ACC_SIGMAS * math.sqrt(float(acc_var[written].clamp_min(0).sum())) if acc_var is not None
+                 else acc * float(torch.linalg.vector_norm(sw)))
+    twin_whole = None    # the whole tensor's accumulation term as the twin measured it (None: no twin)
+    if twin is not None and acc_var is not None and flip is None:     # the whole tensor as one row of rule 3's
+        flat = lambda t: t.reshape(1, -1)  # noqa: E731
+        measured = float(twin_accumulation(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
+                                           rule3_tests(truth))[0])
+        if measured < whole_acc:
+            whole_acc = twin_whole = measured
+    floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + whole_acc
     if under_w is not None:
         floor += 0.5 * t_dt * float(torch.linalg.vector_norm(under_w))
     if one_flip is not None and one_flip.numel():
@@ -334,15 +341,13 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                        f"(worst {max_ulps:.3g}x); aggregate ratio {agg:.3g}", agg, max_ulps, worst, x, unseen)
     if ratio > RATIO:
         return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
-                       f"{emu:.3g} (floor {floor:.3g}" + ("" if other_rows is None else ", plus the tail of other rounding "
-                       "points") + f"); bound {RATIO}",
+                       f"{emu:.3g} (floor {floor:.3g}" + _measured_by_twin(twin_whole)
+                       + ("" if other_rows is None else ", plus the tail of other rounding points") + f"); bound {RATIO}",
                        agg, max_ulps, worst, x, unseen)
     if row_ratio > RATIO:
-        measured = ("" if twin_acc is None or not math.isfinite(twin_acc) else
-                    ", its accumulation as its twin run measured it" + (
-                        " (the two runs alike: all but zero)" if twin_acc == 0 else ""))
         return Verdict(False, "aggregate", f"row {names[0]}={row}'s aggregate error is {row_ratio:.3g}x the larger "
-                       f"of its emulation's and its floor (rule 3 per token row{measured}); bound {RATIO}; "
+                       f"of its emulation's and its floor (rule 3 per token row{_measured_by_twin(twin_acc)}); "
+                       f"bound {RATIO}; "
                        f"the whole tensor's ratio {ratio:.3g}", agg, max_ulps, worst, x, unseen)
     if x > 1.0:
         _, rows_over, n_rows, extra, where = exc
@@ -524,6 +529,13 @@ def _row_sets(row_groups, live: torch.Tensor) -> tuple[list, list, torch.Tensor]
         kinds += [kind] * sum(ok)
         cols.append(m[:, torch.tensor(ok, dtype=torch.bool, device=m.device)])
     return names, kinds, torch.cat(cols, dim=1)
+
+
+def _measured_by_twin(acc: float | None) -> str:
+    """What a rule 3 failure says of its accumulation term where the twin's measure set it."""
+    if acc is None or not math.isfinite(acc):
+        return ""
+    return ", its accumulation as its twin run measured it" + (" (the two runs alike: all but zero)" if acc == 0 else "")
 
 
 def _twin_log_delta(tests: int) -> float:

@@ -98,6 +98,38 @@ def test_a_slip_confined_to_one_row_fails_at_a_few_times_that_rows_error():
     assert "rule 3 per token row, its accumulation as its twin run measured it" in v.message, v.message
 
 
+def test_one_token_runs_its_twin_and_a_slip_of_its_row_fails_near_its_error():
+    """Below rule 4's rows, a row of TWIN_ROW_ELEMENTS or more still runs the twin (rule 3's measure): one fp32 token
+    at H 1024 is run twice, passes, and a slip of its row fails at under 5 times the row's error, where the bound for
+    every order alone let it pass at over four times that (measured: 4.42 and 23.2). The whole tensor's rule 3, which
+    alone judges one row, holds its accumulation to the twin's measure as each row's does."""
+    case = Case(level="expert", T=1, H=1024, I=256, E=4, top_k=2, max_loras=2, max_rank=16, dtype="float32", seed=5)
+    c = power.correct_run(EAGER, case, "cpu")
+    assert c.twin is not None, "the runner runs no twin on one long fp32 row"
+    truth, emu, out, twin = c.truth, c.emulation.value, c.out.to(F64), c.twin.to(F64)
+    rules = Rules("cpu", c.points_only, row_groups(c.inputs, truth))
+    g = torch.randn(out.shape[1], generator=torch.Generator().manual_seed(3), dtype=F64)
+    g = g / g.norm() * float((out[0] - truth.value[0]).norm())
+
+    def fails(m: float, paired: bool) -> bool:
+        slipped, twin_slipped = out.clone(), twin.clone()
+        slipped[0] += m * g
+        twin_slipped[0] += m * g
+        if paired:
+            return not judge_twins(case, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules).ok
+        return not judge_output(case, slipped.float(), truth, emu, c.precision, rules).ok
+
+    assert not fails(0.0, True)
+    with_twin = power.bisect_geometric(lambda m: fails(m, True), 0.1, 1000.0, steps=14)
+    alone = power.bisect_geometric(lambda m: fails(m, False), 0.1, 1000.0, steps=14)
+    assert with_twin < 5.0 and alone > 4 * with_twin, (with_twin, alone)
+    slipped, twin_slipped = out.clone(), twin.clone()
+    slipped[0] += 1.2 * with_twin * g
+    twin_slipped[0] += 1.2 * with_twin * g
+    v = judge_twins(case, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules)
+    assert "as its twin run measured it" in v.message, v.message
+
+
 @pytest.mark.parametrize("slipped", [False, True])
 def test_the_worst_row_search_finds_what_searching_every_row_finds(slipped):
     """compare._worst_row_with_twin refines few rows (kappa_lower_bound orders them) and must name the row, and the

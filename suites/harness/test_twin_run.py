@@ -15,8 +15,9 @@ from moe_lora_harness.backends.eager import run_experts
 from moe_lora_harness.harness.execution.execute import InProcess
 from moe_lora_harness.harness.execution.runner import TWIN_RUN, run_case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, TWIN_FACTOR
-from moe_lora_harness.harness.judge.expectation import (MMA_PRODUCTS_MAX, Rules, judge_output, judge_twins,
-                                                        mma_products, row_groups, twin_applies, twin_own_emulation)
+from moe_lora_harness.harness.judge.expectation import (MMA_PRODUCTS_MAX, TWIN_ROW_ELEMENTS, Rules, judge_output,
+                                                        judge_twins, mma_products, row_elements, row_groups,
+                                                        twin_applies, twin_own_emulation)
 from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.harness.spec.case import Case
 
@@ -46,14 +47,19 @@ def _pair(case):
 
 def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
     assert twin_applies(CASE)
-    assert not twin_applies(CASE.replace(T=EXCESS_MIN_ROWS - 1))      # rule 4 cannot fail so few rows
+    assert not twin_applies(CASE.replace(T=EXCESS_MIN_ROWS - 1))      # rule 4 cannot fail so few rows, and rule 3's
+    # twin measure needs rows of TWIN_ROW_ELEMENTS to beat the bound: one token of H 512 has it, of H 256 not
+    assert row_elements(CASE) < TWIN_ROW_ELEMENTS <= row_elements(CASE.replace(H=TWIN_ROW_ELEMENTS))
+    assert twin_applies(CASE.replace(T=1, H=TWIN_ROW_ELEMENTS)) and not twin_applies(CASE.replace(T=1))
+    assert not twin_applies(CASE.replace(T=1, H=TWIN_ROW_ELEMENTS, dtype="float16"))
     assert not twin_applies(CASE.replace(dtype="float16"))            # its rounding, not its sums, bounds it
     assert not twin_applies(CASE.replace(view="reordered"))           # a view is judged alone
     assert not twin_applies(CASE.replace(quant="int8_channel"))       # quantized K blocks do not permute
     # the op level: its K permuted through x and every LoRA A (each shrink in another order), the columns kept
     assert twin_applies(OP_CASE) and twin_applies(OP_CASE.replace(which="w2"))
     assert not twin_applies(OP_CASE.replace(dtype="float16")) and not twin_applies(OP_CASE.replace(view="reordered"))
-    assert not twin_applies(OP_CASE.replace(T=EXCESS_MIN_ROWS - 1))
+    assert not twin_applies(OP_CASE.replace(T=EXCESS_MIN_ROWS - 1, I=64))     # a row: 2 routes x 2 slices x 64
+    assert twin_applies(OP_CASE.replace(T=EXCESS_MIN_ROWS - 1))                # ... x 128 = TWIN_ROW_ELEMENTS
     # TP (each rank's shard permuted within) and dispatched EP (H and I are not split across its ranks)
     assert twin_applies(TP_CASE) and twin_applies(CASE.replace(tp_size=2))
     assert twin_applies(CASE.replace(ep_size=2, ep_tokens=(64, 64)))
