@@ -257,7 +257,8 @@ class Case:
             need(self.view == "reordered" or (self.level == "expert" and not self.dispatched and self.tp_size == 1),
                  f"view={self.view!r} is an expert-level setting of one rank (no dispatched EP, tp_size 1); the op "
                  f"level, TP and dispatched EP have the 'reordered' view alone")
-            need(self.T >= 2, f"view={self.view!r} needs T >= 2 tokens (a view of one token is the token)")
+            need(self.T >= 2 or self.view == "reordered",
+                 f"view={self.view!r} needs T >= 2 tokens (a view of one token's rows is the token)")
             if self.view == "slots_rotated":
                 need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")
             if self.view == "reordered":

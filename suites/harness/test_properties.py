@@ -214,4 +214,6 @@ def test_a_view_is_an_expert_level_setting_of_one_rank():
     assert not CASE.replace(view="half").problems()
     assert CASE.replace(view="reordered", quant="fp8_w8a8").problems()       # a block's scale would not follow K
     assert not CASE.replace(view="reordered", T=8, call_tokens=4).problems()  # the calls keep their tokens
+    # a token view of one token is the token; the reordered view of one permutes its sums (a one-token twin run)
+    assert CASE.replace(view="half", T=1).problems() and not CASE.replace(view="reordered", T=1).problems()
     assert CASE.replace(view="half", T=8, call_tokens=4).problems()

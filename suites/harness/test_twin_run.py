@@ -90,7 +90,8 @@ def test_the_judge_runs_the_backend_twice_only_where_the_twin_applies():
     spec = _spec("counted", counted)
     # (case, calls): one rank; TP, each rank once; fully sharded TP, each rank in three passes (SimulatedTPGroup)
     for case, runs in ((CASE, 2), (CASE.replace(dtype="float16"), 1), (CASE.replace(tp_size=2), 4),
-                       (TP_CASE, 12), (TP_CASE.replace(dtype="float16"), 6)):
+                       (TP_CASE, 12), (TP_CASE.replace(dtype="float16"), 6),
+                       (CASE.replace(T=1, H=TWIN_ROW_ELEMENTS), 2), (CASE.replace(T=1), 1)):
         calls.clear()
         assert run_case(spec, case, "cpu", executor=InProcess(), reruns=0).status == "pass", case
         assert len(calls) == runs, case
@@ -127,7 +128,7 @@ def test_the_judge_runs_an_op_twice_only_where_the_twin_applies():
 
     spec = _spec("counted-op", op=counted)
     for case, runs in ((OP_CASE, 2), (OP_CASE.replace(which="w2"), 2), (OP_CASE.replace(dtype="float16"), 1),
-                       (OP_CASE.replace(add_inputs=False), 2)):
+                       (OP_CASE.replace(add_inputs=False), 2), (OP_CASE.replace(T=1), 2)):
         seen.clear()
         assert run_case(spec, case, "cpu", executor=InProcess(), reruns=0).status == "pass", case
         assert len(seen) == runs, case
