@@ -22,7 +22,8 @@ from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precisi
 from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.build.guards import outside_message
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, held_to, judge_output,
-                                                        judging, op_expectations, row_groups, twin_applies)
+                                                        judging, op_expectations, row_groups, twin_applies,
+                                                        with_twin)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -131,7 +132,7 @@ class Expectation:
 
     def rules_with(self, twin: torch.Tensor | None) -> Rules:
         """`rules`, holding the judged run to `twin` (the other run of a twin pair; None: none)."""
-        return self.rules if twin is None else dataclasses.replace(self.rules, twin=twin)
+        return with_twin(self.rules, self.case, twin)
 
     @property
     def inputs(self):

@@ -216,7 +216,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                     slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
                     round_var: torch.Tensor | None = None, row_groups=None,
                     model_points_only: bool = False, twin: torch.Tensor | None = None,
-                    flip_sq: torch.Tensor | None = None) -> Verdict:
+                    flip_sq: torch.Tensor | None = None, twin_sources: int | None = None,
+                    fixed_var: torch.Tensor | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
@@ -230,7 +231,9 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     makes rule 4 hold for each label's rows too. `model_points_only` (the backend declares that it rounds where its
     model rounds and nowhere else): rule 4 allows the accumulation alone, not one more rounding of every value.
     `twin` (the backend's output on the reordered view, in this output's column order): rule 4's accumulation
-    allowance is at most TWIN_FACTOR times the two runs' squared difference. `flip_sq` (T, 2; FP8, with `round_var`:
+    allowance is at most TWIN_FACTOR times the two runs' squared difference, and rule 3's accumulation term of a row
+    at most kappa times their distance there, kappa counting at most `twin_sources` elements a row; either measure
+    plus the bound of `fixed_var`, the accumulation of the sums the twin does not reorder (None: none). `flip_sq` (T, 2; FP8, with `round_var`:
     reference.experts.ExpertExpected.flip_sq) turns rule 4 on for FP8 rows, each row allowed its flips' expected
     square (and `slack_flip`'s); without it FP8 rows have rules 2 and 3 alone. Computed where `truth` lies (a CUDA
     judge's device): the other tensors are moved there.
@@ -238,6 +241,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
     dev = truth.device
+    fixed_var = None if fixed_var is None or twin is None else fixed_var.to(dev)
     o = out.detach().to(dev)
     written = written.to(dev).bool()
     emulation, scale = emulation.to(dev), scale.to(dev)
@@ -288,7 +292,9 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     if twin is not None and acc_var is not None and flip is None:     # the whole tensor as one row of rule 3's
         flat = lambda t: t.reshape(1, -1)  # noqa: E731
         measured = float(twin_accumulation(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
-                                           rule3_tests(truth))[0])
+                                           rule3_tests(truth), None if twin_sources is None
+                                           else twin_sources * int(_live_rows(written).sum()),
+                                           None if fixed_var is None else flat(fixed_var))[0])
         if measured < whole_acc:
             whole_acc = twin_whole = measured
     floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + whole_acc
@@ -317,7 +323,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                               twin_acc=measured, tests=rule3_tests(truth))
         if twin is not None and acc_var is not None and flip is None:
             row, row_ratio, twin_acc = _worst_row_with_twin(o64, twin.detach().to(dev), acc_var, written,
-                                                            rule3_tests(truth), ratios)
+                                                            rule3_tests(truth), ratios, twin_sources, fixed_var)
         else:
             rows = ratios()
             row = int(rows.argmax())
@@ -331,7 +337,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     sets = _judged_sets(row_groups, _live_rows(written)) if modelled and truth.dim() > 1 else None
     exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
                  work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only, sets=sets,
-                 twin=None if twin is None else twin.detach().to(dev),
+                 twin=None if twin is None else twin.detach().to(dev), fixed_var=fixed_var,
                  flips=None if flip is None else (flip_sq.to(dev), slack_flip)) if modelled else None
     x = 0.0 if exc is None else exc[0]
     unseen = _unseen(sets) if sets is not None else (
@@ -369,7 +375,7 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
            acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
            underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
            row_groups=None, model_points_only: bool = False, sets=None, twin: torch.Tensor | None = None,
-           flips=None):
+           flips=None, fixed_var: torch.Tensor | None = None):
     """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
     the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
     The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
@@ -380,7 +386,8 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     if truth.dim() < 2:
         return 0.0, 0, 1, 0.0, "no rows"
     d, a = row_excess(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips)
+                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips,
+                      fixed_var=fixed_var)
     names, _, member, sizes, keep, z, _ = sets if sets is not None else _judged_sets(row_groups, _live_rows(written))
     m = member[:, keep]
     dm = d[:, None] * m
@@ -401,11 +408,12 @@ def self_normalised(total: float, spread: float, z: float) -> float:
 def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
                acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-               model_points_only: bool = False, twin: torch.Tensor | None = None, flips=None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               model_points_only: bool = False, twin: torch.Tensor | None = None, flips=None,
+               fixed_var: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
     emulation's minus its allowance; the allowance). With a `twin` run each row's accumulation allowance is the
-    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row. `flips` (FP8
+    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference plus ACC_SHARE `fixed_var` (the
+    sums the twin does not reorder), over the row. `flips` (FP8
     activations): (flip_sq (T, 2), slack_flip (T,) or None): each row also allows its GEMM2 flips' expected square
     (column 0 for a kernel declared to round at its model's points, with the accumulation under the twin's cap: the
     twin flips as it does; else column 1, uncapped) and, unless it is so declared (its scale is amax / 448 and its
@@ -419,7 +427,8 @@ def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
         acc = acc + flip_sq[:, 0].to(acc)
     if twin is not None:
         apart = torch.nan_to_num((out64 - twin.to(torch.float64)) ** 2, nan=math.inf, posinf=math.inf)
-        acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims))
+        unmeasured = 0.0 if fixed_var is None else (ACC_SHARE * fixed_var.clamp_min(0) * w).sum(dim=dims)
+        acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims) + unmeasured)
     if flip_sq is not None and not model_points_only:   # another rounding's flips need not differ between orders
         acc = acc + flip_sq[:, 1].to(acc)
     if slack is not None and not model_points_only:   # the scale arithmetic's flips at exact ties: in full (neither
@@ -556,34 +565,49 @@ def _measured(kappa: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def twin_accumulation(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, written: torch.Tensor,
-                      tests: int) -> torch.Tensor:
+                      tests: int, sources: int | None = None, fixed_var: torch.Tensor | None = None) -> torch.Tensor:
     """(T,) float64: each row's accumulation term for rule 3's floor as the twin run measures it, kappa ||out - twin||
-    over the row's written elements (harness.judge.twin_floor: kappa at FALSE_VERDICT / tests, squared); inf where the
-    twin says nothing."""
-    from moe_lora_harness.harness.judge.twin_floor import row_kappa
-    kappa = row_kappa(acc_var, written, _twin_log_delta(tests), TWIN_RHO)
-    return _measured(kappa, _twin_differences(out64, twin, written))
+    over the row's written elements (harness.judge.twin_floor: kappa at FALSE_VERDICT / tests, squared; a row counted
+    as at most `sources` elements, its independent error sources: None, each element one), plus the bound of
+    `fixed_var` (the sums the twin does not reorder) over the row; inf where the twin says nothing."""
+    from moe_lora_harness.harness.judge.twin_floor import at_most_sources, row_kappa
+    log_delta = _twin_log_delta(tests)
+    kappa = at_most_sources(row_kappa(acc_var, written, log_delta, TWIN_RHO), sources, log_delta, TWIN_RHO)
+    return _measured(kappa, _twin_differences(out64, twin, written)) + _unmeasured(fixed_var, written)
+
+
+def _unmeasured(fixed_var: torch.Tensor | None, written: torch.Tensor):
+    """(T,) float64 or 0: each row's rule 3 bound of the accumulation in the sums the twin does not reorder."""
+    if fixed_var is None:
+        return 0.0
+    v = torch.where(written, fixed_var.to(torch.float64).clamp_min(0), torch.zeros((), dtype=torch.float64,
+                                                                                  device=written.device))
+    return ACC_SIGMAS * v.reshape(v.shape[0], -1).sum(dim=1).sqrt()
 
 
 TWIN_ROWS_AT_ONCE = 32    # rows whose kappa is searched together while the worst row is sought
 
 
-def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios) -> tuple[int, float, float]:
+def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios, sources: int | None = None,
+                         fixed_var: torch.Tensor | None = None) -> tuple[int, float, float]:
     """(row, ratio, its measured accumulation term) of rule 3's worst row under the twin's measure, as if every row's
     kappa were searched (`twin_accumulation`), searching few: each row's ratio under the least kappa a row of its
     element count can have (`twin_floor.kappa_lower_bound`) is at least its ratio; rows are refined in that bound's
     order until no bound left exceeds the worst ratio found. `ratios(idx, measured)`: rule 3 of rows idx."""
-    from moe_lora_harness.harness.judge.twin_floor import kappa_lower_bound
+    from moe_lora_harness.harness.judge.twin_floor import at_most_sources, kappa_lower_bound
     d = _twin_differences(out64, twin, written)
     weighted = (torch.where(written, acc_var, torch.zeros_like(acc_var)) > 0).reshape(d.shape[0], -1).sum(dim=1)
-    upper = ratios(None, _measured(kappa_lower_bound(weighted, _twin_log_delta(tests), TWIN_RHO), d))
+    log_delta = _twin_log_delta(tests)
+    least = at_most_sources(kappa_lower_bound(weighted, log_delta, TWIN_RHO), sources, log_delta, TWIN_RHO)
+    upper = ratios(None, _measured(least, d) + _unmeasured(fixed_var, written))
     order = torch.argsort(upper, descending=True)
     best, row, acc = -1.0, int(order[0]), math.inf
     for start in range(0, order.numel(), TWIN_ROWS_AT_ONCE):
         idx = order[start:start + TWIN_ROWS_AT_ONCE]
         if float(upper[idx[0]]) <= best:
             break
-        measured = twin_accumulation(out64[idx], twin[idx], acc_var[idx], written[idx], tests)
+        measured = twin_accumulation(out64[idx], twin[idx], acc_var[idx], written[idx], tests, sources,
+                                     None if fixed_var is None else fixed_var[idx])
         r = ratios(idx, measured)
         j = int(r.argmax())
         if float(r[j]) > best:

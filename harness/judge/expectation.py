@@ -91,7 +91,8 @@ def fp8_sums_exact(device, mma=None) -> bool:
 def allowances(truth, device=None, mma=None, twin: bool = False, points_only: bool = False) -> dict:
     """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
     (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip, .flip_sq; the op level quantizes no activation)
-    and the statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8
+    and the statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`; `fixed_var`, the
+    part of acc_var a twin run does not reorder: reference.lora_op.OpExpected.fixed_var). With FP8
     activations (`one_flip` set) `acc_var` is kept only where `fp8_accumulation_modelled(device, mma)` (`device`:
     where the backend ran; None: unknown, the worst-case term), and `round_var` and `flip_sq` (rule 4 over FP8 rows)
     only where the e4m3 products are summed exactly (`fp8_sums_exact`: the flips' chances are bounded from the fp32
@@ -101,7 +102,7 @@ def allowances(truth, device=None, mma=None, twin: bool = False, points_only: bo
     computes the activations' scales and operands with the model's own fp32 divisions, so the GEMM1 flips only
     another scale arithmetic takes (`slack_flip`) are allowed it nowhere (rule 3's floors as rule 4)."""
     got = {name: getattr(truth, name, None)
-           for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq")}
+           for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq", "fixed_var")}
     if got["one_flip"] is not None:
         if points_only:
             got["slack_flip"] = None
@@ -128,10 +129,12 @@ class Rules:
     groups: object = None
     twin: torch.Tensor | None = None     # the other run of a twin pair, in the plain columns (`twin_applies`)
     mma: int | str | None = None
+    sources: int | None = None           # with a twin: the fewest independent error sources a row has (`twin_sources`)
 
     def kwargs(self, truth) -> dict:
         """compare_written's keyword arguments for `truth` (its allowances) under these rules."""
         return dict(row_groups=self.groups, model_points_only=self.points_only, twin=self.twin,
+                    twin_sources=self.sources,
                     **allowances(truth, self.device, self.mma, self.twin is not None, self.points_only))
 
 
@@ -154,8 +157,27 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
     if case.quant in FP8_QUANTS:
         return rows and points_only and not case.dispatched and case.tp_size == 1 and (fp8_sums_exact(device, mma)
                                 or (twin_own_emulation(case, mma) and 2 * mma_products(case) <= MMA_PRODUCTS_MAX))
-    return (case.quant == "none" and torch_dtype(case) == torch.float32
+    return (case.quant == "none" and torch_dtype(case) == torch.float32 and min(reordered_sums(case)) >= TWIN_MIN_SUM
             and (rows or row_elements(case) >= TWIN_ROW_ELEMENTS))
+
+
+# the shortest sum the reordered view must reorder for the twin to measure it. Two orders of a short sum often give
+# the same fp32 result (two terms always: addition commutes), so the twins' difference says nothing of that source;
+# the model (Gaussian errors, correlation under TWIN_RHO) needs such coincidences rare. Measured (fp32 sums of
+# products of normals, two random orders): equal results 80 % at 3 terms, 50 % at 6, 29 % at 16, 15 % at 64, 10 % at
+# 128; and random correct kernels (eager, our Triton op) failed with a twin at sums of 4-17 terms (rows of few
+# sources alike in both runs), none at 64 or more (forty-seventh session; docs/error-model.md, "Short sums")
+TWIN_MIN_SUM = 64
+
+
+def reordered_sums(case: Case) -> tuple:
+    """The lengths of the sums the reordered view reorders: H and a TP rank's shard of I (expert level), K (op); 0
+    where TP shards do not divide H and I (the view permutes within each shard: properties.contraction_order)."""
+    if case.level != "expert":
+        return (case.K,)
+    if case.H % case.tp_size or case.I % case.tp_size:
+        return (0,)
+    return case.H, case.I // case.tp_size
 
 
 # the elements an output row needs for the twin below rule 4's rows: rule 3's twin measure kappa ||out - twin|| is
@@ -163,6 +185,21 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
 # kappa (harness.judge.twin_floor) is under 1 from 512 elements a row (0.90-0.92 for 1-16 rows, 1.1 at 256, 2.1 at
 # 64): past it the second run buys a floor near the kernel's own error, short of it a toy case runs twice for little
 TWIN_ROW_ELEMENTS = 512
+
+
+def twin_sources(case: Case) -> int | None:
+    """The fewest independent accumulation-error sources an output row of `case` may have, which rule 3's twin
+    measure counts as the row's elements at most (None: every element its own). At the op level a row's error is a
+    function of its rank intermediates, whose expand the twin does not reorder: each slice's rank values per route
+    (one set where a shared A gives every route of a token the same), at the least rank a slot has; a row of two such
+    values is two sources, not N elements. At the expert level each of H is a GEMM2 sum of its own, but the error its
+    inputs carry is a function of the row's activations, I per route (one route where expert parallelism may leave a
+    row one local expert): where those are fewer than H, they are the count."""
+    if case.level == "expert":
+        acts = case.I * (case.top_k if case.ep_size == 1 else 1)
+        return acts if acts < case.H else None
+    ranks = [r for r in case.slot_ranks if r > 0] or [case.max_rank]
+    return case.num_slices * min(ranks) * (1 if case.shared_a else case.top_k)
 
 
 def row_elements(case: Case) -> int:
@@ -221,12 +258,17 @@ def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth,
     if twin is None:
         return judge_output(case, out, truth, emulation, precision, rules)
     own = emulation if twin_emulation is None else twin_emulation
-    v = judge_output(case, out, truth, emulation, precision,
-                     dataclasses.replace(rules, twin=held_to(twin, own, emulation)))
+    v = judge_output(case, out, truth, emulation, precision, with_twin(rules, case, held_to(twin, own, emulation)))
     if not v.ok:
         return v
-    v2 = judge_output(case, twin, truth, own, precision, dataclasses.replace(rules, twin=held_to(out, emulation, own)))
+    v2 = judge_output(case, twin, truth, own, precision, with_twin(rules, case, held_to(out, emulation, own)))
     return v if v2.ok else v2
+
+
+def with_twin(rules: Rules, case: Case, twin: torch.Tensor | None) -> Rules:
+    """`rules` holding a run of `case` to `twin` (the other run of its pair; None: none), with the case's
+    `twin_sources`."""
+    return rules if twin is None else dataclasses.replace(rules, twin=twin, sources=twin_sources(case))
 
 
 def row_groups(inputs, truth) -> dict | None:

@@ -102,3 +102,12 @@ def kappa_lower_bound(counts: torch.Tensor, log_delta: float, rho: float) -> tor
         if m > 0:
             out[counts == m] = _uniform_kappa(int(m), log_delta, rho)
     return out
+
+
+def at_most_sources(kappa: torch.Tensor, sources: int | None, log_delta: float, rho: float) -> torch.Tensor:
+    """`kappa` of rows whose errors come from at most `sources` independent values (an op's rank intermediates: a
+    row of N elements that are functions of two values is two draws, not N): at least the least kappa a row of that
+    many elements can have (`kappa_lower_bound`'s, equal weights). None: every element its own."""
+    if sources is None:
+        return kappa
+    return torch.maximum(kappa, torch.full_like(kappa, _uniform_kappa(max(int(sources), 1), log_delta, rho)))

@@ -4,6 +4,7 @@ correlation up to TWIN_RHO) no draw exceeds it, and it is not loose; a slip conf
 that row's own error, where the bound for every order let it pass at twenty; a twin that says nothing loosens nothing."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -158,3 +159,22 @@ def test_the_worst_row_search_finds_what_searching_every_row_finds(slipped):
     log_delta = 2 * math.log(FALSE_VERDICT / tests)
     lower = kappa_lower_bound(torch.full((CASE.T,), CASE.H), log_delta, TWIN_RHO)
     assert bool((lower <= row_kappa(av, written, log_delta, TWIN_RHO)).all())
+
+
+def test_a_row_of_few_error_sources_keeps_its_bound_where_both_runs_sum_alike():
+    """An op row is a function of its rank values (rank 1, one route, one slice: one source), whose two orders often
+    round alike, and of the expand over the rank, which the twin does not reorder: a correct op whose twin came out
+    the same (a coincidence of short sums: found by the fuzz at K 17, rank 2) must pass. Counted as its N elements and
+    without the expand's own bound, the twin's measure of zero failed it."""
+    from moe_lora_harness.harness.judge.expectation import twin_sources, with_twin
+    case = Case(level="op", T=129, H=64, I=32, E=2, top_k=1, max_loras=1, max_rank=1, num_slices=1, add_inputs=False,
+                dtype="float32", seed=19)
+    c = power.correct_run(EAGER, case, "cpu")
+    rules = Rules("cpu", c.points_only, row_groups(c.inputs, c.truth))
+    assert twin_sources(case) == 1
+    alike = with_twin(rules, case, c.out)
+    assert judge_output(case, c.out, c.truth, c.emulation.value, c.precision, alike).ok
+    truth = dataclasses.replace(c.truth, fixed_var=None)
+    blind = dataclasses.replace(alike, sources=None)
+    v = judge_output(case, c.out, truth, c.emulation.value, c.precision, blind)
+    assert not v.ok and "as its twin run measured it" in v.message, v.message
