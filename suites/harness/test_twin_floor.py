@@ -71,31 +71,33 @@ CASE = Case(level="expert", T=128, H=1024, I=256, E=4, top_k=2, max_loras=2, max
             dtype="float32", seed=3)
 
 
-def test_a_slip_confined_to_one_row_fails_at_a_few_times_that_rows_error():
-    c = power.correct_run(EAGER, CASE, "cpu")
+def _one_row_slip(case: Case, row: int, seed: int):
+    """(threshold with the twin, threshold without it, the verdict at 1.2 times the first) of a slip of random
+    direction in one row of `case`'s correct eager run, in both runs alike, in multiples of that row's own error."""
+    c = power.correct_run(EAGER, case, "cpu")
+    assert c.twin is not None, "the runner runs no twin on this case"
     truth, emu, out, twin = c.truth, c.emulation.value, c.out.to(F64), c.twin.to(F64)
     rules = Rules("cpu", c.points_only, row_groups(c.inputs, truth))
-    row = 7
-    own = float((out[row] - truth.value[row]).norm())
-    g = torch.randn(out.shape[1], generator=torch.Generator().manual_seed(2), dtype=F64)
-    g = g / g.norm() * own
+    g = torch.randn(out.shape[1], generator=torch.Generator().manual_seed(seed), dtype=F64)
+    g = g / g.norm() * float((out[row] - truth.value[row]).norm())
 
-    def fails(m: float, paired: bool) -> bool:
+    def verdict(m: float, paired: bool = True):
         slipped, twin_slipped = out.clone(), twin.clone()
         slipped[row] += m * g
         twin_slipped[row] += m * g
         if paired:
-            return not judge_twins(CASE, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules).ok
-        return not judge_output(CASE, slipped.float(), truth, emu, c.precision, rules).ok
+            return judge_twins(case, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules)
+        return judge_output(case, slipped.float(), truth, emu, c.precision, rules)
 
-    assert not fails(0.0, True)
-    with_twin = power.bisect_geometric(lambda m: fails(m, True), 0.1, 1000.0, steps=14)
-    alone = power.bisect_geometric(lambda m: fails(m, False), 0.1, 1000.0, steps=14)
+    assert verdict(0.0).ok
+    with_twin = power.bisect_geometric(lambda m: not verdict(m).ok, 0.1, 1000.0, steps=14)
+    alone = power.bisect_geometric(lambda m: not verdict(m, False).ok, 0.1, 1000.0, steps=14)
+    return with_twin, alone, verdict(1.2 * with_twin)
+
+
+def test_a_slip_confined_to_one_row_fails_at_a_few_times_that_rows_error():
+    with_twin, alone, v = _one_row_slip(CASE, 7, 2)
     assert with_twin < 5.0 and alone > 4 * with_twin, (with_twin, alone)     # measured: 3.75 and 23
-    slipped, twin_slipped = out.clone(), twin.clone()
-    slipped[row] += 1.2 * with_twin * g
-    twin_slipped[row] += 1.2 * with_twin * g
-    v = judge_twins(CASE, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules)
     assert "rule 3 per token row, its accumulation as its twin run measured it" in v.message, v.message
 
 
@@ -105,29 +107,8 @@ def test_one_token_runs_its_twin_and_a_slip_of_its_row_fails_near_its_error():
     every order alone let it pass at over four times that (measured: 4.42 and 23.2). The whole tensor's rule 3, which
     alone judges one row, holds its accumulation to the twin's measure as each row's does."""
     case = Case(level="expert", T=1, H=1024, I=256, E=4, top_k=2, max_loras=2, max_rank=16, dtype="float32", seed=5)
-    c = power.correct_run(EAGER, case, "cpu")
-    assert c.twin is not None, "the runner runs no twin on one long fp32 row"
-    truth, emu, out, twin = c.truth, c.emulation.value, c.out.to(F64), c.twin.to(F64)
-    rules = Rules("cpu", c.points_only, row_groups(c.inputs, truth))
-    g = torch.randn(out.shape[1], generator=torch.Generator().manual_seed(3), dtype=F64)
-    g = g / g.norm() * float((out[0] - truth.value[0]).norm())
-
-    def fails(m: float, paired: bool) -> bool:
-        slipped, twin_slipped = out.clone(), twin.clone()
-        slipped[0] += m * g
-        twin_slipped[0] += m * g
-        if paired:
-            return not judge_twins(case, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules).ok
-        return not judge_output(case, slipped.float(), truth, emu, c.precision, rules).ok
-
-    assert not fails(0.0, True)
-    with_twin = power.bisect_geometric(lambda m: fails(m, True), 0.1, 1000.0, steps=14)
-    alone = power.bisect_geometric(lambda m: fails(m, False), 0.1, 1000.0, steps=14)
+    with_twin, alone, v = _one_row_slip(case, 0, 3)
     assert with_twin < 5.0 and alone > 4 * with_twin, (with_twin, alone)
-    slipped, twin_slipped = out.clone(), twin.clone()
-    slipped[0] += 1.2 * with_twin * g
-    twin_slipped[0] += 1.2 * with_twin * g
-    v = judge_twins(case, slipped.float(), twin_slipped.float(), truth, emu, c.precision, rules)
     assert "as its twin run measured it" in v.message, v.message
 
 
