@@ -233,10 +233,10 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     `twin` (the backend's output on the reordered view, in this output's column order): rule 4's accumulation
     allowance is at most TWIN_FACTOR times the two runs' squared difference, and rule 3's accumulation term of a row
     at most kappa times their distance there, kappa counting at most `twin_sources` elements a row; either measure
-    plus the bound of `fixed_var`, the accumulation of the sums the twin does not reorder (None: none). `flip_sq` (T, 2; FP8, with `round_var`:
-    reference.experts.ExpertExpected.flip_sq) turns rule 4 on for FP8 rows, each row allowed its flips' expected
-    square (and `slack_flip`'s); without it FP8 rows have rules 2 and 3 alone. Computed where `truth` lies (a CUDA
-    judge's device): the other tensors are moved there.
+    plus the bound of `fixed_var`, the accumulation of the sums the twin does not reorder (None: none). `flip_sq`
+    (T, 2; FP8, with `round_var`: reference.experts.ExpertExpected.flip_sq) turns rule 4 on for FP8 rows, each row
+    allowed its flips' expected square (and `slack_flip`'s); without it FP8 rows have rules 2 and 3 alone. Computed
+    where `truth` lies (a CUDA judge's device): the other tensors are moved there.
     """
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
@@ -348,7 +348,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     if ratio > RATIO:
         return Verdict(False, "aggregate", f"aggregate error {kern:.3g} is {ratio:.3g}x the emulation's "
                        f"{emu:.3g} (floor {floor:.3g}" + _measured_by_twin(twin_whole)
-                       + ("" if other_rows is None else ", plus the tail of other rounding points") + f"); bound {RATIO}",
+                       + ("" if other_rows is None else ", plus the tail of other rounding points")
+                       + f"); bound {RATIO}",
                        agg, max_ulps, worst, x, unseen)
     if row_ratio > RATIO:
         return Verdict(False, "aggregate", f"row {names[0]}={row}'s aggregate error is {row_ratio:.3g}x the larger "
@@ -413,8 +414,8 @@ def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
     """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
     emulation's minus its allowance; the allowance). With a `twin` run each row's accumulation allowance is the
     smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference plus ACC_SHARE `fixed_var` (the
-    sums the twin does not reorder), over the row. `flips` (FP8
-    activations): (flip_sq (T, 2), slack_flip (T,) or None): each row also allows its GEMM2 flips' expected square
+    sums the twin does not reorder), over the row. `flips` (FP8 activations): (flip_sq (T, 2), slack_flip (T,) or
+    None): each row also allows its GEMM2 flips' expected square
     (column 0 for a kernel declared to round at its model's points, with the accumulation under the twin's cap: the
     twin flips as it does; else column 1, uncapped) and, unless it is so declared (its scale is amax / 448 and its
     operand x / s, each rounded once, as the model's), its scale-arithmetic flips in full, slack^2 + 2 slack
@@ -544,7 +545,8 @@ def _measured_by_twin(acc: float | None) -> str:
     """What a rule 3 failure says of its accumulation term where the twin's measure set it."""
     if acc is None or not math.isfinite(acc):
         return ""
-    return ", its accumulation as its twin run measured it" + (" (the two runs alike: all but zero)" if acc == 0 else "")
+    alike = " (the two runs alike: all but zero)" if acc == 0 else ""
+    return ", its accumulation as its twin run measured it" + alike
 
 
 def _twin_log_delta(tests: int) -> float:

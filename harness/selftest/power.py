@@ -8,12 +8,11 @@ a scaling or one slice mis-scaled, one token, slot or expert wrong): SLIPS is th
 each slip the judge's threshold is found by bisection on alpha (the judge's truth and emulation computed once), and
 so is the oracle's; every output evaluated is judged by both, and an output the oracle fails that the judge passes
 is counted (`oracle_only`: it must stay 0). Where the judge runs a twin (expectation.twin_applies: fp32, or FP8
-summed exactly for a backend declared to round at its model's points; 83 rows or more, or fp32 rows of 512
-elements) the slipped kernel runs on
-the reordered inputs too, and the pair is judged as the runner judges it. Beside them, a precision mistake that has
-no size to bisect: every GEMM's accumulator kept in the working dtype between K tiles (ACCUMULATOR_TILES), its output
-judged and put to the oracle. An op-level case (one `fused_moe_lora` call) has its own table of the same mistakes,
-OP_SLIPS. docs/error-model.md, "Power".
+summed exactly for a backend declared to round at its model's points; 83 rows or more, or fp32 rows of 512 elements)
+the slipped kernel runs on the reordered inputs too, and the pair is judged as the runner judges it. Beside them, a
+precision mistake that has no size to bisect: every GEMM's accumulator kept in the working dtype between K tiles
+(ACCUMULATOR_TILES), its output judged and put to the oracle. An op-level case (one `fused_moe_lora` call) has its
+own table of the same mistakes, OP_SLIPS. docs/error-model.md, "Power".
 """
 from __future__ import annotations
 
