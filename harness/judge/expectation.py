@@ -158,7 +158,7 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
         return rows and points_only and not case.dispatched and case.tp_size == 1 and (fp8_sums_exact(device, mma)
                                 or (twin_own_emulation(case, mma) and 2 * mma_products(case) <= MMA_PRODUCTS_MAX))
     return (case.quant == "none" and torch_dtype(case) == torch.float32 and min(reordered_sums(case)) >= TWIN_MIN_SUM
-            and (rows or row_elements(case) >= TWIN_ROW_ELEMENTS))
+            and (rows or row_elements(case) >= TWIN_ROW_ELEMENTS) and not case.replace(view="reordered").problems())
 
 
 # the shortest sum the reordered view must reorder for the twin to measure it. Two orders of a short sum often give
@@ -171,13 +171,8 @@ TWIN_MIN_SUM = 64
 
 
 def reordered_sums(case: Case) -> tuple:
-    """The lengths of the sums the reordered view reorders: H and a TP rank's shard of I (expert level), K (op); 0
-    where TP shards do not divide H and I (the view permutes within each shard: properties.contraction_order)."""
-    if case.level != "expert":
-        return (case.K,)
-    if case.H % case.tp_size or case.I % case.tp_size:
-        return (0,)
-    return case.H, case.I // case.tp_size
+    """The lengths of the sums the reordered view reorders: H and a TP rank's shard of I (expert level), K (op)."""
+    return (case.H, case.I // case.tp_size) if case.level == "expert" else (case.K,)
 
 
 # the elements an output row needs for the twin below rule 4's rows: rule 3's twin measure kappa ||out - twin|| is

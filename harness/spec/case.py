@@ -262,6 +262,9 @@ class Case:
             if self.view == "slots_rotated":
                 need(self.lora and self.max_loras >= 2, "view='slots_rotated' needs LoRA and max_loras >= 2")
             if self.view == "reordered":
+                need(self.level != "expert" or self.H % self.tp_size == 0,
+                     f"view='reordered' permutes H within each TP rank's shard: H ({self.H}) must be divisible by "
+                     f"tp_size ({self.tp_size})")
                 need(self.quant in REORDERED_QUANTS, "view='reordered' permutes the weights' K and N: "
                      f"{self.quant}'s packed weights would not follow (quant 'none' or an FP8 scheme, whose scale "
                      f"blocks move whole)")

@@ -216,4 +216,7 @@ def test_a_view_is_an_expert_level_setting_of_one_rank():
     assert not CASE.replace(view="reordered", T=8, call_tokens=4).problems()  # the calls keep their tokens
     # a token view of one token is the token; the reordered view of one permutes its sums (a one-token twin run)
     assert CASE.replace(view="half", T=1).problems() and not CASE.replace(view="reordered", T=1).problems()
+    # under TP the view keeps every rank's shard of H: shards that do not divide H are refused, naming both
+    bad = CASE.replace(view="reordered", tp_size=2, H=CASE.H + 1).problems()
+    assert any("H (" in p and "tp_size (2)" in p for p in bad), bad
     assert CASE.replace(view="half", T=8, call_tokens=4).problems()
