@@ -222,6 +222,28 @@ def activation_derivatives(x: torch.Tensor, name: str, *, situ_beta: float = SIT
     return h.detach(), grad
 
 
+# fp32's smallest normal: where an activation's factor (sigmoid, Phi: its output over its argument) falls below it,
+# an fp32 evaluation may lose it whole (1 / (1 + exp(-x)) with exp(-x) overflowing past x < -88.7; a GPU's exp
+# flushing subnormal results): silu(-89) is -2e-37 and a correct kernel returns 0 (activation_flush)
+FP32_NORMAL_MIN = 2.0 ** -126
+
+
+def activation_flush(x: torch.Tensor, name: str, *, situ_beta: float = SITU_BETA,
+                     situ_linear_beta: float | None = SITU_LINEAR_BETA) -> torch.Tensor:
+    """The absolute error an fp32 evaluation of the activation at `x` may take by losing a factor below fp32's
+    normal range: |f m| where a gated output f(g) m has |f| < 2^-126 |g| (non-gated: |h| where |h| < 2^-126 |x|),
+    else 0; such values are under 2^-126 times the argument, so nothing else is touched."""
+    spec = lookup_activation(name)
+    x = _as_f64(x, "x")
+    if spec.gated:
+        g, u = _split(x, spec, "x")
+        f, m = _gated_parts(spec.name, g, u, situ_beta, situ_linear_beta)
+    else:
+        g, f, m = x, _NO_MUL[spec.name](x), 1.0
+    lost = (f * m).abs()
+    return torch.where(f.abs() < FP32_NORMAL_MIN * g.abs(), lost, torch.zeros_like(lost))
+
+
 def _own_magnitude(h: torch.Tensor, x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
     """What the activation's own error scales with: |h|, plus the argument (|x|, gated |g u|) for the
     ARGUMENT_RELATIVE activations, whose fp32 evaluation errs relative to it."""

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from moe_lora_harness.reference.accumulation import ACT_ULPS, U32, dot_variance, own_variance
-from moe_lora_harness.reference.activations import (activation_derivatives, activation_scale, activation_variance,
-                                                    apply_activation, lookup_activation)
+from moe_lora_harness.reference.activations import (activation_derivatives, activation_flush, activation_scale,
+                                                    activation_variance, apply_activation, lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import (A_BOUND_ULPS, check_scheme, fake_quantize_activation, flip_allowance,
                                             flip_chance, flip_step, quantize_activation)
@@ -685,7 +685,8 @@ def forward_steps(
     del var1, rnd1
     if magnitudes:
         s2 = activation_scale(act_in, scale1.reshape(P, N1), spec.name, derivatives=ders)
-        under2 = activation_scale(act_in, under1.reshape(P, N1), spec.name, own=False, derivatives=ders) + 1.0
+        under2 = (activation_scale(act_in, under1.reshape(P, N1), spec.name, own=False, derivatives=ders) + 1.0
+                  + activation_flush(act_in, spec.name) / tiny(hidden.dtype))    # a factor fp32 may flush
         if flip1 is not None:   # GEMM1's flips, carried through the activation (to first order, or across a kink)
             flip2 = torch.maximum(activation_scale(act_in, flip1, spec.name, own=False, derivatives=ders),
                                   _activation_change(act_in, flip1, spec))

@@ -84,3 +84,27 @@ def test_exposure_counts_every_rounding_and_stays_far_below_an_ulp_at_normal_val
     allowance = tiny(torch.float16) * u
     ulp = torch.finfo(torch.float16).eps * exp.truth.scale[written]
     assert float((allowance / ulp).max()) < 0.01
+
+
+# fp32 expert cases whose pre-activations reach -89 and beyond (hidden states at 64, I of 1-2): silu's and
+# swigluoai's sigmoid leaves fp32's normal range, where the fp32 evaluation returns 0 for values near -1e-37 that
+# make up a row's whole output (found by random fp32 cases of short sums, forty-seventh session)
+FLUSHED_ACTIVATION = [
+    Case(level="expert", H=10, I=1, T=172, dtype="float32", magnitude=64.0, mapping="mixed", max_loras=4,
+         max_rank=16, seed=123768, top_k=1),
+    Case(level="expert", H=36, I=2, T=276, activation="swigluoai", dtype="float32", magnitude=64.0, mapping="mixed",
+         max_loras=4, max_rank=16, seed=308530, shared_b=True, top_k=1, tp_size=2),
+]
+
+
+@pytest.mark.parametrize("case", FLUSHED_ACTIVATION, ids=lambda c: c.id)
+def test_an_activation_factor_below_fp32s_normal_range_may_be_lost(case, device, monkeypatch):
+    """eager's fp32 SiLU loses x sigmoid(x) where sigmoid(x) < 2^-126 (reference.activations.activation_flush):
+    it passes, and without that term in the reference's underflow exposure it fails per element on the CPU."""
+    out = run_case(EAGER, case, device)
+    assert out.status == "pass", out.detail
+    if device == "cpu":
+        import moe_lora_harness.reference.experts as experts
+        monkeypatch.setattr(experts, "activation_flush", lambda x, name: torch.zeros_like(x[..., :1]))
+        with_allowance, _ = _verdicts(EAGER, case, device)
+        assert not with_allowance.ok and with_allowance.kind == "element", with_allowance.summary()

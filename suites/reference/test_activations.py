@@ -12,7 +12,10 @@ import torch
 
 from moe_lora_harness.reference.activations import (
     ACTIVATIONS,
+    FP32_NORMAL_MIN,
     SUPPORTED_ACTIVATIONS,
+    activation_derivatives,
+    activation_flush,
     activation_scale,
     apply_activation,
     is_gated,
@@ -176,3 +179,44 @@ def test_activation_scale_rejects_bad_scale():
         activation_scale(x, x[:, :4].abs(), "silu")
     with pytest.raises(ValueError, match=">= 0"):
         activation_scale(x, -x.abs(), "silu")
+
+
+# f(g) of the gated activations (and silu_no_mul's) in float64 and as an fp32 kernel evaluates it: g sigmoid(g) and
+# g / (1 + exp(-g)) (exp overflows past g < -88.7); the up factor m at u = 1.5, within every clamp
+_FACTORS = {
+    "silu": (lambda g: g * torch.sigmoid(g), lambda g: [g * torch.sigmoid(g), g / (1 + torch.exp(-g))], 1.5),
+    "silu_no_mul": (lambda g: g * torch.sigmoid(g), lambda g: [g * torch.sigmoid(g), g / (1 + torch.exp(-g))], 1.0),
+    "swigluoai": (lambda g: g * torch.sigmoid(1.702 * g),
+                  lambda g: [g * torch.sigmoid(1.702 * g), g / (1 + torch.exp(-1.702 * g))], 2.5),
+    "situ": (lambda g: 4 * torch.tanh(g / 4) * torch.sigmoid(g), lambda g: [4 * torch.tanh(g / 4) * torch.sigmoid(g)],
+             25 * math.tanh(1.5 / 25)),
+}
+
+
+@pytest.mark.parametrize("name", list(_FACTORS))
+def test_activation_flush_covers_fp32_evaluations_where_a_factor_leaves_the_normal_range(name):
+    """fp32 evaluations a correct kernel uses differ from the exact value by at most their roundings plus
+    activation_flush; the flush is what covers g << 0 (it is needed: silu's fp32 result there is 0 against -2e-37)."""
+    exact_f, fp32_f, m = _FACTORS[name]
+    g = torch.linspace(-300.0, 0.0, 6001).to(F64)     # fp32 values: the kernel's inputs
+    x = torch.stack([g, torch.full_like(g, 1.5)], dim=1) if is_gated(name) else g[:, None]
+    exact = apply_activation(x, name)[:, 0]
+    torch.testing.assert_close(exact, exact_f(g) * m, rtol=1e-12, atol=0.0)
+    flush = activation_flush(x, name)[:, 0]
+    # f's own fp32 error (a few ulps), its argument's rounding (alpha g, or g log2(e) inside exp: an ulp of g through
+    # dh/dg, which the error model carries as the input's), the product with m; subnormal results to 2^-149
+    dh_dg = activation_derivatives(x, name)[1][:, 0]
+    own = 8 * 2.0 ** -24 * (exact.abs() + (g * dh_dg).abs()) + 2.0 ** -149 * (1 + m)
+    for f32 in fp32_f(g.to(torch.float32)):
+        err = (f32.to(F64) * m - exact).abs()
+        assert bool((err <= own + flush).all()), float((err - own - flush).max())
+        assert bool((err > own).any()), "no evaluation lost a value: the flush term is not exercised"
+
+
+def test_activation_flush_is_zero_wherever_the_factor_is_normal():
+    """The allowance takes nothing where sigmoid(g) is a normal fp32 number (g >= -87.3): silu(-80) = -1.4e-33 lost
+    by a kernel has no cover, and a flushed value is under 2^-126 of its argument."""
+    g = torch.tensor([-80.0, -87.0, -87.4, -89.0, -200.0], dtype=F64)
+    flush = activation_flush(torch.stack([g, torch.ones_like(g)], dim=1), "silu")[:, 0]
+    assert flush[:2].tolist() == [0.0, 0.0]
+    assert bool((flush[2:] > 0).all()) and bool((flush <= FP32_NORMAL_MIN * g.abs()).all())
