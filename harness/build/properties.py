@@ -20,7 +20,7 @@ VIEW_MEANING = {
                      "depend on the slot number its adapter sits in",
     "reordered": "the hidden and intermediate dimensions permuted through every tensor (the output's hidden columns "
                  "too): the same sums, each reduction over them in another order (an op-level case: K through x "
-                 "and every LoRA A, the output's columns kept)",
+                 "and every LoRA A, the rank through A and B, the output's columns kept)",
 }
 # the views under which a batch-invariant backend keeps its bits (a token's inputs and sums are the same); the
 # reordered view changes every summation order, so its bits may differ
@@ -94,16 +94,20 @@ def _reordered(inp, in_place: bool):
 
 
 def _reordered_op(inp):
-    """An op-level case's inputs with K permuted (contraction_order) through x and every LoRA A: each shrink sums in
-    another order, and the output's columns stay where they are. A shared A (a stride-0 view over the experts) stays
-    one."""
+    """An op-level case's inputs with K permuted (contraction_order) through x and every LoRA A, and the rank through
+    every A's rows and B's columns alike (not under fully-sharded LoRA, whose shards join the rank): each shrink and
+    each expand sums in another order, and the output's columns stay where they are. A shared A (a stride-0 view over
+    the experts) stays one."""
     pi = contraction_order(inp.x.shape[-1]).to(inp.x.device)
+    R = inp.lora_a[0].shape[-2]
+    ri = None if inp.case.fully_sharded else contraction_order(R).to(inp.x.device)
 
-    def a_view(a):
-        if a.dim() == 4 and a.shape[1] > 1 and a.stride(1) == 0:
-            return a[:, :1][..., pi].contiguous().expand(a.shape)
-        return a[..., pi].contiguous()
-    return dataclasses.replace(inp, x=inp.x[:, pi].contiguous(), lora_a=[a_view(a) for a in inp.lora_a])
+    def per_expert(t, f):      # f applied to one expert's copy where `t` shares one over the experts
+        shared = t.dim() == 4 and t.shape[1] > 1 and t.stride(1) == 0
+        return f(t[:, :1]).contiguous().expand(t.shape) if shared else f(t).contiguous()
+    a = [per_expert(t, lambda v: (v if ri is None else v[..., ri, :])[..., pi]) for t in inp.lora_a]
+    b = inp.lora_b if ri is None else [per_expert(t, lambda v: v[..., ri]) for t in inp.lora_b]
+    return dataclasses.replace(inp, x=inp.x[:, pi].contiguous(), lora_a=a, lora_b=b)
 
 
 def _reordered_quantized(quantized: tuple, rows: torch.Tensor, pi: torch.Tensor, si: torch.Tensor,

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Forty-eighth session, call 1: the GPU lane on the forty-seventh session's final code (short sums and few sources,
-# the one-token twin, the TP shard rule), then correct backends on random fp32 cases in the time left: short sums and
-# low ranks (bench/results/2026-12-07-cpu-s47/short_sums_validation.py), served sizes
+# Forty-eighth session, call 1: the GPU lane on the session's judge (the activation's flush; the op twin permuting
+# the rank), then correct backends on random fp32 cases in the time left: short sums and low ranks
+# (bench/results/2026-12-07-cpu-s47/short_sums_validation.py), served sizes
 # (bench/results/2026-12-06-cpu-s46/twin_rule3_validation.py), ours and vLLM 0.33.0's (carried in .thirdparty).
 set -u
 cd "$(dirname "$0")/../../.."
 T0=$(date +%s)
+# the CPU judge's fingerprints under this machine's torch (suites/harness/judge_golden.py): the session changed one
+# case's truth (an activation's flush in its underflow exposure); recorded here, compared with the old record at home
+mkdir -p $OUT/golden && cp src/moe_lora_harness/suites/harness/judge_golden_builds.json $OUT/golden/before.json
+PYTHONPATH=$PWD/src timeout 120 python3 -m moe_lora_harness.suites.harness.judge_golden --record > /dev/null 2>&1
+cp src/moe_lora_harness/suites/harness/judge_golden_builds.json $OUT/golden/after.json
 TEST_TIMEOUT=280 ALONE_TIMEOUT=110 CPU_FULL_TIMEOUT=90 bash ci/gpu_call_tests.sh s48lane
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 export VLLM_SOURCE=$PWD/.thirdparty/vllm-0.33.0 SGLANG_SOURCE=$PWD/.thirdparty/sglang-0.5.23
