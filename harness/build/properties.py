@@ -19,8 +19,9 @@ VIEW_MEANING = {
     "slots_rotated": "every adapter moved to the next slot and the mapping relabelled: a token's output must not "
                      "depend on the slot number its adapter sits in",
     "reordered": "the hidden and intermediate dimensions permuted through every tensor (the output's hidden columns "
-                 "too): the same sums, each reduction over them in another order (an op-level case: K through x "
-                 "and every LoRA A, the rank through A and B, the output's columns kept)",
+                 "too), and the LoRA rank through every A and B: the same sums, each reduction over them in another "
+                 "order (an op-level case: K through x and every LoRA A, the rank through A and B, the output's "
+                 "columns kept)",
 }
 # the views under which a batch-invariant backend keeps its bits (a token's inputs and sums are the same); the
 # reordered view changes every summation order, so its bits may differ
@@ -67,7 +68,8 @@ def _gate_up_rows(si: torch.Tensor, n1: int, interleaved: bool) -> torch.Tensor:
 
 
 def _reordered(inp, in_place: bool):
-    """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order: the
+    """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order, and the
+    LoRA rank through every A's rows and B's columns (not under fully-sharded LoRA, whose shards join the rank): the
     plain sums in other orders. FP8 weights' codes and scales too, blocks whole (`view_blocks`). `in_place`: the base
     weights are permuted expert by expert where they lie (a served layer is not held twice), else copied first."""
     from moe_lora_harness.reference.activations import lookup_activation
@@ -84,9 +86,13 @@ def _reordered(inp, in_place: bool):
     quantized = _reordered_quantized(inp.quantized, rows, pi, si, bool(h_blocks)) if inp.quantized else inp.quantized
     s = inp.stacked
     if s is not None:
-        s = type(s)([a[..., pi].contiguous() for a in s.w13_a], [b[:, :, si, :].contiguous() for b in s.w13_b],
-                    [a[..., si].contiguous() for a in s.w2_a], [b[:, :, pi, :].contiguous() for b in s.w2_b],
-                    s.adapter_enabled)
+        ri = None if inp.case.fully_sharded else contraction_order(s.max_rank).to(dev)
+        a_rows = (lambda t: t) if ri is None else (lambda t: t[..., ri, :])  # noqa: E731
+        b_cols = (lambda t: t) if ri is None else (lambda t: t[..., ri])  # noqa: E731
+        s = type(s)([a_rows(a)[..., pi].contiguous() for a in s.w13_a],
+                    [b_cols(b[:, :, si, :]).contiguous() for b in s.w13_b],
+                    [a_rows(a)[..., si].contiguous() for a in s.w2_a],
+                    [b_cols(b[:, :, pi, :]).contiguous() for b in s.w2_b], s.adapter_enabled)
     pick = lambda t, idx: None if t is None else t[:, idx].contiguous()  # noqa: E731
     return dataclasses.replace(inp, hidden=inp.hidden[:, pi].contiguous(), w13=w13, w2=w2,
                                w13_bias=pick(inp.w13_bias, rows), w2_bias=pick(inp.w2_bias, pi), stacked=s,
