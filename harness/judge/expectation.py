@@ -190,8 +190,9 @@ TWIN_ROW_ELEMENTS = 512
 # through A and B): each output element is its own rank sum, so a row holds many of them, and two orders' errors
 # are nearly independent from 4 terms on. Measured (fp32 sums of products of normals, two random orders, FMA and
 # mul-then-add): correlation 1 at 2 terms (addition commutes), 0.44-0.49 at 3, 0.11-0.41 at 4, 0.06-0.22 at 8,
-# 0.12-0.19 at 16-64, the pair's squared difference 1.55-1.89 of one run's square from 8 terms on: within TWIN_RHO
-# (2/3) with room. A shorter rank keeps the expand's bound (OpExpected.fixed_var) beside the twin's measure
+# 0.12-0.19 at 16-64, the pair's squared difference 1.55-1.89 of one run's square from 8 terms on; in order against
+# the view's own order 0.12-0.20 and 1.60-1.75 (bench/results/2026-12-07-cpu-s48/rank_sum_correlation.py): within
+# TWIN_RHO (2/3) with room. A shorter rank keeps the expand's bound (OpExpected.fixed_var) beside the twin's measure
 TWIN_MIN_RANK = 8
 
 
