@@ -228,20 +228,32 @@ def activation_derivatives(x: torch.Tensor, name: str, *, situ_beta: float = SIT
 FP32_NORMAL_MIN = 2.0 ** -126
 
 
+FLUSH_ROWS = 4096    # rows of the activation's input activation_flush examines at once (its temporaries' size)
+
+
 def activation_flush(x: torch.Tensor, name: str, *, situ_beta: float = SITU_BETA,
-                     situ_linear_beta: float | None = SITU_LINEAR_BETA) -> torch.Tensor:
-    """The absolute error an fp32 evaluation of the activation at `x` may take by losing a factor below fp32's
-    normal range: |f m| where a gated output f(g) m has |f| < 2^-126 |g| (non-gated: |h| where |h| < 2^-126 |x|),
-    else 0; such values are under 2^-126 times the argument, so nothing else is touched."""
+                     situ_linear_beta: float | None = SITU_LINEAR_BETA) -> tuple[tuple, torch.Tensor]:
+    """The elements of the activation's output an fp32 evaluation may lose by a factor below fp32's normal range,
+    and the absolute error each may take: (index, |f m|) where a gated output f(g) m has |f| < 2^-126 |g|
+    (non-gated: |h| where |h| < 2^-126 |x|); such values are under 2^-126 times the argument, so nothing else is
+    touched. Sparse, and computed FLUSH_ROWS rows at a time: a served layer's (T k, I) is gigabytes in float64."""
     spec = lookup_activation(name)
     x = _as_f64(x, "x")
-    if spec.gated:
-        g, u = _split(x, spec, "x")
-        f, m = _gated_parts(spec.name, g, u, situ_beta, situ_linear_beta)
-    else:
-        g, f, m = x, _NO_MUL[spec.name](x), 1.0
-    lost = (f * m).abs()
-    return torch.where(f.abs() < FP32_NORMAL_MIN * g.abs(), lost, torch.zeros_like(lost))
+    rows, cols, lost = [], [], []
+    for r0 in range(0, x.shape[0], FLUSH_ROWS):
+        xc = x[r0:r0 + FLUSH_ROWS]
+        if spec.gated:
+            g, u = _split(xc, spec, "x")
+            f, m = _gated_parts(spec.name, g, u, situ_beta, situ_linear_beta)
+        else:
+            g, f, m = xc, _NO_MUL[spec.name](xc), torch.ones_like(xc)
+        r, c = torch.nonzero(f.abs() < FP32_NORMAL_MIN * g.abs(), as_tuple=True)
+        rows.append(r + r0)
+        cols.append(c)
+        lost.append((f[r, c] * m[r, c]).abs())
+    empty = torch.zeros(0, dtype=torch.long, device=x.device)
+    cat = lambda ts, e: torch.cat(ts) if ts else e  # noqa: E731
+    return (cat(rows, empty), cat(cols, empty)), cat(lost, empty.to(torch.float64))
 
 
 def _own_magnitude(h: torch.Tensor, x: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:

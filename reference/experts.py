@@ -685,8 +685,9 @@ def forward_steps(
     del var1, rnd1
     if magnitudes:
         s2 = activation_scale(act_in, scale1.reshape(P, N1), spec.name, derivatives=ders)
-        under2 = (activation_scale(act_in, under1.reshape(P, N1), spec.name, own=False, derivatives=ders) + 1.0
-                  + activation_flush(act_in, spec.name) / tiny(hidden.dtype))    # a factor fp32 may flush
+        under2 = activation_scale(act_in, under1.reshape(P, N1), spec.name, own=False, derivatives=ders) + 1.0
+        flushed, lost = activation_flush(act_in, spec.name)      # values whose factor fp32 may flush, whole
+        under2.index_put_(flushed, lost / tiny(hidden.dtype), accumulate=True)
         if flip1 is not None:   # GEMM1's flips, carried through the activation (to first order, or across a kink)
             flip2 = torch.maximum(activation_scale(act_in, flip1, spec.name, own=False, derivatives=ders),
                                   _activation_change(act_in, flip1, spec))

@@ -193,6 +193,14 @@ _FACTORS = {
 }
 
 
+def _dense_flush(x, name):
+    """activation_flush's (index, values) as a dense (M, I) tensor."""
+    idx, lost = activation_flush(x, name)
+    out = torch.zeros(x.shape[0], output_width(name, x.shape[1]), dtype=F64)
+    out[idx] = lost
+    return out
+
+
 @pytest.mark.parametrize("name", list(_FACTORS))
 def test_activation_flush_covers_fp32_evaluations_where_a_factor_leaves_the_normal_range(name):
     """fp32 evaluations a correct kernel uses differ from the exact value by at most their roundings plus
@@ -202,7 +210,7 @@ def test_activation_flush_covers_fp32_evaluations_where_a_factor_leaves_the_norm
     x = torch.stack([g, torch.full_like(g, 1.5)], dim=1) if is_gated(name) else g[:, None]
     exact = apply_activation(x, name)[:, 0]
     torch.testing.assert_close(exact, exact_f(g) * m, rtol=1e-12, atol=0.0)
-    flush = activation_flush(x, name)[:, 0]
+    flush = _dense_flush(x, name)[:, 0]
     # f's own fp32 error (a few ulps), its argument's rounding (alpha g, or g log2(e) inside exp: an ulp of g through
     # dh/dg, which the error model carries as the input's), the product with m; subnormal results to 2^-149
     dh_dg = activation_derivatives(x, name)[1][:, 0]
@@ -217,6 +225,17 @@ def test_activation_flush_is_zero_wherever_the_factor_is_normal():
     """The allowance takes nothing where sigmoid(g) is a normal fp32 number (g >= -87.3): silu(-80) = -1.4e-33 lost
     by a kernel has no cover, and a flushed value is under 2^-126 of its argument."""
     g = torch.tensor([-80.0, -87.0, -87.4, -89.0, -200.0], dtype=F64)
-    flush = activation_flush(torch.stack([g, torch.ones_like(g)], dim=1), "silu")[:, 0]
+    flush = _dense_flush(torch.stack([g, torch.ones_like(g)], dim=1), "silu")[:, 0]
     assert flush[:2].tolist() == [0.0, 0.0]
     assert bool((flush[2:] > 0).all()) and bool((flush <= FP32_NORMAL_MIN * g.abs()).all())
+
+
+def test_activation_flush_is_the_same_in_any_number_of_row_blocks(monkeypatch):
+    """The flush is computed FLUSH_ROWS rows at a time (a served layer's activation is gigabytes in float64): the
+    blocks change nothing."""
+    import moe_lora_harness.reference.activations as acts
+    g = torch.linspace(-120.0, 5.0, 300, dtype=F64).reshape(50, 6)
+    x = torch.cat([g, torch.full_like(g, 0.7)], dim=1)
+    whole = _dense_flush(x, "silu")
+    monkeypatch.setattr(acts, "FLUSH_ROWS", 7)
+    assert torch.equal(_dense_flush(x, "silu"), whole) and bool((whole > 0).any())
