@@ -133,7 +133,10 @@ def _fingerprint(case: Case) -> dict:
 # truths and emulations are the ones recorded at commit eed3c6c, before the judge ran on the device); the verdicts'
 # numbers re-recorded 2026-12-05 (the rounding exposure at dt's spacing, reference.precision.spacing_sq), every
 # verdict's outcome and kind unchanged; the swiglustep case's truth re-recorded 2026-12-07 (its underflow exposure:
-# an activation's factor below fp32's normal range, reference.activations.activation_flush), nothing else changed
+# an activation's factor below fp32's normal range, reference.activations.activation_flush), nothing else changed.
+# Under torch 2.11 (BUILDS_FILE, the GPU host's) that field is left out until it is recorded there again: the
+# fingerprints follow the host's CPU too (this machine's 2.11 differs from the GPU host's in 45 fields), so only
+# that host can record them (bench/results/2026-12-07-gpu-s48/call1.sh does it first)
 RECORDED = {
     '{"E":6,"T":13,"dtype":"bfloat16","routing":"skewed","seed":2,"shared_a":true,"shared_b":true,"top_k":3}': {
         'digest': 'c26252f1a563d95bf0bd1bbbf962f7e4947f6f75',
