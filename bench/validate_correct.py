@@ -1,0 +1,124 @@
+"""Correct backends on random fp32 cases through the runner, counting verdicts: the no-false-verdict check every twin
+or rule change needs (the twin and its measures run where the runner runs them). One preset per region of cases the
+judge treats apart (PRESETS); levels expert (one rank, decode calls, TP, dispatched EP) and op (every flag).
+
+    python bench/validate_correct.py REF|NAME [--preset served|few_rows|short_sums] [--level expert|op]
+                                     [--device cpu|cuda] [--seconds 60] [--cases 3000] [--seed 0]
+
+One line of counts (and how many cases ran a twin), then up to eight failures with their cases. A GPU draws served
+sizes too. Replaces the per-session scripts under bench/results (2026-12-06-cpu-s46/twin_rule3_validation.py,
+2026-12-07-cpu-s47/small_rows_validation.py, short_sums_validation.py), whose draws the presets keep."""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+from moe_lora_harness.harness.execution.execute import InProcess
+from moe_lora_harness.harness.execution.runner import run_case
+from moe_lora_harness.harness.judge.expectation import twin_applies
+from moe_lora_harness.harness.spec.case import MAPPINGS, Case
+from moe_lora_harness.harness.spec.registry import available_backends, load_ref
+
+ACTS = ["silu", "silu", "gelu", "swigluoai", "relu2_no_mul", "silu_no_mul"]
+
+
+def _served(rng, big):
+    """Rows on both sides of rule 4's 83, H and I of 64-256 (a GPU: to 4096 and 1536), ranks 4-64."""
+    rows = rng.choice([rng.randint(83, 300), rng.randint(83, 140), rng.randint(2, 82)]
+                      + ([rng.randint(300, 2048)] if big else []))
+    return (rows, rng.choice([64, 128, 192, 256] + ([1024, 2048, 4096] if big else [])),
+            rng.choice([64, 96, 128, 192] + ([768, 1536] if big else [])), rng.choice([4, 8, 16, 32, 64]))
+
+
+def _few_rows(rng, big):
+    """1-82 rows of 512 elements or more (the twin below rule 4's rows)."""
+    return (rng.choice([1, 1, rng.randint(2, 8), rng.randint(9, 82)]),
+            rng.choice([512, 768, 1024] + ([2048, 4096, 7168] if big else [2048])),
+            rng.choice([64, 128, 192, 256] + ([768, 1536] if big else [])), rng.choice([4, 8, 16, 32, 64]))
+
+
+def _short_sums(rng, big):
+    """83-300 rows, sums of 1-160 terms and ranks 1-16 (short sums round alike; few sources)."""
+    dim = lambda: rng.choice([rng.randint(1, 8), rng.randint(9, 40), rng.randint(64, 160)])  # noqa: E731
+    return rng.randint(83, 300), dim(), dim(), rng.choice([1, 2, 3, 4, 16])
+
+
+# name -> draw(rng, big) -> (T, H, I, max_rank)
+PRESETS = {"served": _served, "few_rows": _few_rows, "short_sums": _short_sums}
+
+
+def op_case(rng, draw, big) -> Case:
+    T, H, I, R = draw(rng, big)
+    E, ep, slices, fs = rng.choice([4, 8, 16]), rng.choice([1, 1, 1, 2]), rng.choice([1, 2, 3]), rng.random() < 0.2
+    return Case(level="op", T=T, H=H, I=I, E=E, top_k=min(rng.choice([1, 2, 4]), E), dtype="float32",
+                max_loras=rng.choice([1, 2, 4]), max_rank=R, mapping=rng.choice(MAPPINGS),
+                which=rng.choice(["w13", "w2"]), num_slices=slices, mul_routed_weight=rng.random() < 0.3,
+                add_inputs=fs or rng.random() < 0.7, layout=rng.choice(["sorted", "sorted", "naive"]),
+                block_size_m=rng.choice([16, 32, 64]), fully_sharded=fs, shared_a=rng.random() < 0.15,
+                shared_b=rng.random() < 0.15, ep_size=ep, ep_rank=rng.randrange(ep),
+                magnitude=rng.choice([1.0, 1.0, 2.0 ** -6, 64.0]), seed=rng.randint(0, 10 ** 6))
+
+
+def expert_case(rng, draw, big) -> Case:
+    T, H, I, R = draw(rng, big)
+    E = rng.choice([4, 8, 16])
+    kw = dict(level="expert", T=T, H=H, I=I, E=E, top_k=min(rng.choice([1, 2, 4]), E), dtype="float32",
+              max_loras=rng.choice([1, 2, 4]), max_rank=R, mapping=rng.choice(MAPPINGS),
+              activation=rng.choice(ACTS), bias=rng.random() < 0.3, shared_a=rng.random() < 0.15,
+              shared_b=rng.random() < 0.15, magnitude=rng.choice([1.0, 1.0, 2.0 ** -6, 64.0]),
+              lora=rng.random() < 0.9, seed=rng.randint(0, 10 ** 6))
+    u = rng.random()
+    if u < 0.3:
+        kw.update(tp_size=rng.choice([2, 2, 4]), fully_sharded=rng.random() < 0.5)
+    elif u < 0.45:
+        ep = rng.choice([2, 2, 4])
+        cuts = sorted(rng.randint(0, T) for _ in range(ep - 1))
+        kw.update(ep_size=ep, ep_tokens=tuple(b - a for a, b in zip([0, *cuts], [*cuts, T])))
+    elif u < 0.6:
+        ct = rng.choice([1, 2, 4, 8])
+        kw.update(T=max(T // ct, 1) * ct, call_tokens=ct)
+    return Case(**kw)
+
+
+def validate(spec, level: str, preset: str, device: str, seconds: float, cases: int, seed: int) -> list:
+    """Run `spec` on random cases of `preset` until `cases` or `seconds`; print the counts; return the failures."""
+    rng, draw, big = random.Random(seed), PRESETS[preset], not device.startswith("cpu")
+    make = op_case if level == "op" else expert_case
+    t0, counts, fails, twins, i = time.time(), {}, [], 0, 0
+    while i < cases and time.time() - t0 < seconds:
+        case = make(rng, draw, big)
+        if case.problems():
+            continue
+        i += 1
+        twins += twin_applies(case)
+        o = run_case(spec, case, device, executor=InProcess(), reruns=0)
+        key = f"xfail:{o.kind}" if o.status == "xfail" else o.status     # what the ledger's entry was given
+        counts[key] = counts.get(key, 0) + 1
+        if o.status not in ("pass", "unsupported", "xfail", "not-runnable"):
+            fails.append((case.to_json(), o.status, (o.message or o.reason or "")[:400]))
+    print(spec.name, device, level, preset, "cases", i, "twinned", twins, counts, "%.0fs" % (time.time() - t0),
+          flush=True)
+    for f in fails[:8]:
+        print("FAIL", f, flush=True)
+    return fails
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("ref", help="a registered backend's name, or MODULE:ATTR / path.py:ATTR")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="served")
+    ap.add_argument("--level", choices=["expert", "op"], default="expert")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--cases", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    specs = load_ref(a.ref) if ":" in a.ref else [available_backends()[a.ref]]
+    failed = [validate(s, a.level, a.preset, a.device, a.seconds, a.cases, a.seed) for s in specs]
+    return 1 if any(failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
