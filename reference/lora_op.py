@@ -55,8 +55,8 @@ class OpExpected:
     # the working dtype's eps^2: each rounding point's value squared (every point of every path, the output's own
     # rounding excepted), carried by squared coefficients (reference.accumulation)
     round_var: torch.Tensor | None = None
-    # (T, k, W) float64: the part of acc_var from the expand's own accumulation over the rank, which the judge's twin
-    # run measures only where it reorders that sum long enough (harness.judge.expectation.twin_reorders_expand)
+    # (T, k, W) float64: the part of acc_var from the expand's own accumulation over the rank, a sum the judge's twin
+    # run does not reorder (it permutes K: harness.build.properties): what the twin cannot measure
     fixed_var: torch.Tensor | None = None
 
 

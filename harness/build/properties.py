@@ -19,9 +19,8 @@ VIEW_MEANING = {
     "slots_rotated": "every adapter moved to the next slot and the mapping relabelled: a token's output must not "
                      "depend on the slot number its adapter sits in",
     "reordered": "the hidden and intermediate dimensions permuted through every tensor (the output's hidden columns "
-                 "too), and the LoRA rank through every A and B: the same sums, each reduction over them in another "
-                 "order (an op-level case: K through x and every LoRA A, the rank through A and B, the output's "
-                 "columns kept)",
+                 "too): the same sums, each reduction over them in another order (an op-level case: K through x "
+                 "and every LoRA A, the output's columns kept)",
 }
 # the views under which a batch-invariant backend keeps its bits (a token's inputs and sums are the same); the
 # reordered view changes every summation order, so its bits may differ
@@ -68,8 +67,7 @@ def _gate_up_rows(si: torch.Tensor, n1: int, interleaved: bool) -> torch.Tensor:
 
 
 def _reordered(inp, in_place: bool):
-    """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order, and the
-    LoRA rank through every A's rows and B's columns (not under fully-sharded LoRA, whose shards join the rank): the
+    """`inp` with H and I permuted (contraction_order) through every tensor, gate and up by the same order: the
     plain sums in other orders. FP8 weights' codes and scales too, blocks whole (`view_blocks`). `in_place`: the base
     weights are permuted expert by expert where they lie (a served layer is not held twice), else copied first."""
     from moe_lora_harness.reference.activations import lookup_activation
@@ -86,13 +84,9 @@ def _reordered(inp, in_place: bool):
     quantized = _reordered_quantized(inp.quantized, rows, pi, si, bool(h_blocks)) if inp.quantized else inp.quantized
     s = inp.stacked
     if s is not None:
-        ri = None if inp.case.fully_sharded else contraction_order(s.max_rank).to(dev)
-        a_rows = (lambda t: t) if ri is None else (lambda t: t[..., ri, :])  # noqa: E731
-        b_cols = (lambda t: t) if ri is None else (lambda t: t[..., ri])  # noqa: E731
-        s = type(s)([a_rows(a)[..., pi].contiguous() for a in s.w13_a],
-                    [b_cols(b[:, :, si, :]).contiguous() for b in s.w13_b],
-                    [a_rows(a)[..., si].contiguous() for a in s.w2_a],
-                    [b_cols(b[:, :, pi, :]).contiguous() for b in s.w2_b], s.adapter_enabled)
+        s = type(s)([a[..., pi].contiguous() for a in s.w13_a], [b[:, :, si, :].contiguous() for b in s.w13_b],
+                    [a[..., si].contiguous() for a in s.w2_a], [b[:, :, pi, :].contiguous() for b in s.w2_b],
+                    s.adapter_enabled)
     pick = lambda t, idx: None if t is None else t[:, idx].contiguous()  # noqa: E731
     return dataclasses.replace(inp, hidden=inp.hidden[:, pi].contiguous(), w13=w13, w2=w2,
                                w13_bias=pick(inp.w13_bias, rows), w2_bias=pick(inp.w2_bias, pi), stacked=s,
@@ -100,20 +94,16 @@ def _reordered(inp, in_place: bool):
 
 
 def _reordered_op(inp):
-    """An op-level case's inputs with K permuted (contraction_order) through x and every LoRA A, and the rank through
-    every A's rows and B's columns alike (not under fully-sharded LoRA, whose shards join the rank): each shrink and
-    each expand sums in another order, and the output's columns stay where they are. A shared A (a stride-0 view over
-    the experts) stays one."""
+    """An op-level case's inputs with K permuted (contraction_order) through x and every LoRA A: each shrink sums in
+    another order, and the output's columns stay where they are. A shared A (a stride-0 view over the experts) stays
+    one."""
     pi = contraction_order(inp.x.shape[-1]).to(inp.x.device)
-    R = inp.lora_a[0].shape[-2]
-    ri = None if inp.case.fully_sharded else contraction_order(R).to(inp.x.device)
 
-    def per_expert(t, f):      # f applied to one expert's copy where `t` shares one over the experts
-        shared = t.dim() == 4 and t.shape[1] > 1 and t.stride(1) == 0
-        return f(t[:, :1]).contiguous().expand(t.shape) if shared else f(t).contiguous()
-    a = [per_expert(t, lambda v: (v if ri is None else v[..., ri, :])[..., pi]) for t in inp.lora_a]
-    b = inp.lora_b if ri is None else [per_expert(t, lambda v: v[..., ri]) for t in inp.lora_b]
-    return dataclasses.replace(inp, x=inp.x[:, pi].contiguous(), lora_a=a, lora_b=b)
+    def a_view(a):
+        if a.dim() == 4 and a.shape[1] > 1 and a.stride(1) == 0:
+            return a[:, :1][..., pi].contiguous().expand(a.shape)
+        return a[..., pi].contiguous()
+    return dataclasses.replace(inp, x=inp.x[:, pi].contiguous(), lora_a=[a_view(a) for a in inp.lora_a])
 
 
 def _reordered_quantized(quantized: tuple, rows: torch.Tensor, pi: torch.Tensor, si: torch.Tensor,

@@ -130,15 +130,12 @@ class Rules:
     twin: torch.Tensor | None = None     # the other run of a twin pair, in the plain columns (`twin_applies`)
     mma: int | str | None = None
     sources: int | None = None           # with a twin: the fewest independent error sources a row has (`twin_sources`)
-    expand_measured: bool = False        # with a twin: it reorders the op's expand too (`twin_reorders_expand`)
 
     def kwargs(self, truth) -> dict:
         """compare_written's keyword arguments for `truth` (its allowances) under these rules."""
-        got = allowances(truth, self.device, self.mma, self.twin is not None, self.points_only)
-        if self.expand_measured:
-            got["fixed_var"] = None      # the twin measures what that bound allowed
         return dict(row_groups=self.groups, model_points_only=self.points_only, twin=self.twin,
-                    twin_sources=self.sources, **got)
+                    twin_sources=self.sources,
+                    **allowances(truth, self.device, self.mma, self.twin is not None, self.points_only))
 
 
 def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -> bool:
@@ -151,9 +148,8 @@ def twin_applies(case: Case, device=None, mma=None, points_only: bool = False) -
     under a declared truncating MMA the judge emulates (`mma` an int), each run then held to its own emulation
     (`twin_own_emulation`) where both emulations fit MMA_PRODUCTS_MAX: expert level, one rank. An fp32 case at the
     expert level (TP: each rank's shard permuted within; dispatched EP) or the op level (its reordered view permutes K
-    through x and every LoRA A, and the rank through A and B: each shrink and expand in another order). An fp32 case
-    of fewer rows too, where its rows are long enough (TWIN_ROW_ELEMENTS) for rule 3's twin measure to beat the bound
-    for every order."""
+    through x and every LoRA A: each shrink in another order). An fp32 case of fewer rows too, where its rows are
+    long enough (TWIN_ROW_ELEMENTS) for rule 3's twin measure to beat the bound for every order."""
     from moe_lora_harness.harness.spec.contract import must_reject
     if not (case.level in ("expert", "op") and not case.view and must_reject(case) is None):
         return False
@@ -186,32 +182,14 @@ def reordered_sums(case: Case) -> tuple:
 TWIN_ROW_ELEMENTS = 512
 
 
-# the shortest expand over the rank the op twin must reorder to measure it (its reordered view permutes the rank
-# through A and B): each output element is its own rank sum, so a row holds many of them, and two orders' errors
-# are nearly independent from 4 terms on. Measured (fp32 sums of products of normals, two random orders, FMA and
-# mul-then-add): correlation 1 at 2 terms (addition commutes), 0.44-0.49 at 3, 0.11-0.41 at 4, 0.06-0.22 at 8,
-# 0.12-0.19 at 16-64, the pair's squared difference 1.55-1.89 of one run's square from 8 terms on; in order against
-# the view's own order 0.12-0.20 and 1.60-1.75 (bench/results/2026-12-07-cpu-s48/rank_sum_correlation.py): within
-# TWIN_RHO (2/3) with room. A shorter rank keeps the expand's bound (OpExpected.fixed_var) beside the twin's measure
-TWIN_MIN_RANK = 8
-
-
-def twin_reorders_expand(case: Case) -> bool:
-    """Whether an op-level case's twin measures its expand over the rank (harness.build.properties' op view permutes
-    the rank, but under fully-sharded LoRA, whose shards join it): every loaded slot's rank TWIN_MIN_RANK or more."""
-    ranks = [r for r in case.slot_ranks if r > 0] or [case.max_rank]
-    return case.level == "op" and not case.fully_sharded and min(ranks) >= TWIN_MIN_RANK
-
-
 def twin_sources(case: Case) -> int | None:
     """The fewest independent accumulation-error sources an output row of `case` may have, which rule 3's twin
-    measure counts as the row's elements at most (None: every element its own). At the op level a row's shrink error
-    is a function of its rank intermediates: each slice's rank values per route (one set where a shared A gives every
-    route of a token the same), at the least rank a slot has; a row of two such values is two sources, not N
-    elements (the expand's own errors, each element's, are more where the twin reorders it: the fewest count). At the
-    expert level each of H is a GEMM2 sum of its own, but the error its inputs carry is a function of the row's
-    activations, I per route (one route where expert parallelism may leave a row one local expert): where those are
-    fewer than H, they are the count."""
+    measure counts as the row's elements at most (None: every element its own). At the op level a row's error is a
+    function of its rank intermediates, whose expand the twin does not reorder: each slice's rank values per route
+    (one set where a shared A gives every route of a token the same), at the least rank a slot has; a row of two such
+    values is two sources, not N elements. At the expert level each of H is a GEMM2 sum of its own, but the error its
+    inputs carry is a function of the row's activations, I per route (one route where expert parallelism may leave a
+    row one local expert): where those are fewer than H, they are the count."""
     if case.level == "expert":
         acts = case.I * (case.top_k if case.ep_size == 1 else 1)
         return acts if acts < case.H else None
@@ -284,9 +262,8 @@ def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth,
 
 def with_twin(rules: Rules, case: Case, twin: torch.Tensor | None) -> Rules:
     """`rules` holding a run of `case` to `twin` (the other run of its pair; None: none), with the case's
-    `twin_sources` and whether the twin measures its expand (`twin_reorders_expand`)."""
-    return rules if twin is None else dataclasses.replace(rules, twin=twin, sources=twin_sources(case),
-                                                          expand_measured=twin_reorders_expand(case))
+    `twin_sources`."""
+    return rules if twin is None else dataclasses.replace(rules, twin=twin, sources=twin_sources(case))
 
 
 def row_groups(inputs, truth) -> dict | None:

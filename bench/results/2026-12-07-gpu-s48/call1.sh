@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Forty-eighth session, call 1: the GPU lane on the session's judge (the activation's flush; the op twin permuting
-# the rank), then correct backends on random fp32 cases in the time left: short sums and low ranks
+# Forty-eighth session, call 1: the GPU lane on the session's judge (the activation's flush), then correct backends
+# on random fp32 cases in the time left: short sums and low ranks
 # (bench/results/2026-12-07-cpu-s47/short_sums_validation.py), served sizes
 # (bench/results/2026-12-06-cpu-s46/twin_rule3_validation.py), ours and vLLM 0.33.0's (carried in .thirdparty).
 set -u
