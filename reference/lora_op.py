@@ -394,8 +394,9 @@ def lora_expand(
         got = _gathered_matvecs(b, layout.lora, layout.expert, jobs, prec)
         d = got["d"] * w[:, None]
         if magnitudes:   # the expand's own accumulation over R and the shrink's carried through, times w^2
-            dvar = got["var"] * (w * w)[:, None] + (U32 * U32 * (R + 1)) * d * d
-            dfixed = got["fixed"] * (w * w)[:, None] + (U32 * U32 * (R + 1)) * d * d
+            own = (U32 * U32 * (R + 1)) * d * d         # the expand's last steps, in both variances
+            dvar = got["var"] * (w * w)[:, None] + own
+            dfixed = got["fixed"] * (w * w)[:, None] + own
             dround = got["round"] * (w * w)[:, None] + spacing_sq(d)
         if prec.round_delta:
             d = prec.r(d)
