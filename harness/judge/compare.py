@@ -21,7 +21,8 @@ Error model (docs/error-model.md): over the elements the contract writes,
      sqrt(K+R) eps_fp32 ||scale||. `one_flip` (FP8 only) a row's output change from its costliest single flip (the
      emulation's own flips stand for a correct kernel's, except where it has next to none: a small case),
      `slack_flip` (FP8) a row's from the GEMM1 flips only a kernel's fp32 scale arithmetic takes. With a `twin` (below;
-     not FP8) a row's accumulation term is at most kappa ||out - twin|| over the row (`twin_accumulation`).
+     not FP8) a row's accumulation term is at most kappa ||out - twin|| over the row (`twin_terms`), and the base
+     at most max(emu, the floor's other terms) + (2/3) kappa ||out - twin|| (`rule3_base`).
   4. the excess over the emulation, across token rows (`excess`, where the statistical model applies): each row's
      D = ||out - truth||^2 - ||emulation - truth||^2 - allowed, allowed = sum of eps_dt^2/12 (round_var + emu^2)
      + ACC_SHARE acc_var (one more rounding of every value the emulation rounds, the output included, and the
@@ -289,15 +290,16 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     whole_acc = (ACC_SIGMAS * math.sqrt(float(acc_var[written].clamp_min(0).sum())) if acc_var is not None
                  else acc * float(torch.linalg.vector_norm(sw)))
     twin_whole = None    # the whole tensor's accumulation term as the twin measured it (None: no twin)
+    whole_terms = (None, None)
     if twin is not None and acc_var is not None and flip is None:     # the whole tensor as one row of rule 3's
         flat = lambda t: t.reshape(1, -1)  # noqa: E731
-        measured = float(twin_accumulation(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
-                                           rule3_tests(truth), None if twin_sources is None
-                                           else twin_sources * int(_live_rows(written).sum()),
-                                           None if fixed_var is None else flat(fixed_var))[0])
-        if measured < whole_acc:
-            whole_acc = twin_whole = measured
-    floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw)) + whole_acc
+        whole_terms = twin_terms(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
+                                 rule3_tests(truth), None if twin_sources is None
+                                 else twin_sources * int(_live_rows(written).sum()),
+                                 None if fixed_var is None else flat(fixed_var))
+        measured = float(whole_terms[0][0] + whole_terms[1][0])
+        twin_whole = measured if math.isfinite(measured) else None
+    floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw))
     if under_w is not None:
         floor += 0.5 * t_dt * float(torch.linalg.vector_norm(under_w))
     if one_flip is not None and one_flip.numel():
@@ -307,7 +309,10 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     # a kernel that may round at other points than its model: their error has its own tail, added (rule 3; FP8: its
     # factor 3 over the flip floor, as before rule 4 judged FP8 rows)
     other_rows = other_points_rows(emulation, round_var if flip is None else None, written, dtype, model_points_only)
-    base = max(emu, floor) + (0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO)
+    f64 = lambda v: torch.as_tensor(v, dtype=torch.float64)  # noqa: E731
+    base = float(rule3_base(f64(emu), f64(floor), f64(whole_acc), *(None if t is None else t[0] for t in whole_terms)))
+    floor += whole_acc if twin_whole is None else min(whole_acc, twin_whole)     # as the message reports it
+    base += 0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     row, row_ratio = None, 0.0
     twin_acc = None      # the worst row's accumulation term as the twin measured it (None: no twin)
@@ -315,7 +320,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         one_flip_d = one_flip.to(dev) if one_flip is not None else None
         slack_d = slack_flip.to(dev) if slack_flip is not None else None
 
-        def ratios(idx=None, measured=None):     # rule 3 of the rows idx (None: all), each held to `measured`
+        def ratios(idx=None, measured=None):     # rule 3 of the rows idx (None: all), held to the twin's terms
             cut = (lambda t: t) if idx is None else (lambda t: None if t is None else t[idx])  # noqa: E731
             return row_ratios(cut(o64), cut(truth), cut(emulation), cut(scale), cut(written), cut(one_flip_d),
                               dtype=dtype, k_plus_r=k_plus_r, underflow=cut(underflow), work_dtype=work_dtype,
@@ -566,16 +571,42 @@ def _measured(kappa: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(d) & torch.isfinite(kappa), acc, torch.full_like(acc, math.inf))
 
 
-def twin_accumulation(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, written: torch.Tensor,
-                      tests: int, sources: int | None = None, fixed_var: torch.Tensor | None = None) -> torch.Tensor:
-    """(T,) float64: each row's accumulation term for rule 3's floor as the twin run measures it, kappa ||out - twin||
-    over the row's written elements (harness.judge.twin_floor: kappa at FALSE_VERDICT / tests, squared; a row counted
-    as at most `sources` elements, its independent error sources: None, each element one), plus the bound of
-    `fixed_var` (the sums the twin does not reorder) over the row; inf where the twin says nothing."""
+def twin_terms(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, written: torch.Tensor, tests: int,
+               sources: int | None = None, fixed_var: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """((T,), (T,)) float64: each row's accumulation term for rule 3's floor as the twin run measures it, kappa
+    ||out - twin|| over the row's written elements (harness.judge.twin_floor: kappa at FALSE_VERDICT / tests, squared;
+    a row counted as at most `sources` elements, its independent error sources: None, each element one; inf where the
+    twin says nothing), and the bound of `fixed_var` (the sums the twin does not reorder) over the row (0: none)."""
     from moe_lora_harness.harness.judge.twin_floor import at_most_sources, row_kappa
     log_delta = _twin_log_delta(tests)
     kappa = at_most_sources(row_kappa(acc_var, written, log_delta, TWIN_RHO), sources, log_delta, TWIN_RHO)
-    return _measured(kappa, _twin_differences(out64, twin, written)) + _unmeasured(fixed_var, written)
+    measured = _measured(kappa, _twin_differences(out64, twin, written))
+    return measured, torch.zeros_like(measured) + _unmeasured(fixed_var, written)
+
+
+def twin_accumulation(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, written: torch.Tensor,
+                      tests: int, sources: int | None = None, fixed_var: torch.Tensor | None = None) -> torch.Tensor:
+    """(T,) float64: `twin_terms`' sum, each row's accumulation term as the twin run measures it."""
+    measured, unmeasured = twin_terms(out64, twin, acc_var, written, tests, sources, fixed_var)
+    return measured + unmeasured
+
+
+def rule3_base(emu: torch.Tensor, floor: torch.Tensor, acc: torch.Tensor, measured: torch.Tensor | None = None,
+               unmeasured: torch.Tensor | None = None) -> torch.Tensor:
+    """Rule 3's base (a row passes while its error is at most RATIO times it): max(emu, floor + acc), `floor` the
+    terms besides the accumulation; with the twin's terms (`twin_terms`), acc at most their sum, and the base at most
+    max(emu, floor + unmeasured) + KAPPA_TAIL / RATIO measured as well: the twin's bound allows the measured
+    accumulation KAPPA_TAIL kappa ||out - twin|| (its own event), where RATIO max(...) alone would grant it RATIO
+    kappa ||out - twin||. docs/error-model.md, "Rule 3 with the twin"."""
+    from moe_lora_harness.harness.judge.twin_floor import KAPPA_TAIL
+    if measured is None:
+        return torch.maximum(emu, floor + acc)
+    unmeasured = torch.zeros_like(measured) if unmeasured is None else unmeasured
+    base = torch.maximum(emu, floor + torch.minimum(acc, measured + unmeasured))
+    seen = torch.isfinite(measured)
+    m = torch.where(seen, measured, torch.zeros_like(measured))
+    tight = torch.maximum(emu, floor + unmeasured) + (KAPPA_TAIL / RATIO) * m
+    return torch.where(seen, torch.minimum(base, tight), base)
 
 
 def _unmeasured(fixed_var: torch.Tensor | None, written: torch.Tensor):
@@ -595,25 +626,27 @@ def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios, sour
     """(row, ratio, its measured accumulation term) of rule 3's worst row under the twin's measure, as if every row's
     kappa were searched (`twin_accumulation`), searching few: each row's ratio under the least kappa a row of its
     element count can have (`twin_floor.kappa_lower_bound`) is at least its ratio; rows are refined in that bound's
-    order until no bound left exceeds the worst ratio found. `ratios(idx, measured)`: rule 3 of rows idx."""
+    order until no bound left exceeds the worst ratio found. `ratios(idx, (measured, unmeasured))`: rule 3 of rows
+    idx."""
     from moe_lora_harness.harness.judge.twin_floor import at_most_sources, kappa_lower_bound
     d = _twin_differences(out64, twin, written)
     weighted = (torch.where(written, acc_var, torch.zeros_like(acc_var)) > 0).reshape(d.shape[0], -1).sum(dim=1)
     log_delta = _twin_log_delta(tests)
     least = at_most_sources(kappa_lower_bound(weighted, log_delta, TWIN_RHO), sources, log_delta, TWIN_RHO)
-    upper = ratios(None, _measured(least, d) + _unmeasured(fixed_var, written))
+    unmeasured = torch.zeros_like(d) + _unmeasured(fixed_var, written)
+    upper = ratios(None, (_measured(least, d), unmeasured))
     order = torch.argsort(upper, descending=True)
     best, row, acc = -1.0, int(order[0]), math.inf
     for start in range(0, order.numel(), TWIN_ROWS_AT_ONCE):
         idx = order[start:start + TWIN_ROWS_AT_ONCE]
         if float(upper[idx[0]]) <= best:
             break
-        measured = twin_accumulation(out64[idx], twin[idx], acc_var[idx], written[idx], tests, sources,
-                                     None if fixed_var is None else fixed_var[idx])
-        r = ratios(idx, measured)
+        terms = twin_terms(out64[idx], twin[idx], acc_var[idx], written[idx], tests, sources,
+                           None if fixed_var is None else fixed_var[idx])
+        r = ratios(idx, terms)
         j = int(r.argmax())
         if float(r[j]) > best:
-            best, row, acc = float(r[j]), int(idx[j]), float(measured[j])
+            best, row, acc = float(r[j]), int(idx[j]), float(terms[0][j] + terms[1][j])
     return row, best, acc
 
 
@@ -621,13 +654,14 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
                written: torch.Tensor, one_flip: torch.Tensor | None, *, dtype: torch.dtype, k_plus_r: int,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
                slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
-               other_rows: torch.Tensor | None = None, twin_acc: torch.Tensor | None = None,
+               other_rows: torch.Tensor | None = None, twin_acc: tuple | None = None,
                tests: int | None = None) -> torch.Tensor:
     """(T,) float64: rule 3's ratio of each row (dim 0) over its written elements, against the row's own floor
     (one_flip[t] + slack_flip[t] its flip terms, None: none; acc_var its accumulation term, None: the worst case; at
-    most `twin_acc`[t], the twin's measure of it: `twin_accumulation`), plus other_points_tail sqrt(other_rows[t]) /
-    RATIO (`other_points_rows`: a kernel that may round at other points; None: none), that tail at `tests`
-    comparisons (None: rule3_tests(truth); a caller judging some rows of an output passes the whole output's).
+    most the twin's measure of it, `twin_acc` = (measured, unmeasured): `twin_terms`, `rule3_base`), plus
+    other_points_tail sqrt(other_rows[t]) / RATIO (`other_points_rows`: a kernel that may round at other points;
+    None: none), that tail at `tests` comparisons (None: rule3_tests(truth); a caller judging some rows of an output
+    passes the whole output's).
     Why per row: docs/error-model.md, "The aggregate rule per row". A row with nothing written has ratio 0."""
     for name, t in (("one_flip", one_flip), ("slack_flip", slack_flip)):
         if t is not None and (t.dim() != 1 or t.shape[0] != truth.shape[0]):
@@ -641,16 +675,15 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
     kern, emu = norm(out64 - truth), norm(emulation - truth)
     acc = (ACC_SIGMAS * norm(acc_var.clamp_min(0).sqrt()) if acc_var is not None
            else math.sqrt(max(k_plus_r, 1)) * EPS32 * norm(scale))
-    if twin_acc is not None:
-        acc = torch.minimum(acc, twin_acc.to(acc.device, torch.float64))
-    floor = 0.5 * _eps(dtype) * norm(truth) + acc
+    floor = 0.5 * _eps(dtype) * norm(truth)
     if one_flip is not None:
         floor = floor + one_flip.to(torch.float64)
     if underflow is not None:
         floor = floor + 0.5 * tiny(work_dtype or dtype) * norm(underflow)
     if slack_flip is not None:
         floor = floor + slack_flip.to(torch.float64)
-    base = torch.maximum(emu, floor)
+    measured, unmeasured = (None, None) if twin_acc is None else (t.to(acc.device, torch.float64) for t in twin_acc)
+    base = rule3_base(emu, floor, acc, measured, unmeasured)
     if other_rows is not None:
         base = base + other_points_tail(rule3_tests(truth) if tests is None else tests) \
             * other_rows.to(torch.float64).sqrt() / RATIO

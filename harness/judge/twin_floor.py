@@ -2,10 +2,10 @@
 
 A row's accumulation error `a` (the kernel's output less its emulation) and its twin's `b` (the same sums in another
 order) are, under the probabilistic model, Gaussian per element with variances s_i^2 and correlation rho <= TWIN_RHO
-(rule 4's assumption: compare.TWIN_FACTOR). The row passes rule 3 whenever ||a|| <= 2 kappa ||a - b|| and its floor
-holds kappa ||a - b||. `row_kappa` finds, per row, the smallest kappa for which a Chernoff bound puts
-P(||a||^2 > 4 kappa^2 ||a - b||^2) under the row's share of FALSE_VERDICT, squared (the bound then holds for rows of
-half the effective elements the weights say). The weights s_i^2 follow the reference's per-element variance bound
+(rule 4's assumption: compare.TWIN_FACTOR). Rule 3 allows the row ||a|| <= 2 kappa ||a - b|| (KAPPA_TAIL;
+compare.row_ratios). `row_kappa` finds, per row, the smallest kappa for which a Chernoff bound puts
+P(||a||^2 > 4 kappa^2 ||a - b||^2) under the row's share of FALSE_VERDICT, squared (the bound then holds for rows
+of half the effective elements the weights say). The weights s_i^2 follow the reference's per-element variance bound
 (acc_var): only their shape enters. docs/error-model.md, "Rule 3 with the twin".
 """
 from __future__ import annotations
@@ -22,6 +22,9 @@ import torch
 BIN = 0.25
 DEPTH = 12
 _C_STEPS = 14      # bisection steps over log c (c = 4 kappa^2) within _C_RANGE: kappa to 0.1 %
+# the bound's event is ||a|| <= KAPPA_TAIL kappa ||a - b|| (c = KAPPA_TAIL^2 kappa^2): what rule 3 allows a row's
+# twin-measured accumulation (compare.rule3_base)
+KAPPA_TAIL = 2.0
 _T_GRID = torch.linspace(0.05, 0.95, 12, dtype=torch.float64)   # t as a fraction of the largest the bound allows
 _C_RANGE = (0.1, 1e5)
 
@@ -82,7 +85,7 @@ def row_kappa(acc_var: torch.Tensor, written: torch.Tensor, log_delta: float, rh
         mid = (lo + hi) / 2.0
         bad = fails(torch.exp(mid))
         lo, hi = torch.where(bad, mid, lo), torch.where(bad, hi, mid)
-    kappa = torch.sqrt(torch.exp(hi)) / 2.0
+    kappa = torch.sqrt(torch.exp(hi)) / KAPPA_TAIL
     reached = ~fails(torch.exp(hi))
     return torch.where(live & reached, kappa, torch.full_like(kappa, math.inf))
 
