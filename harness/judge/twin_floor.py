@@ -3,7 +3,7 @@
 A row's accumulation error `a` (the kernel's output less its emulation) and its twin's `b` (the same sums in another
 order) are, under the probabilistic model, Gaussian per element with variances s_i^2 and correlation rho <= TWIN_RHO
 (rule 4's assumption: compare.TWIN_FACTOR). Rule 3 allows the row ||a|| <= 2 kappa ||a - b|| (KAPPA_TAIL;
-compare.row_ratios). `row_kappa` finds, per row, the smallest kappa for which a Chernoff bound puts
+compare.rule3_base). `row_kappa` finds, per row, the smallest kappa for which a Chernoff bound puts
 P(||a||^2 > 4 kappa^2 ||a - b||^2) under the row's share of FALSE_VERDICT, squared (the bound then holds for rows
 of half the effective elements the weights say). The weights s_i^2 follow the reference's per-element variance bound
 (acc_var): only their shape enters. docs/error-model.md, "Rule 3 with the twin".
