@@ -298,7 +298,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                                  else twin_sources * int(_live_rows(written).sum()),
                                  None if fixed_var is None else flat(fixed_var))
         measured = float(whole_terms[0][0] + whole_terms[1][0])
-        twin_whole = measured if math.isfinite(measured) else None
+        twin_whole = measured if measured < whole_acc else None
     floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw))
     if under_w is not None:
         floor += 0.5 * t_dt * float(torch.linalg.vector_norm(under_w))
@@ -311,7 +311,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     other_rows = other_points_rows(emulation, round_var if flip is None else None, written, dtype, model_points_only)
     f64 = lambda v: torch.as_tensor(v, dtype=torch.float64)  # noqa: E731
     base = float(rule3_base(f64(emu), f64(floor), f64(whole_acc), *(None if t is None else t[0] for t in whole_terms)))
-    floor += whole_acc if twin_whole is None else min(whole_acc, twin_whole)     # as the message reports it
+    floor += whole_acc if twin_whole is None else twin_whole     # as the message reports it
     base += 0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
     row, row_ratio = None, 0.0
