@@ -290,7 +290,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     whole_acc = (ACC_SIGMAS * math.sqrt(float(acc_var[written].clamp_min(0).sum())) if acc_var is not None
                  else acc * float(torch.linalg.vector_norm(sw)))
     twin_whole = None    # the whole tensor's accumulation term as the twin measured it (None: no twin)
-    whole_terms = (None, None)
+    whole_terms = None
     if twin is not None and acc_var is not None and flip is None:     # the whole tensor as one row of rule 3's
         flat = lambda t: t.reshape(1, -1)  # noqa: E731
         whole_terms = twin_terms(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
@@ -310,7 +310,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     # factor 3 over the flip floor, as before rule 4 judged FP8 rows)
     other_rows = other_points_rows(emulation, round_var if flip is None else None, written, dtype, model_points_only)
     f64 = lambda v: torch.as_tensor(v, dtype=torch.float64)  # noqa: E731
-    base = float(rule3_base(f64(emu), f64(floor), f64(whole_acc), *(None if t is None else t[0] for t in whole_terms)))
+    base = float(rule3_base(f64(emu), f64(floor), f64(whole_acc), whole_terms))
     floor += whole_acc if twin_whole is None else twin_whole     # as the message reports it
     base += 0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)
@@ -584,24 +584,17 @@ def twin_terms(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, w
     return measured, torch.zeros_like(measured) + _unmeasured(fixed_var, written)
 
 
-def twin_accumulation(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, written: torch.Tensor,
-                      tests: int, sources: int | None = None, fixed_var: torch.Tensor | None = None) -> torch.Tensor:
-    """(T,) float64: `twin_terms`' sum, each row's accumulation term as the twin run measures it."""
-    measured, unmeasured = twin_terms(out64, twin, acc_var, written, tests, sources, fixed_var)
-    return measured + unmeasured
-
-
-def rule3_base(emu: torch.Tensor, floor: torch.Tensor, acc: torch.Tensor, measured: torch.Tensor | None = None,
-               unmeasured: torch.Tensor | None = None) -> torch.Tensor:
+def rule3_base(emu: torch.Tensor, floor: torch.Tensor, acc: torch.Tensor,
+               twin: tuple | None = None) -> torch.Tensor:
     """Rule 3's base (a row passes while its error is at most RATIO times it): max(emu, floor + acc), `floor` the
-    terms besides the accumulation; with the twin's terms (`twin_terms`), acc at most their sum, and the base at most
-    max(emu, floor + unmeasured) + KAPPA_TAIL / RATIO measured as well: the twin's bound allows the measured
-    accumulation KAPPA_TAIL kappa ||out - twin|| (its own event), where RATIO max(...) alone would grant it RATIO
-    kappa ||out - twin||. docs/error-model.md, "Rule 3 with the twin"."""
+    terms besides the accumulation; with the twin's terms, `twin` = (measured, unmeasured) (`twin_terms`), acc at
+    most their sum, and the base at most max(emu, floor + unmeasured) + KAPPA_TAIL / RATIO measured as well: the
+    twin's bound allows the measured accumulation KAPPA_TAIL kappa ||out - twin|| (its own event), where RATIO
+    max(...) alone would grant it RATIO kappa ||out - twin||. docs/error-model.md, "Rule 3 with the twin"."""
     from moe_lora_harness.harness.judge.twin_floor import KAPPA_TAIL
-    if measured is None:
+    if twin is None:
         return torch.maximum(emu, floor + acc)
-    unmeasured = torch.zeros_like(measured) if unmeasured is None else unmeasured
+    measured, unmeasured = twin
     base = torch.maximum(emu, floor + torch.minimum(acc, measured + unmeasured))
     seen = torch.isfinite(measured)
     m = torch.where(seen, measured, torch.zeros_like(measured))
@@ -624,7 +617,7 @@ TWIN_ROWS_AT_ONCE = 32    # rows whose kappa is searched together while the wors
 def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios, sources: int | None = None,
                          fixed_var: torch.Tensor | None = None) -> tuple[int, float, float]:
     """(row, ratio, its measured accumulation term) of rule 3's worst row under the twin's measure, as if every row's
-    kappa were searched (`twin_accumulation`), searching few: each row's ratio under the least kappa a row of its
+    kappa were searched (`twin_terms`), searching few: each row's ratio under the least kappa a row of its
     element count can have (`twin_floor.kappa_lower_bound`) is at least its ratio; rows are refined in that bound's
     order until no bound left exceeds the worst ratio found. `ratios(idx, (measured, unmeasured))`: rule 3 of rows
     idx."""
@@ -641,8 +634,7 @@ def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios, sour
         idx = order[start:start + TWIN_ROWS_AT_ONCE]
         if float(upper[idx[0]]) <= best:
             break
-        terms = twin_terms(out64[idx], twin[idx], acc_var[idx], written[idx], tests, sources,
-                           None if fixed_var is None else fixed_var[idx])
+        terms = twin_terms(out64[idx], twin[idx], acc_var[idx], written[idx], tests, sources)[0], unmeasured[idx]
         r = ratios(idx, terms)
         j = int(r.argmax())
         if float(r[j]) > best:
@@ -682,8 +674,8 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
         floor = floor + 0.5 * tiny(work_dtype or dtype) * norm(underflow)
     if slack_flip is not None:
         floor = floor + slack_flip.to(torch.float64)
-    measured, unmeasured = (None, None) if twin_acc is None else (t.to(acc.device, torch.float64) for t in twin_acc)
-    base = rule3_base(emu, floor, acc, measured, unmeasured)
+    twin = None if twin_acc is None else tuple(t.to(acc.device, torch.float64) for t in twin_acc)
+    base = rule3_base(emu, floor, acc, twin)
     if other_rows is not None:
         base = base + other_points_tail(rule3_tests(truth) if tests is None else tests) \
             * other_rows.to(torch.float64).sqrt() / RATIO

@@ -1,4 +1,4 @@
-"""Rule 3 with the twin (harness.judge.twin_floor, compare.twin_accumulation): each row's accumulation term measured
+"""Rule 3 with the twin (harness.judge.twin_floor, compare.twin_terms): each row's accumulation term measured
 by the twin run, kappa ||out - twin||. Claimed both ways: under the model it rests on (Gaussian accumulation errors,
 correlation up to TWIN_RHO) no draw exceeds it, and it is not loose; a slip confined to one row fails at a few times
 that row's own error, where the bound for every order let it pass at twenty; a twin that says nothing loosens nothing."""
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from moe_lora_harness.harness.judge.compare import FALSE_VERDICT, TWIN_RHO, twin_accumulation, twin_terms
+from moe_lora_harness.harness.judge.compare import FALSE_VERDICT, TWIN_RHO, twin_terms
 from moe_lora_harness.backends.eager import BACKEND as EAGER
 from moe_lora_harness.harness.judge.expectation import Rules, judge_output, judge_twins, row_groups
 from moe_lora_harness.harness.judge.twin_floor import row_kappa
@@ -61,7 +61,7 @@ def test_a_twin_that_says_nothing_loosens_nothing():
     out = torch.randn(3, 64, dtype=F64)
     twin = out + 1e-3
     twin[1, 5] = float("nan")
-    acc = twin_accumulation(out, twin, torch.ones_like(out), torch.ones_like(out, dtype=torch.bool), 4)
+    acc, _ = twin_terms(out, twin, torch.ones_like(out), torch.ones_like(out, dtype=torch.bool), 4)
     assert math.isfinite(float(acc[0])) and math.isinf(float(acc[1]))
 
 
@@ -76,7 +76,7 @@ def test_rule3_grants_the_measured_term_its_own_tail_and_never_less_than_before(
     emu, floor, acc = (torch.rand(4096, generator=g, dtype=F64) * 3 for _ in range(3))
     measured, unmeasured = torch.rand(4096, generator=g, dtype=F64) * 3, torch.rand(4096, generator=g, dtype=F64)
     measured[:8] = math.inf
-    base = rule3_base(emu, floor, acc, measured, unmeasured)
+    base = rule3_base(emu, floor, acc, (measured, unmeasured))
     old = torch.maximum(emu, floor + torch.minimum(acc, measured + unmeasured))
     live = torch.isfinite(measured)
     assert bool((base <= old).all()) and bool((base[~live] == old[~live]).all())
