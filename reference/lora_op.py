@@ -55,9 +55,6 @@ class OpExpected:
     # the working dtype's eps^2: each rounding point's value squared (every point of every path, the output's own
     # rounding excepted), carried by squared coefficients (reference.accumulation)
     round_var: torch.Tensor | None = None
-    # (T, k, W) float64: the part of acc_var from the expand's own accumulation over the rank, a sum the judge's twin
-    # run does not reorder (it permutes K: harness.build.properties): what the twin cannot measure
-    fixed_var: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -344,7 +341,6 @@ def lora_expand(
     round_var = prev_round*add_inputs + w^2 B^2 (cache_round + cache^2) + d^2: the rank intermediate's and the
     delta's roundings (this write's own rounding is the caller's to add where it is not the output's);
     `cache_round` (S, P, R) the intermediate's upstream exposure (default 0), `prev_round` prev's (default 0).
-    fixed_var: acc_var's expand terms alone, w^2 B^2 u^2 R cache^2 + u^2 R d^2 (prev's are an input's: 0).
     magnitudes=False: value and written only (scale, underflow, acc_var and round_var None).
     """
     prev = prev.to(torch.float64)
@@ -357,10 +353,9 @@ def lora_expand(
         torch.zeros_like(prev) if prev_var is None else prev_var.to(torch.float64).clone())
     rvar = None if not magnitudes else (
         torch.zeros_like(prev) if prev_round is None else prev_round.to(torch.float64).clone())
-    fixed = None if not magnitudes else torch.zeros_like(prev)
     T, k, W = prev.shape
     if len(layout) == 0:
-        return OpExpected(value, written, scale, under, var, rvar, fixed)
+        return OpExpected(value, written, scale, under, var, rvar)
     t = torch.div(layout.pair, k, rounding_mode="floor")
     j = layout.pair % k
     if mul_routed_weight:
@@ -374,8 +369,7 @@ def lora_expand(
         cu = torch.ones_like(cs) if cache_underflow is None else cache_underflow.to(torch.float64)
         c64 = cache.to(torch.float64)
         R = int(cache.shape[-1])
-        cf = (U32 * U32 * R) * c64 * c64            # the expand's accumulation over R, per rank term
-        cv = cf + (0.0 if cache_var is None else cache_var.to(torch.float64))
+        cv = (U32 * U32 * R) * c64 * c64 + (0.0 if cache_var is None else cache_var.to(torch.float64))
         cr = spacing_sq(c64) + (0.0 if cache_round is None else cache_round.to(torch.float64))
     # A pair listed twice (malformed align) is applied twice, in order: split into rounds of unique pairs.
     order = torch.argsort(layout.pair, stable=True)
@@ -389,14 +383,12 @@ def lora_expand(
         N = b.shape[2]
         jobs = {"d": (cache[s].to(torch.float64), None)}        # the value and every magnitude in one pass
         if magnitudes:
-            jobs.update(scale=(cs[s], "abs"), under=(cu[s], "abs"), var=(cv[s], "square"), round=(cr[s], "square"),
-                        fixed=(cf[s], "square"))
+            jobs.update(scale=(cs[s], "abs"), under=(cu[s], "abs"), var=(cv[s], "square"), round=(cr[s], "square"))
         got = _gathered_matvecs(b, layout.lora, layout.expert, jobs, prec)
         d = got["d"] * w[:, None]
         if magnitudes:   # the expand's own accumulation over R and the shrink's carried through, times w^2
-            own = (U32 * U32 * (R + 1)) * d * d         # the expand's last steps, in both variances
+            own = (U32 * U32 * (R + 1)) * d * d         # the expand's last steps
             dvar = got["var"] * (w * w)[:, None] + own
-            dfixed = got["fixed"] * (w * w)[:, None] + own
             dround = got["round"] * (w * w)[:, None] + spacing_sq(d)
         if prec.round_delta:
             d = prec.r(d)
@@ -423,9 +415,7 @@ def lora_expand(
             var[ti, ji, cols] = base_v + dvar[sel]
             base_r = rvar[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
             rvar[ti, ji, cols] = base_r + dround[sel]
-            base_f = fixed[ti, ji, cols] if keep_prev else torch.zeros_like(cur)
-            fixed[ti, ji, cols] = base_f + dfixed[sel]
-    return OpExpected(value, written, scale, under, var, rvar, fixed)
+    return OpExpected(value, written, scale, under, var, rvar)
 
 
 # ------------------------------------------------------------------------------------ the op

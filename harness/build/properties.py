@@ -20,7 +20,7 @@ VIEW_MEANING = {
                      "depend on the slot number its adapter sits in",
     "reordered": "the hidden and intermediate dimensions permuted through every tensor (the output's hidden columns "
                  "too): the same sums, each reduction over them in another order (an op-level case: K through x "
-                 "and every LoRA A, the output's columns kept)",
+                 "and every LoRA A, every LoRA B times OP_TWIN_B_SCALE, the output's columns kept)",
 }
 # the views under which a batch-invariant backend keeps its bits (a token's inputs and sums are the same); the
 # reordered view changes every summation order, so its bits may differ
@@ -93,17 +93,35 @@ def _reordered(inp, in_place: bool):
                                quantized=quantized)
 
 
+# the op-level twin's factor on every LoRA B (its own truth and emulation follow): the expand over the rank, which no
+# permutation may reorder (a slip tied to a rank index would strike another component in the twin: docs/error-model.md,
+# "Why the rank stays in its order"), then rounds at other places in the twin, so that the twins' difference measures
+# it too. Not a power of 2 (that would scale every rounding error exactly); above 1, so that the twin's errors are at
+# least as large as the plain run's (the twin measure's bound stays conservative); near 1, so that a slip, scaled
+# alike in both runs, leaves little of itself in their difference ("The op's expand, measured")
+OP_TWIN_B_SCALE = 1.0 + 2.0 ** -6 + 2.0 ** -13
+
+
 def _reordered_op(inp):
-    """An op-level case's inputs with K permuted (contraction_order) through x and every LoRA A: each shrink sums in
-    another order, and the output's columns stay where they are. A shared A (a stride-0 view over the experts) stays
-    one."""
+    """An op-level case's inputs with K permuted (contraction_order) through x and every LoRA A, and every LoRA B
+    times OP_TWIN_B_SCALE (rounded to its dtype): each shrink sums in another order and each expand rounds elsewhere;
+    the output's columns stay where they are. A shared A or B (a stride-0 view over the experts) stays one."""
     pi = contraction_order(inp.x.shape[-1]).to(inp.x.device)
 
+    def shared(t):
+        return t.dim() == 4 and t.shape[1] > 1 and t.stride(1) == 0
+
     def a_view(a):
-        if a.dim() == 4 and a.shape[1] > 1 and a.stride(1) == 0:
+        if shared(a):
             return a[:, :1][..., pi].contiguous().expand(a.shape)
         return a[..., pi].contiguous()
-    return dataclasses.replace(inp, x=inp.x[:, pi].contiguous(), lora_a=[a_view(a) for a in inp.lora_a])
+
+    def b_view(b):
+        if shared(b):
+            return (b[:, :1] * OP_TWIN_B_SCALE).to(b.dtype).expand(b.shape)
+        return (b * OP_TWIN_B_SCALE).to(b.dtype)
+    return dataclasses.replace(inp, x=inp.x[:, pi].contiguous(), lora_a=[a_view(a) for a in inp.lora_a],
+                               lora_b=[b_view(b) for b in inp.lora_b])
 
 
 def _reordered_quantized(quantized: tuple, rows: torch.Tensor, pi: torch.Tensor, si: torch.Tensor,

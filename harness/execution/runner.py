@@ -23,7 +23,7 @@ from moe_lora_harness.harness.execution.execute import Execution, InProcess, inp
 from moe_lora_harness.harness.build.guards import outside_message
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, held_to, judge_output,
                                                         judging, op_expectations, row_groups, twin_applies,
-                                                        with_twin)
+                                                        twin_truth, with_twin)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -124,6 +124,7 @@ class Expectation:
     mma: int | str | None = None               # the e4m3 MMA the emulation runs (expectation.modelled_mma)
     twin_emulation: torch.Tensor | None = None  # the twin's own emulation, in the plain columns, where it has one
                                                 # (expectation.twin_own_emulation)
+    twin_truth: object = None                   # the twin's own truth, where it has one (expectation.twin_own_truth)
 
     @property
     def rules(self) -> Rules:
@@ -173,6 +174,7 @@ def expectations(spec: BackendSpec, case: Case, device: str, declared: tuple | N
             view = view_inputs(exp.built, "reordered", in_place=True)
             exp.twin_digest = inputs_digest(view)
             exp.twin_emulation = emulate_twin(case, precision, view, at, mma)
+            exp.twin_truth = twin_truth(case, view)
             exp.release_inputs()
     if at != "cpu":     # the worker needs the GPU next: keep the (T, H)-sized results, not the layer
         exp.release_inputs()
@@ -277,8 +279,13 @@ def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | 
     first = _judge_execution(case, exp, ex, spec, plain_held)
     if first[0] != "pass":
         return (*first, ex, plain_held, None)
-    twin_held = held_to(ex.output, emu, own)
-    kind, message, verdict = _judge_execution(case, exp, mirrored, spec, twin_held, twin_emu)
+    if exp.twin_truth is not None:     # judged alone against its own truth (expectation.judge_twins)
+        twin_held = None
+        kind, message, verdict = _judge_execution(case, dataclasses.replace(exp, truth=exp.twin_truth), mirrored,
+                                                  spec, None, twin_emu)
+    else:
+        twin_held = held_to(ex.output, emu, own)
+        kind, message, verdict = _judge_execution(case, exp, mirrored, spec, twin_held, twin_emu)
     if kind == "pass":
         return (*first, ex, plain_held, None)
     return kind, f"{TWIN_RUN}: {message}", verdict, mirrored, twin_held, twin_emu

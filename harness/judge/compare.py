@@ -217,8 +217,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                     slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
                     round_var: torch.Tensor | None = None, row_groups=None,
                     model_points_only: bool = False, twin: torch.Tensor | None = None,
-                    flip_sq: torch.Tensor | None = None, twin_sources: int | None = None,
-                    fixed_var: torch.Tensor | None = None) -> Verdict:
+                    flip_sq: torch.Tensor | None = None, twin_sources: int | None = None) -> Verdict:
     """Compare `out` (the kernel's buffer, any float dtype) with the float64 truth under the error model.
 
     `written` marks elements the contract writes; elsewhere `out` must equal `before` bit for bit
@@ -233,8 +232,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     model rounds and nowhere else): rule 4 allows the accumulation alone, not one more rounding of every value.
     `twin` (the backend's output on the reordered view, in this output's column order): rule 4's accumulation
     allowance is at most TWIN_FACTOR times the two runs' squared difference, and rule 3's accumulation term of a row
-    at most kappa times their distance there, kappa counting at most `twin_sources` elements a row; either measure
-    plus the bound of `fixed_var`, the accumulation of the sums the twin does not reorder (None: none). `flip_sq`
+    at most kappa times their distance there, kappa counting at most `twin_sources` elements a row. `flip_sq`
     (T, 2; FP8, with `round_var`: reference.experts.ExpertExpected.flip_sq) turns rule 4 on for FP8 rows, each row
     allowed its flips' expected square (and `slack_flip`'s); without it FP8 rows have rules 2 and 3 alone. Computed
     where `truth` lies (a CUDA judge's device): the other tensors are moved there.
@@ -242,7 +240,6 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     if tuple(out.shape) != tuple(truth.shape):
         return Verdict(False, "shape", f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
     dev = truth.device
-    fixed_var = None if fixed_var is None or twin is None else fixed_var.to(dev)
     o = out.detach().to(dev)
     written = written.to(dev).bool()
     emulation, scale = emulation.to(dev), scale.to(dev)
@@ -295,9 +292,8 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
         flat = lambda t: t.reshape(1, -1)  # noqa: E731
         whole_terms = twin_terms(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
                                  rule3_tests(truth), None if twin_sources is None
-                                 else twin_sources * int(_live_rows(written).sum()),
-                                 None if fixed_var is None else flat(fixed_var))
-        measured = float(whole_terms[0][0] + whole_terms[1][0])
+                                 else twin_sources * int(_live_rows(written).sum()))
+        measured = float(whole_terms[0])
         twin_whole = measured if measured < whole_acc else None
     floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw))
     if under_w is not None:
@@ -328,7 +324,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
                               twin_acc=measured, tests=rule3_tests(truth))
         if twin is not None and acc_var is not None and flip is None:
             row, row_ratio, twin_acc = _worst_row_with_twin(o64, twin.detach().to(dev), acc_var, written,
-                                                            rule3_tests(truth), ratios, twin_sources, fixed_var)
+                                                            rule3_tests(truth), ratios, twin_sources)
         else:
             rows = ratios()
             row = int(rows.argmax())
@@ -342,7 +338,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     sets = _judged_sets(row_groups, _live_rows(written)) if modelled and truth.dim() > 1 else None
     exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
                  work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only, sets=sets,
-                 twin=None if twin is None else twin.detach().to(dev), fixed_var=fixed_var,
+                 twin=None if twin is None else twin.detach().to(dev),
                  flips=None if flip is None else (flip_sq.to(dev), slack_flip)) if modelled else None
     x = 0.0 if exc is None else exc[0]
     unseen = _unseen(sets) if sets is not None else (
@@ -381,7 +377,7 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
            acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
            underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
            row_groups=None, model_points_only: bool = False, sets=None, twin: torch.Tensor | None = None,
-           flips=None, fixed_var: torch.Tensor | None = None):
+           flips=None):
     """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
     the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
     The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
@@ -392,8 +388,7 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
     if truth.dim() < 2:
         return 0.0, 0, 1, 0.0, "no rows"
     d, a = row_excess(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips,
-                      fixed_var=fixed_var)
+                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips)
     names, _, member, sizes, keep, z, _ = sets if sets is not None else _judged_sets(row_groups, _live_rows(written))
     m = member[:, keep]
     dm = d[:, None] * m
@@ -414,12 +409,11 @@ def self_normalised(total: float, spread: float, z: float) -> float:
 def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, written: torch.Tensor,
                acc_var: torch.Tensor, round_var: torch.Tensor, *, dtype: torch.dtype,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
-               model_points_only: bool = False, twin: torch.Tensor | None = None, flips=None,
-               fixed_var: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               model_points_only: bool = False, twin: torch.Tensor | None = None,
+               flips=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
     emulation's minus its allowance; the allowance). With a `twin` run each row's accumulation allowance is the
-    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference plus ACC_SHARE `fixed_var` (the
-    sums the twin does not reorder), over the row. `flips` (FP8 activations): (flip_sq (T, 2), slack_flip (T,) or
+    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row. `flips` (FP8 activations): (flip_sq (T, 2), slack_flip (T,) or
     None): each row also allows its GEMM2 flips' expected square
     (column 0 for a kernel declared to round at its model's points, with the accumulation under the twin's cap: the
     twin flips as it does; else column 1, uncapped) and, unless it is so declared (its scale is amax / 448 and its
@@ -433,8 +427,7 @@ def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
         acc = acc + flip_sq[:, 0].to(acc)
     if twin is not None:
         apart = torch.nan_to_num((out64 - twin.to(torch.float64)) ** 2, nan=math.inf, posinf=math.inf)
-        unmeasured = 0.0 if fixed_var is None else (ACC_SHARE * fixed_var.clamp_min(0) * w).sum(dim=dims)
-        acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims) + unmeasured)
+        acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims))
     if flip_sq is not None and not model_points_only:   # another rounding's flips need not differ between orders
         acc = acc + flip_sq[:, 1].to(acc)
     if slack is not None and not model_points_only:   # the scale arithmetic's flips at exact ties: in full (neither
@@ -572,73 +565,60 @@ def _measured(kappa: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def twin_terms(out64: torch.Tensor, twin: torch.Tensor, acc_var: torch.Tensor, written: torch.Tensor, tests: int,
-               sources: int | None = None, fixed_var: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """((T,), (T,)) float64: each row's accumulation term for rule 3's floor as the twin run measures it, kappa
-    ||out - twin|| over the row's written elements (harness.judge.twin_floor: kappa at FALSE_VERDICT / tests, squared;
-    a row counted as at most `sources` elements, its independent error sources: None, each element one; inf where the
-    twin says nothing), and the bound of `fixed_var` (the sums the twin does not reorder) over the row (0: none)."""
+               sources: int | None = None) -> torch.Tensor:
+    """(T,) float64: each row's accumulation term for rule 3's floor as the twin run measures it, kappa ||out - twin||
+    over the row's written elements (harness.judge.twin_floor: kappa at FALSE_VERDICT / tests, squared; a row counted
+    as at most `sources` elements, its independent error sources: None, each element one; inf where the twin says
+    nothing)."""
     from moe_lora_harness.harness.judge.twin_floor import at_most_sources, row_kappa
     log_delta = _twin_log_delta(tests)
     kappa = at_most_sources(row_kappa(acc_var, written, log_delta, TWIN_RHO), sources, log_delta, TWIN_RHO)
-    measured = _measured(kappa, _twin_differences(out64, twin, written))
-    return measured, torch.zeros_like(measured) + _unmeasured(fixed_var, written)
+    return _measured(kappa, _twin_differences(out64, twin, written))
 
 
 def rule3_base(emu: torch.Tensor, floor: torch.Tensor, acc: torch.Tensor,
-               twin: tuple | None = None) -> torch.Tensor:
+               measured: torch.Tensor | None = None) -> torch.Tensor:
     """Rule 3's base (a row passes while its error is at most RATIO times it): max(emu, floor + acc), `floor` the
-    terms besides the accumulation; with the twin's terms, `twin` = (measured, unmeasured) (`twin_terms`), acc at
-    most their sum, and the base at most max(emu, floor + unmeasured) + KAPPA_TAIL / RATIO measured as well: the
-    twin's bound allows the measured accumulation KAPPA_TAIL kappa ||out - twin|| (its own event), where RATIO
-    max(...) alone would grant it RATIO kappa ||out - twin||. docs/error-model.md, "Rule 3 with the twin"."""
+    terms besides the accumulation; with the twin's measure (`twin_terms`), acc at most `measured`, and the base at
+    most max(emu, floor) + KAPPA_TAIL / RATIO measured as well: the twin's bound allows the measured accumulation
+    KAPPA_TAIL kappa ||out - twin|| (its own event), where RATIO max(...) alone would grant it RATIO kappa ||out -
+    twin||. docs/error-model.md, "Rule 3 with the twin"."""
     from moe_lora_harness.harness.judge.twin_floor import KAPPA_TAIL
-    if twin is None:
+    if measured is None:
         return torch.maximum(emu, floor + acc)
-    measured, unmeasured = twin
-    base = torch.maximum(emu, floor + torch.minimum(acc, measured + unmeasured))
+    base = torch.maximum(emu, floor + torch.minimum(acc, measured))
     seen = torch.isfinite(measured)
     m = torch.where(seen, measured, torch.zeros_like(measured))
-    tight = torch.maximum(emu, floor + unmeasured) + (KAPPA_TAIL / RATIO) * m
+    tight = torch.maximum(emu, floor) + (KAPPA_TAIL / RATIO) * m
     return torch.where(seen, torch.minimum(base, tight), base)
-
-
-def _unmeasured(fixed_var: torch.Tensor | None, written: torch.Tensor):
-    """(T,) float64 or 0: each row's rule 3 bound of the accumulation in the sums the twin does not reorder."""
-    if fixed_var is None:
-        return 0.0
-    v = torch.where(written, fixed_var.to(torch.float64).clamp_min(0), torch.zeros((), dtype=torch.float64,
-                                                                                  device=written.device))
-    return ACC_SIGMAS * v.reshape(v.shape[0], -1).sum(dim=1).sqrt()
 
 
 TWIN_ROWS_AT_ONCE = 32    # rows whose kappa is searched together while the worst row is sought
 
 
-def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios, sources: int | None = None,
-                         fixed_var: torch.Tensor | None = None) -> tuple[int, float, float]:
+def _worst_row_with_twin(out64, twin, acc_var, written, tests: int, ratios,
+                         sources: int | None = None) -> tuple[int, float, float]:
     """(row, ratio, its measured accumulation term) of rule 3's worst row under the twin's measure, as if every row's
     kappa were searched (`twin_terms`), searching few: each row's ratio under the least kappa a row of its
     element count can have (`twin_floor.kappa_lower_bound`) is at least its ratio; rows are refined in that bound's
-    order until no bound left exceeds the worst ratio found. `ratios(idx, (measured, unmeasured))`: rule 3 of rows
-    idx."""
+    order until no bound left exceeds the worst ratio found. `ratios(idx, measured)`: rule 3 of rows idx."""
     from moe_lora_harness.harness.judge.twin_floor import at_most_sources, kappa_lower_bound
     d = _twin_differences(out64, twin, written)
     weighted = (torch.where(written, acc_var, torch.zeros_like(acc_var)) > 0).reshape(d.shape[0], -1).sum(dim=1)
     log_delta = _twin_log_delta(tests)
     least = at_most_sources(kappa_lower_bound(weighted, log_delta, TWIN_RHO), sources, log_delta, TWIN_RHO)
-    unmeasured = torch.zeros_like(d) + _unmeasured(fixed_var, written)
-    upper = ratios(None, (_measured(least, d), unmeasured))
+    upper = ratios(None, _measured(least, d))
     order = torch.argsort(upper, descending=True)
     best, row, acc = -1.0, int(order[0]), math.inf
     for start in range(0, order.numel(), TWIN_ROWS_AT_ONCE):
         idx = order[start:start + TWIN_ROWS_AT_ONCE]
         if float(upper[idx[0]]) <= best:
             break
-        terms = twin_terms(out64[idx], twin[idx], acc_var[idx], written[idx], tests, sources)[0], unmeasured[idx]
-        r = ratios(idx, terms)
+        measured = twin_terms(out64[idx], twin[idx], acc_var[idx], written[idx], tests, sources)
+        r = ratios(idx, measured)
         j = int(r.argmax())
         if float(r[j]) > best:
-            best, row, acc = float(r[j]), int(idx[j]), float(terms[0][j] + terms[1][j])
+            best, row, acc = float(r[j]), int(idx[j]), float(measured[j])
     return row, best, acc
 
 
@@ -646,11 +626,11 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
                written: torch.Tensor, one_flip: torch.Tensor | None, *, dtype: torch.dtype, k_plus_r: int,
                underflow: torch.Tensor | None = None, work_dtype: torch.dtype | None = None,
                slack_flip: torch.Tensor | None = None, acc_var: torch.Tensor | None = None,
-               other_rows: torch.Tensor | None = None, twin_acc: tuple | None = None,
+               other_rows: torch.Tensor | None = None, twin_acc: torch.Tensor | None = None,
                tests: int | None = None) -> torch.Tensor:
     """(T,) float64: rule 3's ratio of each row (dim 0) over its written elements, against the row's own floor
     (one_flip[t] + slack_flip[t] its flip terms, None: none; acc_var its accumulation term, None: the worst case; at
-    most the twin's measure of it, `twin_acc` = (measured, unmeasured): `twin_terms`, `rule3_base`), plus
+    most the twin's measure of it, `twin_acc`: `twin_terms`, `rule3_base`), plus
     other_points_tail sqrt(other_rows[t]) / RATIO (`other_points_rows`: a kernel that may round at other points;
     None: none), that tail at `tests` comparisons (None: rule3_tests(truth); a caller judging some rows of an output
     passes the whole output's).
@@ -674,8 +654,7 @@ def row_ratios(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
         floor = floor + 0.5 * tiny(work_dtype or dtype) * norm(underflow)
     if slack_flip is not None:
         floor = floor + slack_flip.to(torch.float64)
-    twin = None if twin_acc is None else tuple(t.to(acc.device, torch.float64) for t in twin_acc)
-    base = rule3_base(emu, floor, acc, twin)
+    base = rule3_base(emu, floor, acc, None if twin_acc is None else twin_acc.to(acc.device, torch.float64))
     if other_rows is not None:
         base = base + other_points_tail(rule3_tests(truth) if tests is None else tests) \
             * other_rows.to(torch.float64).sqrt() / RATIO

@@ -91,8 +91,7 @@ def fp8_sums_exact(device, mma=None) -> bool:
 def allowances(truth, device=None, mma=None, twin: bool = False, points_only: bool = False) -> dict:
     """compare_written's allowances of a truth beyond its scale and underflow, None where it has none: the FP8 flips
     (reference.experts.ExpertExpected.flip, .one_flip, .slack_flip, .flip_sq; the op level quantizes no activation)
-    and the statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`; `fixed_var`, the
-    part of acc_var a twin run does not reorder: reference.lora_op.OpExpected.fixed_var). With FP8
+    and the statistical model's accumulation variance and rounding exposure (`acc_var`, `round_var`). With FP8
     activations (`one_flip` set) `acc_var` is kept only where `fp8_accumulation_modelled(device, mma)` (`device`:
     where the backend ran; None: unknown, the worst-case term), and `round_var` and `flip_sq` (rule 4 over FP8 rows)
     only where the e4m3 products are summed exactly (`fp8_sums_exact`: the flips' chances are bounded from the fp32
@@ -102,7 +101,7 @@ def allowances(truth, device=None, mma=None, twin: bool = False, points_only: bo
     computes the activations' scales and operands with the model's own fp32 divisions, so the GEMM1 flips only
     another scale arithmetic takes (`slack_flip`) are allowed it nowhere (rule 3's floors as rule 4)."""
     got = {name: getattr(truth, name, None)
-           for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq", "fixed_var")}
+           for name in ("flip", "one_flip", "slack_flip", "acc_var", "round_var", "flip_sq")}
     if got["one_flip"] is not None:
         if points_only:
             got["slack_flip"] = None
@@ -203,12 +202,20 @@ def row_elements(case: Case) -> int:
     return case.H if case.level == "expert" else case.top_k * case.num_slices * case.N
 
 
+def twin_own_truth(case: Case) -> bool:
+    """Whether the twin run has its own truth: an op-level case, whose reordered view scales every LoRA B
+    (harness.build.properties.OP_TWIN_B_SCALE) so that the expand rounds elsewhere too. The twin is then judged
+    against its own truth and emulation alone (`judge_twins`), and the plain run held to it (`held_to`)."""
+    return case.level == "op"
+
+
 def twin_own_emulation(case: Case, mma=None) -> bool:
-    """Whether each run of a twin pair is judged against its own emulation: FP8 under a truncating e4m3 MMA (`mma`
-    an int: modelled_mma), whose promotion windows follow the K order, so that the reordered view's emulation is
-    another than the plain case's by far more than a correct kernel's deviation from either (the emulations cost
-    twice: twin_applies keeps both within MMA_PRODUCTS_MAX)."""
-    return case.quant in FP8_QUANTS and mma not in (None, "fp32")
+    """Whether each run of a twin pair is judged against its own emulation: where the twin has its own truth
+    (`twin_own_truth`), and FP8 under a truncating e4m3 MMA (`mma` an int: modelled_mma), whose promotion windows
+    follow the K order, so that the reordered view's emulation is another than the plain case's by far more than a
+    correct kernel's deviation from either (the emulations cost twice: twin_applies keeps both within
+    MMA_PRODUCTS_MAX)."""
+    return twin_own_truth(case) or (case.quant in FP8_QUANTS and mma not in (None, "fp32"))
 
 
 def emulate_twin(case: Case, precision: str, view_inputs, device: str, mma=None) -> torch.Tensor | None:
@@ -216,11 +223,19 @@ def emulate_twin(case: Case, precision: str, view_inputs, device: str, mma=None)
     `device`, in the plain columns; None where the twin shares the case's. The runner's and selftest --power's."""
     if not twin_own_emulation(case, mma):
         return None
+    if case.level == "op":
+        return op_reference(case, view_inputs, precision).value
     from moe_lora_harness.harness.build.expert_runner import expert_expectations
     from moe_lora_harness.harness.build.properties import twin_columns
     emu = expert_expectations(case.replace(view="reordered"), precision, emulation_only=True, device=device,
                               inputs=view_inputs, mma=mma)[2]
     return twin_columns(emu.value, case)
+
+
+def twin_truth(case: Case, view_inputs):
+    """The twin's own truth (`twin_own_truth`), computed on the reordered view's inputs where they lie; None where
+    the twin shares the case's."""
+    return op_reference(case, view_inputs) if twin_own_truth(case) else None
 
 
 def held_to(other: torch.Tensor | None, other_emulation: torch.Tensor, emulation: torch.Tensor):
@@ -246,17 +261,19 @@ def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, 
 
 
 def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth, emulation: torch.Tensor,
-                precision: str, rules: Rules, twin_emulation: torch.Tensor | None = None):
+                precision: str, rules: Rules, twin_emulation: torch.Tensor | None = None, twin_truth=None):
     """`judge_output` of a run and, where it passes, of its twin (`twin_applies`; in the plain columns), each held to
     the other (`held_to`; `twin_emulation`: the twin's own emulation, in the plain columns, where it has one): the
-    first failing verdict, else the run's. The runner's pairing on outputs alone (selftest --power)."""
+    first failing verdict, else the run's. A twin with its own truth (`twin_truth`, `twin_own_truth`) is judged
+    against it alone. The runner's pairing on outputs alone (selftest --power)."""
     if twin is None:
         return judge_output(case, out, truth, emulation, precision, rules)
     own = emulation if twin_emulation is None else twin_emulation
     v = judge_output(case, out, truth, emulation, precision, with_twin(rules, case, held_to(twin, own, emulation)))
     if not v.ok:
         return v
-    v2 = judge_output(case, twin, truth, own, precision, with_twin(rules, case, held_to(out, emulation, own)))
+    v2 = (judge_output(case, twin, twin_truth, own, precision, rules) if twin_truth is not None else
+          judge_output(case, twin, truth, own, precision, with_twin(rules, case, held_to(out, emulation, own))))
     return v if v2.ok else v2
 
 

@@ -29,7 +29,7 @@ from moe_lora_harness.harness.spec.case import FP8_QUANTS, Case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, RULE4_OFF
 from moe_lora_harness.harness.build.properties import twin_columns, view_inputs
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, judge_twins, row_groups,
-                                                        twin_applies)
+                                                        twin_applies, twin_truth)
 from moe_lora_harness.reference.precision import precision as make_precision
 
 ORACLE_TOL = 2e-2      # vLLM tests/kernels/moe/test_moe.py: assert_close(atol=2e-2, rtol=2e-2)
@@ -259,6 +259,7 @@ class CorrectRun:
     twin: torch.Tensor | None = None            # the backend's output on them, in the plain columns
     mma: int | str | None = None                # the e4m3 MMA the emulation runs (expectation.modelled_mma)
     twin_emulation: torch.Tensor | None = None  # the twin's own emulation, in the plain columns, where it has one
+    twin_truth: object = None                   # the twin's own truth, where it has one (expectation.twin_own_truth)
 
 
 def runner(spec, case: Case, device: str) -> Callable:
@@ -296,7 +297,7 @@ def correct_run(spec, case: Case, device: str = "cpu") -> CorrectRun:
     twin_inp = view_inputs(inp, "reordered")
     return CorrectRun(precision, points_only, inp, truth, emu, out, twin_inp,
                       twin_columns(run(twin_inp), case), mma,
-                      emulate_twin(case, precision, twin_inp, device, mma))
+                      emulate_twin(case, precision, twin_inp, device, mma), twin_truth(case, twin_inp))
 
 
 def measure(spec, case: Case, device: str = "cpu", slips=None, steps: int = BISECTION_STEPS,
@@ -313,7 +314,7 @@ def measure(spec, case: Case, device: str = "cpu", slips=None, steps: int = BISE
     run = runner(spec, case, device)
 
     def judge(out, twin=None):     # the runner's verdict (with the twin run, where it runs one)
-        return judge_twins(case, out, twin, truth, emu.value, precision, rules, c.twin_emulation)
+        return judge_twins(case, out, twin, truth, emu.value, precision, rules, c.twin_emulation, c.twin_truth)
 
     def slipped(slip, alpha):      # the slipped kernel's run, and its twin's in the plain columns
         out = run(slip.make(inp, alpha))

@@ -184,11 +184,13 @@ def test_an_undeclared_backend_is_noted_never_failed():
 
 
 @pytest.mark.parametrize("which", ["w13", "w2"])
-@pytest.mark.parametrize("shared", [{}, {"shared_a": True}, {"fully_sharded": True}])
-def test_an_op_level_reordered_view_permutes_k_and_keeps_the_outputs_columns(which, shared):
-    """The op level's reordered view: x and every LoRA A take one permutation of K (a shared A stays one stride-0
-    view), the rest is the plain case's, and the truth is the plain truth where it lies (plain_columns: no move)."""
+@pytest.mark.parametrize("shared", [{}, {"shared_a": True, "shared_b": True}, {"fully_sharded": True}])
+def test_an_op_level_reordered_view_permutes_k_scales_b_and_keeps_the_outputs_columns(which, shared):
+    """The op level's reordered view: x and every LoRA A take one permutation of K, every LoRA B is the plain one times
+    OP_TWIN_B_SCALE rounded to its dtype (a shared A or B stays one stride-0 view), the rest is the plain case's; its
+    truth is its own (the plain delta times the factor, to the B's rounding), where it lies (plain_columns: no move)."""
     from moe_lora_harness.harness.build.builders import build_op_inputs
+    from moe_lora_harness.harness.build.properties import OP_TWIN_B_SCALE
     from moe_lora_harness.harness.judge.expectation import op_expectations
     case = Case(level="op", T=9, H=48, I=40, E=4, top_k=2, max_loras=3, max_rank=4, mapping="mixed", seed=5,
                 dtype="float32", which=which, **shared)
@@ -198,12 +200,18 @@ def test_an_op_level_reordered_view_permutes_k_and_keeps_the_outputs_columns(whi
     assert torch.equal(seen.x, plain.x[:, pi]) and not torch.equal(seen.x, plain.x)
     for a, b in zip(seen.lora_a, plain.lora_a):
         assert torch.equal(a, b[..., pi]) and a.stride(1) == b.stride(1)
-    assert all(torch.equal(a, b) for a, b in zip(seen.lora_b, plain.lora_b)) and torch.equal(seen.output, plain.output)
+    for a, b in zip(seen.lora_b, plain.lora_b):
+        assert torch.equal(a, (b * OP_TWIN_B_SCALE).to(b.dtype)) and a.stride(1) == b.stride(1) and a.dtype == b.dtype
+        assert not torch.equal(a, b)
+    assert torch.equal(seen.output, plain.output)
     _, truth, _ = op_expectations(case, "one_shot")
     _, truth_seen, _ = op_expectations(case.replace(view="reordered"), "one_shot")
     assert torch.equal(plain_columns(truth_seen.value, level="op"), truth_seen.value)
     assert torch.equal(plain_rows(truth.value, "reordered", level="op"), truth.value)
-    assert torch.allclose(truth_seen.value, truth.value, rtol=1e-12, atol=1e-12)
+    before = plain.output.to(torch.float64)
+    delta, delta_seen = truth.value - before, truth_seen.value - before
+    assert torch.allclose(delta_seen, OP_TWIN_B_SCALE * delta, rtol=1e-6, atol=1e-6 * float(delta.abs().max()))
+    assert not torch.allclose(delta_seen, delta, rtol=1e-3, atol=0)
 
 
 def test_a_view_is_an_expert_level_setting_of_one_rank():
