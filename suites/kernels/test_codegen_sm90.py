@@ -98,6 +98,39 @@ def test_fused_moe_gemm_tiles_are_vectorized_and_pipelined(accesses):
     assert {(32, 64), (64, 128)} <= async_shapes(acc), acc  # x (BLOCK_M, BLOCK_K), w (BLOCK_K, BLOCK_N)
 
 
+def _fp32_one_shot(prefetch: bool, mul_w: bool) -> dict:
+    """A naive-layout fp32 one-shot compile whose tiles have distinct shapes: A (32, 16), B (16, 64)."""
+    meta = dict(X_ROW_DIV=1, NAIVE=True, MUL_W=mul_w, ADD_INPUTS=True, TWO_SLICES=True, SLICE_FROM_GRID=False,
+                BLOCK_M=16, SUB_M=16, BLOCK_R=16, RANK=16, BLOCK_N=64, BLOCK_K=32, EVEN_K=False, IEEE=True,
+                PREFETCH=prefetch, SPLIT_K=1, EXPAND_STAGES=None)
+    return job("moe_lora_harness.kernels.triton.one_shot:_one_shot_kernel", meta, unit_strides=LORA_UNIT_STRIDES,
+               elem="fp32")
+
+
+@pytest.fixture(scope="module")
+def fp32_one_shot_ir():
+    return ttgir_sm90({f"prefetch={p} mul_w={m}": _fp32_one_shot(p, m) for p in (False, True) for m in (False, True)})
+
+
+def expand_accumulators(ir: str) -> list:
+    """The accumulator operand of each expand dot (B's (16, 64) tile its second operand), and what defines it."""
+    import re
+    defs = dict(re.findall(r"^\s*(%[\w.]+) = (\S+)", ir, re.M))
+    found = re.findall(r"tt\.dot %[\w.]+, %[\w.]+, (%[\w.]+)[^\n]*\* tensor<16x64xf32", ir)
+    return [(acc, defs.get(acc, "?")) for acc in found]
+
+
+def test_fp32_one_shot_sums_the_delta_apart_from_the_output(fp32_one_shot_ir):
+    """The one-shot rounding model adds the delta, summed over the rank, to the output once. Triton's combiner turns
+    `prev + dot(u, B)` into a dot accumulating from prev, which in fp32 (no cast between) rounds every rank step at
+    the output's scale: an H100 run failed the judge by 1.7 times its per-element bound so (fiftieth session). Every
+    expand dot must start from a constant zero."""
+    for name, ir in fp32_one_shot_ir.items():
+        accs = expand_accumulators(ir)
+        assert len(accs) == 2, (name, accs)       # the two slices' expands
+        assert all(op == "arith.constant" for _, op in accs), (name, accs)
+
+
 def test_the_check_catches_a_clamped_rank_offset(accesses):
     """The check itself: the probe kernel's B load is 16 bytes wide, and 2 bytes once its offsets are clamped."""
     plain = [a for a in accesses["probe clamp=False"] if a.op == "load"]
