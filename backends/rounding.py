@@ -3,7 +3,9 @@ and how our FP8 experts accumulate on an sm_90 GPU (`fp8_mma`).
 
 Our Triton kernels accumulate every `tl.dot` and every sum in fp32 and round to the working dtype exactly where
 their precision preset rounds (the rank intermediate, the delta, the GEMM outputs, the activation, moe_sum), on
-the GPU as in the CPU interpreter; fp32 operands take IEEE fp32 dots, never TF32. So the judge's rule 4 allows them
+the GPU as in the CPU interpreter; fp32 operands take IEEE fp32 dots, never TF32, and the one-shot expand's delta is
+summed apart from the output it is added to (kernels.triton.one_shot._plus_delta: compiled, Triton's combiner would
+otherwise accumulate it from the output in fp32, as it did until the fiftieth session). So the judge's rule 4 allows them
 their fp32 accumulation alone (docs/error-model.md, "Rule 4 for a kernel that rounds only at its model's points").
 Measured before declaring it: docs/benchmarks.md, twenty-third session.
 """

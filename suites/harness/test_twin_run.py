@@ -19,7 +19,7 @@ from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, TWIN_FACTOR
 from moe_lora_harness.harness.judge.expectation import (MMA_PRODUCTS_MAX, TWIN_MIN_SUM, TWIN_ROW_ELEMENTS, Rules,
                                                         judge_output,
                                                         judge_twins, mma_products, row_elements, row_groups,
-                                                        twin_applies, twin_own_emulation)
+                                                        twin_applies, twin_own_emulation, twin_own_truth)
 from moe_lora_harness.harness.selftest import power
 from moe_lora_harness.harness.spec.case import Case
 
@@ -76,8 +76,10 @@ def test_the_twin_runs_where_rule_4_can_act_on_an_fp32_output():
     assert not twin_applies(CASE.replace(H=TWIN_MIN_SUM - 1)) and not twin_applies(CASE.replace(tp_size=4, I=128 + 4))
     assert not twin_applies(CASE.replace(level="op", H=TWIN_MIN_SUM - 1))           # w13: K is H
     assert not twin_applies(CASE.replace(tp_size=2, H=255))          # shards that do not divide H: no view to build
-    # the op level: its K permuted through x and every LoRA A (each shrink in another order), the columns kept
+    # the op level: its K permuted through x and every LoRA A (each shrink in another order), every LoRA B scaled (each
+    # expand rounds elsewhere), the columns kept; its own truth and emulation (the expert level's are the case's)
     assert twin_applies(OP_CASE) and twin_applies(OP_CASE.replace(which="w2"))
+    assert twin_own_truth(OP_CASE) and twin_own_emulation(OP_CASE) and not twin_own_truth(CASE)
     assert not twin_applies(OP_CASE.replace(dtype="float16")) and not twin_applies(OP_CASE.replace(view="reordered"))
     assert not twin_applies(OP_CASE.replace(T=EXCESS_MIN_ROWS - 1, I=64))     # a row: 2 routes x 2 slices x 64
     assert twin_applies(OP_CASE.replace(T=EXCESS_MIN_ROWS - 1))                # ... x 128 = TWIN_ROW_ELEMENTS
