@@ -5,7 +5,7 @@ copy, the backend's, and the worker's bit-for-bit snapshot of the backend's), a 
 GUARD_MAX_BYTES (the backend's guarded copies, harness.build.guards), plus the float64 reference's
 working set (one expert's weights in float64 at a time and their absolute values for the error magnitudes, the
 LoRA factors in float64, and about fifteen float64 arrays per (token, expert) pair at each of the widths N1, I and
-H, for a GPU's token chunk at a time; twelve per output column at the op level).
+H, for a GPU's token chunk at a time; twelve per output column at the op level, eight more where it runs a twin).
 """
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ OP_PAIR_ARRAYS = 12
 # that freed large blocks are not reused from a fragmented heap) peaks at 581 MB for that case, steadily: the
 # fragmentation moved a fresh process's peak over 670-931 MB (thirty-eighth session)
 EXPERT_PAIR_ARRAYS = 15
+# an op-level case with a twin run (harness.judge.expectation.twin_applies) holds the twin's own truth and emulation
+# beside the case's (expectation.twin_own_truth) and computes them at the reference's peak: this many float64 arrays
+# per pair and output column more, and the view's inputs (x and every LoRA factor, in the case's dtype). Measured
+# (fiftieth session, suites/harness/test_models.py): an fp32 w2 call of 2048 pairs, N 2048, peaked at 886 MB where
+# the estimate without them said 667 (6.5 arrays short)
+OP_TWIN_ARRAYS = 8
 # what the judge allocates whatever the case's size (the reference's chunked weight gathers, its temporaries):
 # 60-120 MiB measured at small cases
 FIXED = 256 * 2**20
@@ -76,6 +82,9 @@ def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
         rows = P if case.mul_routed_weight else T
         elems = rows * case.K + P * case.width + lora
         ref = _F64 * (lora + OP_PAIR_ARRAYS * P * case.width + rows * case.K)
+        from moe_lora_harness.harness.judge.expectation import twin_applies
+        if twin_applies(case):
+            ref += _F64 * OP_TWIN_ARRAYS * P * case.width + item * (lora + rows * case.K)
         index = 16 * P + 4 * (case.E + T + 2 * L + 2)             # routing, mapping, expert_map, slot ids
         if case.layout == "sorted":                               # the align's int32 buffers (L, M) and (L, MB)
             M, MB = align_sizes(P, case.block_size_m, case.E)

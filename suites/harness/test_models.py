@@ -280,7 +280,10 @@ def test_the_inputs_estimate_covers_what_the_builder_allocates(case):
 @pytest.mark.parametrize("case", [
     Case(level="op", T=1024, H=256, I=128, E=8, top_k=8, max_loras=3),
     Case(level="expert", T=1024, H=256, I=128, E=8, top_k=8, max_loras=3),
-], ids=["op", "expert"])
+    # fp32: the judge runs a twin (its own truth and emulation, expectation.twin_own_truth); the runner's expectations
+    Case(level="op", T=512, H=2048, I=256, E=8, top_k=4, max_loras=3, dtype="float32", which="w2", num_slices=1,
+         mul_routed_weight=True),
+], ids=["op", "expert", "op-twin"])
 def test_the_estimate_covers_the_judges_measured_peak(case):
     """The judge's side of the estimate (its inputs, the float64 reference, FIXED) against its peak RSS while it
     builds the inputs and the expectations of a case whose pairs dominate: not under it, and not 3x over. Measured
@@ -307,6 +310,10 @@ from moe_lora_harness.harness.judge.expectation import op_expectations
 from moe_lora_harness.harness.build.expert_runner import expert_expectations
 case = Case.from_json(sys.argv[1])
 judge = op_expectations if case.level == "op" else expert_expectations
+if case.level == "op" and case.dtype == "float32":      # the runner's: with the twin's truth and emulation
+    from moe_lora_harness.backends.eager import BACKEND
+    from moe_lora_harness.harness.execution.runner import expectations
+    judge = lambda c, _: expectations(BACKEND, c, "cpu")  # noqa: E731
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
