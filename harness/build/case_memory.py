@@ -31,7 +31,8 @@ OP_PAIR_ARRAYS = 12
 # that freed large blocks are not reused from a fragmented heap) peaks at 581 MB for that case, steadily: the
 # fragmentation moved a fresh process's peak over 670-931 MB (thirty-eighth session)
 EXPERT_PAIR_ARRAYS = 15
-# an op-level case with a twin run (harness.judge.expectation.twin_applies) holds the twin's own truth and emulation
+# an op-level fp32 case, where the judge may run a twin (harness.judge.expectation.twin_applies; counted for every fp32
+# op case, since this room does not ask the judge), holds the twin's own truth and emulation
 # beside the case's (expectation.twin_own_truth) and computes them at the reference's peak: this many float64 arrays
 # per pair and output column more, and the view's inputs (x and every LoRA factor, in the case's dtype). Measured
 # (fiftieth session, suites/harness/test_models.py): an fp32 w2 call of 2048 pairs, N 2048, peaked at 886 MB where
@@ -82,8 +83,7 @@ def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
         rows = P if case.mul_routed_weight else T
         elems = rows * case.K + P * case.width + lora
         ref = _F64 * (lora + OP_PAIR_ARRAYS * P * case.width + rows * case.K)
-        from moe_lora_harness.harness.judge.expectation import twin_applies
-        if twin_applies(case):
+        if case.dtype == "float32":      # where the judge may run a twin (it runs one on fp32 op calls alone)
             ref += _F64 * OP_TWIN_ARRAYS * P * case.width + item * (lora + rows * case.K)
         index = 16 * P + 4 * (case.E + T + 2 * L + 2)             # routing, mapping, expert_map, slot ids
         if case.layout == "sorted":                               # the align's int32 buffers (L, M) and (L, MB)
