@@ -5,8 +5,8 @@ Our Triton kernels accumulate every `tl.dot` and every sum in fp32 and round to 
 their precision preset rounds (the rank intermediate, the delta, the GEMM outputs, the activation, moe_sum), on
 the GPU as in the CPU interpreter; fp32 operands take IEEE fp32 dots, never TF32, and the one-shot expand's delta is
 summed apart from the output it is added to (kernels.triton.one_shot._plus_delta: compiled, Triton's combiner would
-otherwise accumulate it from the output in fp32, as it did until the fiftieth session). So the judge's rule 4 allows them
-their fp32 accumulation alone (docs/error-model.md, "Rule 4 for a kernel that rounds only at its model's points").
+otherwise accumulate it from the output in fp32, as it did until the fiftieth session). So the judge's rule 4 allows
+them their fp32 accumulation alone (docs/error-model.md, "Rule 4 for a kernel that rounds only at its model's points").
 Measured before declaring it: docs/benchmarks.md, twenty-third session.
 """
 from moe_lora_harness.kernels.fp8_schemes import FP8_BLOCK_K

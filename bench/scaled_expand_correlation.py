@@ -38,7 +38,8 @@ def main():
     for bf16_b in (False, True):
         for R in (1, 2, 4, 8, 16, 32, 64):
             rho, ratio, same = study(R, bf16_b, rows, cols)
-            print(f"{R:<4} {'bf16-valued' if bf16_b else 'fp32':<10} {rho:+.3f}  {ratio:.3f}                 {same:.3f}")
+            kind = "bf16-valued" if bf16_b else "fp32"
+            print(f"{R:<4} {kind:<10} {rho:+.3f}  {ratio:.3f}{'':17}{same:.3f}")
 
 
 if __name__ == "__main__":

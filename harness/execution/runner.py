@@ -255,7 +255,10 @@ def _judge_execution(case: Case, exp: Expectation, ex: Execution, spec: BackendS
 
 
 TWIN_RUN = ("its twin run (view 'reordered': the case with the dimensions it sums over permuted, every long sum "
-            "in another order), judged with the plain run as its twin")
+            "in another order)")
+# how the twin was judged: with the plain run as its twin, or (expectation.twin_own_truth) alone
+HELD_TO_PLAIN, ON_ITS_OWN = ", judged with the plain run as its twin", (
+    ", every LoRA B scaled, judged alone against its own truth")
 
 
 def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | None, spec: BackendSpec
@@ -288,7 +291,15 @@ def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | 
         kind, message, verdict = _judge_execution(case, exp, mirrored, spec, twin_held, twin_emu)
     if kind == "pass":
         return (*first, ex, plain_held, None)
-    return kind, f"{TWIN_RUN}: {message}", verdict, mirrored, twin_held, twin_emu
+    how = ON_ITS_OWN if exp.twin_truth is not None else HELD_TO_PLAIN
+    return kind, f"{TWIN_RUN}{how}: {message}", verdict, mirrored, twin_held, twin_emu
+
+
+def _twin_side(exp: Expectation) -> Expectation:
+    """The expectation a twin judged against its own truth failed (expectation.twin_own_truth): its truth and its
+    inputs (the reordered view of the case's), so that the diagnoses re-judge it as its verdict did."""
+    from moe_lora_harness.harness.build.properties import view_inputs
+    return dataclasses.replace(exp, truth=exp.twin_truth, built=view_inputs(exp.inputs, "reordered"))
 
 
 def _judge_view(spec: BackendSpec, case: Case, device: str, executor, ex: Execution) -> tuple[str, str, str]:
@@ -402,7 +413,8 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
     if passed:
         return Outcome(spec.name, case, device, "pass", note, verdict, seconds=seconds)
     repro = repro_command(spec, case, device, getattr(executor, "timeout", None))
-    notes, semantics, also = (_diagnoses(case, kind, verdict, ex, exp, held, own_emulation) if diagnose
+    judged = _twin_side(exp) if own_emulation is not None and exp.twin_truth is not None else exp
+    notes, semantics, also = (_diagnoses(case, kind, verdict, ex, judged, held, own_emulation) if diagnose
                               else ([], "", ()))
     return Outcome(spec.name, case, device, "fail", kind, verdict,
                    _explain(spec, case, device, kind, message, verdict, ex, exp, repro, notes), kind=kind,

@@ -413,8 +413,8 @@ def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
                flips=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
     emulation's minus its allowance; the allowance). With a `twin` run each row's accumulation allowance is the
-    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row. `flips` (FP8 activations): (flip_sq (T, 2), slack_flip (T,) or
-    None): each row also allows its GEMM2 flips' expected square
+    smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row. `flips` (FP8
+    activations): (flip_sq (T, 2), slack_flip (T,) or None): each row also allows its GEMM2 flips' expected square
     (column 0 for a kernel declared to round at its model's points, with the accumulation under the twin's cap: the
     twin flips as it does; else column 1, uncapped) and, unless it is so declared (its scale is amax / 448 and its
     operand x / s, each rounded once, as the model's), its scale-arithmetic flips in full, slack^2 + 2 slack

@@ -14,7 +14,7 @@ from moe_lora_harness.backends.eager import BACKEND as EAGER
 from moe_lora_harness.backends.eager import run_experts
 from moe_lora_harness.harness.build.properties import OP_TWIN_B_SCALE
 from moe_lora_harness.harness.execution.execute import InProcess
-from moe_lora_harness.harness.execution.runner import TWIN_RUN, run_case
+from moe_lora_harness.harness.execution.runner import ON_ITS_OWN, TWIN_RUN, _twin_side, expectations, run_case
 from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, TWIN_FACTOR
 from moe_lora_harness.harness.judge.expectation import (MMA_PRODUCTS_MAX, TWIN_MIN_SUM, TWIN_ROW_ELEMENTS, Rules,
                                                         judge_output,
@@ -247,7 +247,12 @@ def test_an_op_that_returns_one_output_for_both_orders_fails_on_its_twin():
 
     out = run_case(_spec("stale-cache-op", op=stale), OP_CASE, "cpu", executor=InProcess(), reruns=0)
     assert out.status == "fail" and out.kind in ("element", "aggregate"), out.detail
-    assert TWIN_RUN in out.message, out.message
+    assert TWIN_RUN + ON_ITS_OWN in out.message, out.message
+    # its diagnoses re-judge it as its verdict did: against the twin's truth, on the twin's inputs
+    exp = expectations(EAGER, OP_CASE, "cpu")
+    side = _twin_side(exp)
+    assert side.truth is exp.twin_truth and not torch.equal(side.truth.value, exp.truth.value)
+    assert torch.equal(side.inputs.lora_b[0], (exp.inputs.lora_b[0] * OP_TWIN_B_SCALE).float())
     assert "REPRO:" in out.detail and '"view"' not in out.detail.split("REPRO:")[1]
     cache.clear()
     assert run_case(_spec("stale-cache-op", op=stale), OP_CASE.replace(dtype="float16"), "cpu",

@@ -253,8 +253,8 @@ def test_split_k_is_bit_identical_across_runs():
     assert not torch.equal(outs[0], before)  # it wrote something
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="compiled kernels only: the interpreter runs no Triton combiner (test_codegen_sm90 checks the code)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels only: the interpreter runs no Triton "
+                    "combiner (test_codegen_sm90 checks the code)")
 def test_fp32_one_shot_adds_the_delta_once():
     """A short-sums fp32 case an H100 failed at 1.74 times the per-element bound (11 elements of rows with small rank
     values), where the compiled one-shot accumulated the expand from the previous output (test_codegen_sm90's
