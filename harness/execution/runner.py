@@ -23,7 +23,7 @@ from moe_lora_harness.harness.execution.execute import Execution, InProcess, inp
 from moe_lora_harness.harness.build.guards import outside_message
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, held_to, judge_output,
                                                         judging, op_expectations, row_groups, twin_applies,
-                                                        twin_truth, with_twin)
+                                                        twin_judged, twin_truth, with_twin)
 from moe_lora_harness.harness.execution.interpreter import cannot_run_here
 from moe_lora_harness.harness.judge.semantic_diagnosis import failing_rows, locate, semantic_diagnosis
 from moe_lora_harness.harness.judge.zero_sign import SIGN_OF_ZERO, sign_of_zero_only, sign_of_zero_text
@@ -282,13 +282,9 @@ def _judge_twins(case: Case, exp: Expectation, ex: Execution, twin: Execution | 
     first = _judge_execution(case, exp, ex, spec, plain_held)
     if first[0] != "pass":
         return (*first, ex, plain_held, None)
-    if exp.twin_truth is not None:     # judged alone against its own truth (expectation.judge_twins)
-        twin_held = None
-        kind, message, verdict = _judge_execution(case, dataclasses.replace(exp, truth=exp.twin_truth), mirrored,
-                                                  spec, None, twin_emu)
-    else:
-        twin_held = held_to(ex.output, emu, own)
-        kind, message, verdict = _judge_execution(case, exp, mirrored, spec, twin_held, twin_emu)
+    judged_truth, twin_held = twin_judged(exp.truth, exp.twin_truth, ex.output, emu, own)
+    judged = exp if judged_truth is exp.truth else dataclasses.replace(exp, truth=judged_truth)
+    kind, message, verdict = _judge_execution(case, judged, mirrored, spec, twin_held, twin_emu)
     if kind == "pass":
         return (*first, ex, plain_held, None)
     how = ON_ITS_OWN if exp.twin_truth is not None else HELD_TO_PLAIN

@@ -287,13 +287,13 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     whole_acc = (ACC_SIGMAS * math.sqrt(float(acc_var[written].clamp_min(0).sum())) if acc_var is not None
                  else acc * float(torch.linalg.vector_norm(sw)))
     twin_whole = None    # the whole tensor's accumulation term as the twin measured it (None: no twin)
-    whole_terms = None
+    whole_measured = None
     if twin is not None and acc_var is not None and flip is None:     # the whole tensor as one row of rule 3's
         flat = lambda t: t.reshape(1, -1)  # noqa: E731
-        whole_terms = twin_terms(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
+        whole_measured = twin_terms(flat(o64), flat(twin.detach().to(dev)), flat(acc_var), flat(written),
                                  rule3_tests(truth), None if twin_sources is None
                                  else twin_sources * int(_live_rows(written).sum()))
-        measured = float(whole_terms[0])
+        measured = float(whole_measured[0])
         twin_whole = measured if measured < whole_acc else None
     floor = 0.5 * eps_dt * float(torch.linalg.vector_norm(tw))
     if under_w is not None:
@@ -306,7 +306,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     # factor 3 over the flip floor, as before rule 4 judged FP8 rows)
     other_rows = other_points_rows(emulation, round_var if flip is None else None, written, dtype, model_points_only)
     f64 = lambda v: torch.as_tensor(v, dtype=torch.float64)  # noqa: E731
-    base = float(rule3_base(f64(emu), f64(floor), f64(whole_acc), whole_terms))
+    base = float(rule3_base(f64(emu), f64(floor), f64(whole_acc), whole_measured))
     floor += whole_acc if twin_whole is None else twin_whole     # as the message reports it
     base += 0.0 if other_rows is None else other_points_norm(other_rows, rule3_tests(truth)) / RATIO
     ratio = kern / base if base > 0 else (0.0 if kern == 0 else math.inf)

@@ -248,6 +248,14 @@ def held_to(other: torch.Tensor | None, other_emulation: torch.Tensor, emulation
     return f64(other) - f64(other_emulation) + f64(emulation)
 
 
+def twin_judged(truth, twin_truth, out: torch.Tensor | None, emulation: torch.Tensor, twin_emulation: torch.Tensor):
+    """(truth, the output it is held to or None) a twin run is judged with (`judge_twins` and the runner's): its own
+    truth, alone, where it has one (`twin_own_truth`); else the case's, held to the plain run `out` (`held_to`)."""
+    if twin_truth is not None:
+        return twin_truth, None
+    return truth, held_to(out, emulation, twin_emulation)
+
+
 def judge_output(case: Case, out: torch.Tensor, truth, emulation: torch.Tensor, precision: str, rules: Rules,
                  before: torch.Tensor | None = None):
     """The verdict on `out` (compare.compare_written): the case's elements (`judging`), the bound of the declared
@@ -272,8 +280,8 @@ def judge_twins(case: Case, out: torch.Tensor, twin: torch.Tensor | None, truth,
     v = judge_output(case, out, truth, emulation, precision, with_twin(rules, case, held_to(twin, own, emulation)))
     if not v.ok:
         return v
-    v2 = (judge_output(case, twin, twin_truth, own, precision, rules) if twin_truth is not None else
-          judge_output(case, twin, truth, own, precision, with_twin(rules, case, held_to(out, emulation, own))))
+    judged_truth, held = twin_judged(truth, twin_truth, out, emulation, own)
+    v2 = judge_output(case, twin, judged_truth, own, precision, with_twin(rules, case, held))
     return v if v2.ok else v2
 
 
