@@ -308,6 +308,18 @@ def shrink_magnitudes(x, x_scale, x_under, x_var, x_round, lora_a_stacked, layou
     return got
 
 
+def _onto_out(start: torch.Tensor, b: torch.Tensor, cache_s: torch.Tensor, w: torch.Tensor, layout: PairLayout,
+              sel: torch.Tensor) -> torch.Tensor:
+    """The rank sum accumulated onto `start` (the selected pairs' output values, (P', N) float64) in fp32, one
+    term w u_r B[:, r] at a time, each partial sum rounded (variant outacc: the delta never summed apart)."""
+    acc = start
+    lora, expert, u, ws = layout.lora[sel], layout.expert[sel], cache_s[sel].to(torch.float64), w[sel]
+    for r in range(u.shape[-1]):
+        term = _gathered_matvec(b[..., r:r + 1], lora, expert, u[:, r:r + 1]) * ws[:, None]
+        acc = rnd(acc + term, torch.float32)
+    return acc
+
+
 def lora_expand(
     prev: torch.Tensor,
     cache: torch.Tensor,
@@ -401,7 +413,11 @@ def lora_expand(
             sel = occ == rnd_i
             ti, ji = t[sel][:, None], j[sel][:, None]
             cur = value[ti, ji, cols]
-            value[ti, ji, cols] = prec.r(cur + d[sel]) if add_inputs else prec.r(d[sel])
+            if prec.onto_out:
+                start = cur if add_inputs else torch.zeros_like(cur)
+                value[ti, ji, cols] = prec.r(_onto_out(start, b, cache[s], w, layout, sel))
+            else:
+                value[ti, ji, cols] = prec.r(cur + d[sel]) if add_inputs else prec.r(d[sel])
             written[ti, ji, cols] = True
             if not magnitudes:
                 continue

@@ -226,9 +226,12 @@ VARIANTS = {
     "dtacc": "every GEMM's accumulator kept in the working dtype between K tiles of ACC_TILE (a precision mistake: "
              "acc = tl.zeros(..., dtype=out.dtype); rounded after each tile but the last)",
     "out2x": "the output rounded twice (the delta rounded before the add)",
+    "outacc": "the expand summed onto the output: from prev, one rank step at a time, each partial sum rounded to "
+              "fp32, the delta never apart (a compiler folding `prev + dot(u, B)` into a dot that accumulates "
+              "from prev)",
 }
 _EXCLUSIVE = (("tf32", "bf16ops"), ("tf32", "tf32rz"), ("tf32rz", "bf16ops"), ("rankraw", "rank2x"),
-              ("fp16acc", "dtacc"))
+              ("fp16acc", "dtacc"), ("out2x", "outacc"))
 ACC_TILE = 64     # dtacc's K tile: the BLOCK_K vLLM's fused_moe configurations use most
 
 
@@ -241,7 +244,8 @@ class Precision:
     `round_base` (True in every preset) says base GEMM/activation/moe_sum values are rounded.
     The alternative models (VARIANTS) add: `operand` ("tf32"/"bf16": every GEMM input rounded to that
     format; "tf32rz": truncated to TF32), `accumulate` ("fp16": GEMM products summed in that format) and
-    `rank_split` (> 1: the shrink summed in that many K parts, each rounded to `dtype`, added in `dtype`).
+    `rank_split` (> 1: the shrink summed in that many K parts, each rounded to `dtype`, added in `dtype`) and
+    `onto_out` (the expand's rank terms added to the output's value one at a time in fp32, then rounded to `dtype`).
     Their defaults leave the path presets' computation unchanged, operation for operation.
     """
 
@@ -254,6 +258,7 @@ class Precision:
     accumulate: str | None = None
     rank_split: int = 1
     acc_tile: int = 0          # > 0: the accumulator rounded to `dtype` between K tiles of this many (dtacc)
+    onto_out: bool = False     # the expand accumulated onto the output in fp32, rank step by rank step (outacc)
 
     def r(self, x: torch.Tensor) -> torch.Tensor:
         """Round `x` (float64) to this precision's dtype; identity when exact."""
@@ -371,7 +376,8 @@ def precision(name: str, dtype: torch.dtype | None) -> Precision:
                      round_rank_intermediate=rank and "rankraw" not in variants,
                      round_delta=delta or "out2x" in variants,
                      operand=operand, accumulate="fp16" if "fp16acc" in variants else None,
-                     rank_split=2 if "rank2x" in variants else 1, acc_tile=ACC_TILE if "dtacc" in variants else 0)
+                     rank_split=2 if "rank2x" in variants else 1, acc_tile=ACC_TILE if "dtacc" in variants else 0,
+                     onto_out="outacc" in variants)
 
 
 def vllm_dispatch_path(*, naive: bool, max_rank: int, num_pairs: int, fully_sharded: bool) -> str:

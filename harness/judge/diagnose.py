@@ -65,7 +65,7 @@ def describe(name: str) -> str:
     words = {"tf32": "TF32 operands", "tf32rz": "truncated TF32 operands", "bf16ops": "bf16 operands",
              "rankraw": "rank intermediate not rounded",
              "rank2x": "rank intermediate rounded twice", "fp16acc": "fp16 accumulation",
-             "out2x": "output rounded twice",
+             "out2x": "output rounded twice", "outacc": "expand summed onto the output",
              "dtacc": f"accumulator in the working dtype between K tiles of {ACC_TILE}"}
     return " + ".join(words[v] for v in variants)
 
@@ -77,7 +77,9 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     it changes something: TF32 operands (rounded or truncated) only for fp32 (fp16 and bf16 values are TF32
     values), bf16 operands not for bf16, the working-dtype accumulator not for fp32 (there it is the contract's),
     fp16 accumulation only for fp16 (the one MMA with an fp16 accumulator takes fp16 operands; bf16 and TF32 MMAs
-    accumulate in fp32), path variants only where reference.precision.precision accepts them.
+    accumulate in fp32), the expand summed onto the output for fp32 and for paths that round the delta (a 16-bit
+    path that keeps it unrounded differs from it by fp32 steps alone), path variants only where
+    reference.precision.precision accepts them.
     A declared `exact` is tried against every path preset.
     """
     path, declared_variants = split_name(backend_precision)
@@ -87,7 +89,8 @@ def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     for v in VARIANTS:
         if (v in declared_variants or (v in ("tf32", "tf32rz") and dtype != torch.float32)
                 or (v == "bf16ops" and dtype == torch.bfloat16) or (v == "dtacc" and dtype == torch.float32)
-                or (v == "fp16acc" and dtype != torch.float16)):
+                or (v == "fp16acc" and dtype != torch.float16)
+                or (v == "outacc" and dtype != torch.float32 and not precision(path, dtype).round_delta)):
             continue
         name = compose(path, v)
         try:
