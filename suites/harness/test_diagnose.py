@@ -199,12 +199,12 @@ def _onto_output(**kw):
     """The eager op with its expand summed onto the output in fp32, one rank term at a time (what Triton's combiner
     made of `prev + dot(u, B)` in an fp32 kernel: docs/benchmarks.md, fiftieth session): one eager call per rank
     component, B's other columns zeroed, each added to the output the previous call left."""
-    from moe_lora_harness.kernels.eager import fused_moe_lora as eager_op
+    from moe_lora_harness.backends.eager import BACKEND as EAGER
     bs = kw["lora_b_stacked"]
     for r in range(bs[0].shape[-1]):
         keep = torch.zeros(bs[0].shape[-1], dtype=bs[0].dtype)
         keep[r] = 1
-        eager_op(**dict(kw, lora_b_stacked=[b * keep for b in bs], add_inputs=kw["add_inputs"] or r > 0))
+        EAGER.op(**dict(kw, lora_b_stacked=[b * keep for b in bs], add_inputs=kw["add_inputs"] or r > 0))
 
 
 # fp32, K 2: a rank intermediate of two products is small in some rows, where rank steps rounded at the output's
@@ -225,8 +225,8 @@ def test_expand_summed_onto_the_output_is_diagnosed_as_such(seed):
     assert d.text.startswith("consistent with expand summed onto the output (one_shot_outacc)")
     declared = dataclasses.replace(spec, precision="one_shot_outacc")
     assert run_case(declared, case, "cpu", executor=InProcess(), reruns=0).status == "pass"
-    eager = dataclasses.replace(spec, op=__import__("moe_lora_harness.kernels.eager", fromlist=["x"]).fused_moe_lora)
-    assert run_case(eager, case, "cpu", executor=InProcess(), reruns=0).status == "pass"   # the sum kept apart
+    from moe_lora_harness.backends.eager import BACKEND as EAGER
+    assert run_case(EAGER, case, "cpu", executor=InProcess(), reruns=0).status == "pass"   # the sum kept apart
 
 
 def test_the_expand_onto_the_output_rounds_each_rank_step():
