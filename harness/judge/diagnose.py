@@ -70,6 +70,16 @@ def describe(name: str) -> str:
     return " + ".join(words[v] for v in variants)
 
 
+# what usually causes a variant where nobody chose it, and the usual mend (said with a matched diagnosis)
+CAUSES = {
+    "tf32": "an fp32 tl.dot computes in TF32 by default on NVIDIA GPUs; input_precision='ieee' keeps fp32",
+    "tf32rz": "an fp32 tl.dot computes in TF32 by default on NVIDIA GPUs; input_precision='ieee' keeps fp32",
+    "dtacc": "an accumulator declared in the output dtype; accumulate in fp32 (tl.zeros(..., dtype=tl.float32))",
+    "outacc": "Triton's combiner folds `prev + tl.dot(u, b)` into a dot accumulating from prev (in fp32 no cast "
+              "stands between); keep the delta apart, e.g. `prev + tl.where(mask, d, 0.0)`",
+}
+
+
 def alternatives(backend_precision: str, dtype: torch.dtype) -> list[str]:
     """The preset names diagnose() tries for a backend declaring `backend_precision` at `dtype`.
 
@@ -195,7 +205,8 @@ def name_model(out: torch.Tensor, truth, written: torch.Tensor, dtype: torch.dty
                 f"emulation, {declared.ratio:.3g} against the declared {backend_precision}; the output is "
                 f"{best.distance:.2g}x that model's error from its emulation"
                 + (f" (next nearest: {nxt.description}, {nxt.distance:.2g}x)" if nxt else "")
-                + f"; if the kernel rounds so on purpose, declare precision {best.name!r}")
+                + f"; if the kernel rounds so on purpose, declare precision {best.name!r}"
+                + "".join(f"; if not, a usual cause: {CAUSES[v]}" for v in split_name(best.name)[1] if v in CAUSES))
         shown = best
     else:
         shown = others[0] if others else declared

@@ -151,6 +151,8 @@ def test_tf32_op_backend_fails_fp32_and_is_diagnosed_as_tf32():
     assert d.text.startswith("consistent with TF32 operands (one_shot_tf32): aggregate ratio")
     assert d.ratio <= 3 < d.declared_ratio and d.distance < 0.7 < d.declared_distance
     assert "against the declared one_shot" in d.text
+    assert d.text.endswith("if not, a usual cause: an fp32 tl.dot computes in TF32 by default on NVIDIA GPUs; "
+                           "input_precision='ieee' keeps fp32"), d.text
 
 
 def test_truncating_tf32_backend_is_diagnosed_as_truncated_tf32():
@@ -193,6 +195,7 @@ def test_bf16_operands_mutant_on_fp16_is_diagnosed_as_bf16_operands():
     assert outcome.status == "fail" and outcome.kind in ("element", "aggregate")
     assert d is not None and d.model == "one_shot_bf16ops", d and d.text
     assert d.text.startswith("consistent with bf16 operands")
+    assert "a usual cause" not in d.text          # no cause is said where none is usual
 
 
 def _onto_output(**kw):
@@ -223,6 +226,7 @@ def test_expand_summed_onto_the_output_is_diagnosed_as_such(seed):
     assert outcome.status == "fail" and outcome.kind == "element", outcome.detail
     assert d is not None and d.model == "one_shot_outacc", d and d.text
     assert d.text.startswith("consistent with expand summed onto the output (one_shot_outacc)")
+    assert "if not, a usual cause: Triton's combiner folds `prev + tl.dot(u, b)`" in d.text, d.text
     declared = dataclasses.replace(spec, precision="one_shot_outacc")
     assert run_case(declared, case, "cpu", executor=InProcess(), reruns=0).status == "pass"
     from moe_lora_harness.backends.eager import BACKEND as EAGER
