@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-CASE = ('{"E":8,"H":2,"I":36,"T":157,"block_size_m":32,"dtype":"float32","layout":"naive","mapping":"skewed",'
-        '"max_loras":4,"max_rank":16,"seed":244586,"shared_a":true,"top_k":1}')
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,7 +30,8 @@ def main() -> int:
     from moe_lora_harness.harness.execution.execute import InProcess
     from moe_lora_harness.harness.execution.runner import run_case
     from moe_lora_harness.harness.spec.case import Case
-    out = run_case(TRITON_ONE_SHOT, Case.from_json(CASE), args.device, executor=InProcess(), reruns=0)
+    from moe_lora_harness.suites.kernels.test_triton_lora_op_smoke import FOLDED_EXPAND_CASE
+    out = run_case(TRITON_ONE_SHOT, Case.from_json(FOLDED_EXPAND_CASE), args.device, executor=InProcess(), reruns=0)
     print(f"{'before 355bb45' if args.as_before else 'as it is'} on {args.device}: {out.status}")
     print(out.detail or "")
     return 0

@@ -71,9 +71,10 @@ def describe(name: str) -> str:
 
 
 # what usually causes a variant where nobody chose it, and the usual mend (said with a matched diagnosis)
+_TF32_CAUSE = "an fp32 tl.dot computes in TF32 by default on NVIDIA GPUs; input_precision='ieee' keeps fp32"
 CAUSES = {
-    "tf32": "an fp32 tl.dot computes in TF32 by default on NVIDIA GPUs; input_precision='ieee' keeps fp32",
-    "tf32rz": "an fp32 tl.dot computes in TF32 by default on NVIDIA GPUs; input_precision='ieee' keeps fp32",
+    "tf32": _TF32_CAUSE,
+    "tf32rz": _TF32_CAUSE,
     "dtacc": "an accumulator declared in the output dtype; accumulate in fp32 (tl.zeros(..., dtype=tl.float32))",
     "outacc": "Triton's combiner folds `prev + tl.dot(u, b)` into a dot accumulating from prev (in fp32 no cast "
               "stands between); keep the delta apart, e.g. `prev + tl.where(mask, d, 0.0)`",

@@ -223,7 +223,7 @@ def emulate_twin(case: Case, precision: str, view_inputs, device: str, mma=None)
     `device`, in the plain columns; None where the twin shares the case's. The runner's and selftest --power's."""
     if not twin_own_emulation(case, mma):
         return None
-    if case.level == "op":
+    if twin_own_truth(case):     # the op level: the view's own reference
         return op_reference(case, view_inputs, precision).value
     from moe_lora_harness.harness.build.expert_runner import expert_expectations
     from moe_lora_harness.harness.build.properties import twin_columns

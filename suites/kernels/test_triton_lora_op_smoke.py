@@ -253,6 +253,12 @@ def test_split_k_is_bit_identical_across_runs():
     assert not torch.equal(outs[0], before)  # it wrote something
 
 
+# the short-sums fp32 case an H100 failed while the compiled one-shot summed its expand onto the output (fiftieth
+# session); bench/onto_output_replay.py replays it on the kernel as it is and as it was
+FOLDED_EXPAND_CASE = ('{"E":8,"H":2,"I":36,"T":157,"block_size_m":32,"dtype":"float32","layout":"naive",'
+                      '"mapping":"skewed","max_loras":4,"max_rank":16,"seed":244586,"shared_a":true,"top_k":1}')
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels only: the interpreter runs no Triton "
                     "combiner (test_codegen_sm90 checks the code)")
 def test_fp32_one_shot_adds_the_delta_once():
@@ -263,7 +269,5 @@ def test_fp32_one_shot_adds_the_delta_once():
     from moe_lora_harness.harness.execution.execute import InProcess
     from moe_lora_harness.harness.execution.runner import run_case
     from moe_lora_harness.harness.spec.case import Case
-    case = Case.from_json('{"E":8,"H":2,"I":36,"T":157,"block_size_m":32,"dtype":"float32","layout":"naive",'
-                          '"mapping":"skewed","max_loras":4,"max_rank":16,"seed":244586,"shared_a":true,"top_k":1}')
-    out = run_case(TRITON_ONE_SHOT, case, "cuda", executor=InProcess(), reruns=0)
+    out = run_case(TRITON_ONE_SHOT, Case.from_json(FOLDED_EXPAND_CASE), "cuda", executor=InProcess(), reruns=0)
     assert out.status == "pass", out.detail
