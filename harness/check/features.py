@@ -42,6 +42,9 @@ class Feature:
     max_cases: int | None = None      # at most this many cases (a covering row is one point: seeds add no pair)
     vary_h: bool = True               # cases after the first take another H (when make leaves H alone)
     small_cases: int | None = None    # at most this many on the small profile (the interpreter's time)
+    # with --model, a token count up to DECODE_MOST_TOKENS is one decode call's, pooled over calls to DECODE_ROWS rows
+    # as the decode row's are (harness.check.model_plan): a call that small alone leaves rule 4 silent
+    pooled_decode: bool = False
 
     def case_fields(self, s: Shapes, i: int = 0) -> dict:
         """Case i's fields at the sizes `s`: the base, the feature's own fields, case i's and its seed. Case 0 is the
@@ -154,6 +157,13 @@ def _fp8_dtype(s: Shapes, i: int) -> dict:
 
 # an FP8 row's input: one massive-activation token (harness.spec.case, MASSIVE_OUTLIER_SCALE: why 2^10)
 _MASSIVE_TOKEN = dict(outliers=1, outlier_scale=MASSIVE_OUTLIER_SCALE)
+FP8_BLOCK_SIZES = dict(H=256, I=256)   # two 128-wide blocks along both GEMMs' K, where the sizes are not multiples
+
+
+def _block_sizes(s: Shapes) -> dict:
+    """The fp8 block row's H and I: the profile's or the served layer's where both are multiples of the 128-wide
+    block (DeepSeek-V3's own scheme at its own layer), else FP8_BLOCK_SIZES (a layer with those is not applicable)."""
+    return {} if s.H % 128 == 0 and s.I % 128 == 0 else dict(FP8_BLOCK_SIZES)
 
 
 def _act(name):
@@ -185,13 +195,15 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     # FP8 with quantized activations (reference.fp8): the base GEMMs read e4m3 activations, the LoRA the unquantized
     # (one massive-activation token: a scale shared across tokens, not per token, rounds the others away)
     Feature("experts: fp8 w8a8", "expert", lambda s: dict(quant="fp8_w8a8", **_MASSIVE_TOKEN), per_case=_fp8_dtype,
-            small_cases=1, note=f"e4m3 weights per channel, activations per token (dynamic), one token "
-                                f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16; the LoRA reads the unquantized "
-                                f"activations"),
-    Feature("experts: fp8 block", "expert", lambda s: dict(quant="fp8_block", H=256, I=256, **_MASSIVE_TOKEN),
-            per_case=_fp8_dtype, small_cases=1,
+            small_cases=1, pooled_decode=True,
+            note=f"e4m3 weights per channel, activations per token (dynamic), one token "
+                 f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16; the LoRA reads the unquantized activations; "
+                 f"with --model, decode token counts are pooled calls"),
+    Feature("experts: fp8 block", "expert", lambda s: dict(quant="fp8_block", **_block_sizes(s), **_MASSIVE_TOKEN),
+            per_case=_fp8_dtype, small_cases=1, pooled_decode=True, vary_h=False,
             note=f"DeepSeek-V3's 128x128 weight blocks, activations per token-group of 128 (dynamic), one token "
-                 f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16"),
+                 f"x{MASSIVE_OUTLIER_SCALE:g}; float16, then bfloat16; H and I 256 where the profile's or layer's "
+                 f"are not multiples of 128; with --model, decode token counts are pooled calls"),
     # dispatched expert parallelism: every rank runs with its own tokens (harness.execution.ep_ranks)
     Feature("experts: EP 2, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 2)),
     Feature("experts: EP 4, dispatch + combine (simulated ranks)", "expert", lambda s: _ep(s, 4)),

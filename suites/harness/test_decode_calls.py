@@ -108,3 +108,42 @@ def test_the_check_matrix_decode_row_pools_enough_rows_for_rule_4():
     calls = sorted({(c.per_call().T, c.T) for _, _, _, c in plan.runs})
     assert calls == [(1, DECODE_ROWS), (7, 7 * -(-DECODE_ROWS // 7))]
     assert any("decode calls hold" in why for _, _, why in plan.dropped)
+
+
+@pytest.mark.parametrize("quant", ["fp8_block"])
+def test_pooled_fp8_calls_give_a_decode_batch_rule_4s_power(quant):
+    """The same with FP8 activations (fp16, 4 tokens a call): one call has rule 3 alone over a floor that allows a
+    flip of GEMM2's quantized input in every row (measured 29 times the kernel's own error); 32 calls pooled let
+    rule 4 judge the rows, each flip allowed its expected square (measured 3.3)."""
+    from moe_lora_harness.harness.selftest import power
+    slips = [s for s in power.SLIPS if s.name == "scaling"]
+    base = Case(level="expert", T=4, H=256, I=256, E=4, top_k=2, max_rank=16, dtype="float16", quant=quant, seed=3)
+    one = power.measure(EAGER, base, "cpu", slips=slips, steps=8)
+    pooled = power.measure(EAGER, base.replace(T=4 * 32, call_tokens=4), "cpu", slips=slips, steps=8)
+    assert one.kernel_ok and pooled.kernel_ok
+    (s1,), (sp,) = one.slips, pooled.slips
+    assert s1.judge.multiple is not None and sp.judge.multiple is not None
+    assert sp.judge.multiple < 5.0 < 15.0 < s1.judge.multiple, (s1.judge.multiple, sp.judge.multiple)
+    assert sp.oracle_only == 0
+
+
+def test_model_mode_pools_the_fp8_rows_decode_calls_and_runs_block_fp8_at_a_layer_of_128_multiples():
+    """With --model the FP8 rows' token counts up to DECODE_MOST_TOKENS are one call's each, pooled as the decode
+    row's (a prefill count stays one call); the block row takes the layer's H and I where both are multiples of 128
+    (DeepSeek-V3's own scheme at its own layer) and is not applicable elsewhere, naming the sizes; the check matrix's
+    own FP8 cases keep their sizes on the CPU profile."""
+    from moe_lora_harness.harness.check.features import DECODE_MOST_TOKENS, DECODE_ROWS, FEATURES
+    from moe_lora_harness.harness.check.model_plan import plan_model
+    from moe_lora_harness.harness.served.models import model_named
+    fp8 = [f for f in FEATURES if f.name in ("experts: fp8 w8a8", "experts: fp8 block")]
+    assert len(fp8) == 2 and all(f.pooled_decode for f in fp8)
+    plan = plan_model(model_named("DeepSeek-V3"), {"eager": EAGER}, "cpu", fp8,
+                      tokens=(1, 16, DECODE_MOST_TOKENS + 1), budget=10 ** 14)
+    got = sorted({(feat, c.quant, c.per_call().T, c.T, c.H, c.I) for _, _, feat, c in plan.runs})
+    for name, quant in (("experts: fp8 block", "fp8_block"), ("experts: fp8 w8a8", "fp8_w8a8")):
+        assert [g[1:] for g in got if g[0] == name] == [
+            (quant, 1, DECODE_ROWS, 7168, 2048), (quant, 16, 16 * -(-DECODE_ROWS // 16), 7168, 2048),
+            (quant, DECODE_MOST_TOKENS + 1, DECODE_MOST_TOKENS + 1, 7168, 2048)]
+    other = plan_model(model_named("GPT-OSS-20B"), {"eager": EAGER}, "cpu", fp8, tokens=(16,), budget=10 ** 14)
+    assert "H=256 (the layer's: 2880)" in other.not_applicable["experts: fp8 block"]
+    assert {(c.H, c.I) for c in fp8[1].cases("cpu", 2)} == {(256, 256)}
