@@ -9,11 +9,11 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 T0=$(date +%s)
 L=$OUT/c2; mkdir -p $L
 left() { echo $(( ${END:-580} - ($(date +%s) - T0) )); }
-timeout 260 python3 -m moe_lora_harness check --device cuda --model qwen3-30b-a3b --tokens 1,16,100 --feature fp8 \
+timeout 200 python3 -m moe_lora_harness check --device cuda --model qwen3-30b-a3b --tokens 1,16,100 --feature fp8 \
   --only triton_experts --only triton_experts_dual_stream --only experts_oracle -q --json $L/check_qwen3_30b.json \
   > $L/check_qwen3_30b.txt 2>&1
 echo "check qwen3-30b-a3b rc $? [$(( $(date +%s) - T0 ))s]"; grep -E "fp8|runs|NOTE" $L/check_qwen3_30b.txt | cut -c1-250
-timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m moe_lora_harness check --device cuda --model deepseek-v3 \
+timeout $(( $(left) < 120 ? $(left) : 120 )) python3 -m moe_lora_harness check --device cuda --model deepseek-v3 \
   --tokens 16,100 --feature fp8 --only triton_experts -q --json $L/check_deepseek_v3.json > $L/check_deepseek_v3.txt 2>&1
 echo "check deepseek-v3 rc $? [$(( $(date +%s) - T0 ))s]"; grep -E "fp8|runs|NOTE" $L/check_deepseek_v3.txt | cut -c1-250
 for job in ${POWER_LEFT:-}; do
