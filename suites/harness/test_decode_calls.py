@@ -73,21 +73,29 @@ def test_declarations_are_asked_about_one_call():
     assert small_only.precision_for(CASE.replace(call_tokens=0), "cpu") == "two_kernel"
 
 
+def _one_call_and_pooled(base: Case, calls: int = 32):
+    """The scaling slip's judge threshold on one call of `base` and on `calls` such calls pooled (power.measure), the
+    correct kernel passing both: (its SlipPower on one call, on the pooled calls, the pooled PowerReport)."""
+    from moe_lora_harness.harness.selftest import power
+    slips = [s for s in power.SLIPS if s.name == "scaling"]
+    one = power.measure(EAGER, base, "cpu", slips=slips, steps=8)
+    pooled = power.measure(EAGER, base.replace(T=base.T * calls, call_tokens=base.T), "cpu", slips=slips, steps=8)
+    assert one.kernel_ok and pooled.kernel_ok
+    (s1,), (sp,) = one.slips, pooled.slips
+    assert s1.judge.multiple is not None and sp.judge.multiple is not None
+    assert sp.oracle_only == 0
+    return s1, sp, pooled
+
+
 @pytest.mark.parametrize("dtype", ["float16"])
 def test_pooled_calls_give_a_decode_batch_rule_4s_power(dtype):
     """The scaling slip (every B off by 1 - alpha) at 4 tokens: one call of them cannot fail rule 4 (4 rows), 32
     calls of 4 can: the single call needs rule 3's sqrt(3^2 - 1) = 2.83 times the kernel's own error (measured 2.9), the
     pooled ones fail well below it (measured 1.6 at 128 rows; more rows, less); the correct kernel passes both."""
     from moe_lora_harness.harness.selftest import power
-    slips = [s for s in power.SLIPS if s.name == "scaling"]
-    base = Case(level="expert", T=4, H=256, I=128, E=4, top_k=2, max_rank=16, dtype=dtype, seed=3)
-    one = power.measure(EAGER, base, "cpu", slips=slips, steps=8)
-    pooled = power.measure(EAGER, base.replace(T=4 * 32, call_tokens=4), "cpu", slips=slips, steps=8)
-    assert one.kernel_ok and pooled.kernel_ok
-    (s1,), (sp,) = one.slips, pooled.slips
-    assert s1.judge.multiple is not None and sp.judge.multiple is not None
+    s1, sp, pooled = _one_call_and_pooled(Case(level="expert", T=4, H=256, I=128, E=4, top_k=2, max_rank=16,
+                                               dtype=dtype, seed=3))
     assert sp.judge.multiple < 2.0 < 2.5 < s1.judge.multiple, (s1.judge.multiple, sp.judge.multiple)
-    assert sp.oracle_only == 0
     assert "T4x32calls" in power.power_table([pooled])
 
 
@@ -115,16 +123,9 @@ def test_pooled_fp8_calls_give_a_decode_batch_rule_4s_power(quant):
     """The same with FP8 activations (fp16, 4 tokens a call): one call has rule 3 alone over a floor that allows a
     flip of GEMM2's quantized input in every row (measured 29 times the kernel's own error); 32 calls pooled let
     rule 4 judge the rows, each flip allowed its expected square (measured 3.3)."""
-    from moe_lora_harness.harness.selftest import power
-    slips = [s for s in power.SLIPS if s.name == "scaling"]
-    base = Case(level="expert", T=4, H=256, I=256, E=4, top_k=2, max_rank=16, dtype="float16", quant=quant, seed=3)
-    one = power.measure(EAGER, base, "cpu", slips=slips, steps=8)
-    pooled = power.measure(EAGER, base.replace(T=4 * 32, call_tokens=4), "cpu", slips=slips, steps=8)
-    assert one.kernel_ok and pooled.kernel_ok
-    (s1,), (sp,) = one.slips, pooled.slips
-    assert s1.judge.multiple is not None and sp.judge.multiple is not None
+    s1, sp, _ = _one_call_and_pooled(Case(level="expert", T=4, H=256, I=256, E=4, top_k=2, max_rank=16,
+                                          dtype="float16", quant=quant, seed=3))
     assert sp.judge.multiple < 5.0 < 15.0 < s1.judge.multiple, (s1.judge.multiple, sp.judge.multiple)
-    assert sp.oracle_only == 0
 
 
 def test_model_mode_pools_the_fp8_rows_decode_calls_and_runs_block_fp8_at_a_layer_of_128_multiples():
