@@ -43,7 +43,7 @@ class Feature:
     vary_h: bool = True               # cases after the first take another H (when make leaves H alone)
     small_cases: int | None = None    # at most this many on the small profile (the interpreter's time)
     # with --model, a token count up to DECODE_MOST_TOKENS is one decode call's, pooled over calls to DECODE_ROWS rows
-    # as the decode row's are (harness.check.model_plan): a call that small alone leaves rule 4 silent
+    # (harness.check.model_plan; the decode row and the FP8 rows): a call that small alone leaves rule 4 silent
     pooled_decode: bool = False
 
     def case_fields(self, s: Shapes, i: int = 0) -> dict:
@@ -237,7 +237,7 @@ EXPERT_FEATURES = tuple(_act(a) for a in ACTIVATION_NAMES) + (
     Feature(f"experts: outlier tokens ({OUTLIER_TOKENS} tokens x{OUTLIER_SCALE:g})", "expert",
             lambda s: dict(outliers=OUTLIER_TOKENS), small_cases=1),
     Feature(DECODE_ROW, "expert", lambda s: dict(mapping="mixed", T=max(4, s.T // 2 * 2) if s.small else DECODE_ROWS),
-            per_case=lambda s, i: dict(call_tokens=1 + i % 2), small_cases=1,
+            per_case=lambda s, i: dict(call_tokens=1 + i % 2), small_cases=1, pooled_decode=True,
             note=f"one call per decode step: each call its own tokens and mapping (tokens without an adapter "
                  f"among them), all judged together (rule 4 pools their rows: {DECODE_ROWS} on a GPU, where one call's "
                  f"{EXCESS_MIN_ROWS - 1} or fewer could never fail it); with --model each token count is one call's"),

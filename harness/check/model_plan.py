@@ -136,14 +136,14 @@ def plan_model(layer: MoELayer, specs: dict, device: str, features, *, tp: int =
         base = dict(feat.case_fields(shapes, 0), **fixed_fields(layer, tp, ep, made.get("which", "w13"), ad))
         dtypes = (made["dtype"],) if "dtype" in made else shapes.dtypes
         cases = []
+        decode_row = bool(base.get("call_tokens"))    # the decode row: its prefill counts are dropped
         for j, (T, dt) in enumerate((T, dt) for T in tokens for dt in dtypes):
             fields = dict(base, T=T, dtype=dt, seed=base["seed"] + j)
-            decode_row = bool(base.get("call_tokens"))    # each token count one call's, pooled over calls
             if decode_row and not 0 < T <= DECODE_MOST_TOKENS:
                 plan.dropped.append((feat.name, Case(**fields).to_json(),
                                      f"decode calls hold 1 to {DECODE_MOST_TOKENS} tokens"))
                 continue
-            if decode_row or (feat.pooled_decode and T <= DECODE_MOST_TOKENS):
+            if feat.pooled_decode and 0 < T <= DECODE_MOST_TOKENS:
                 fields.update(T=T * max(2, -(-DECODE_ROWS // T)), call_tokens=T)
             case = Case(**fields)
             problems = case.problems()
