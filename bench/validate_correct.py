@@ -1,13 +1,15 @@
-"""Correct backends on random fp32 cases through the runner, counting verdicts: the no-false-verdict check every twin
-or rule change needs (the twin and its measures run where the runner runs them). One preset per region of cases the
-judge treats apart (PRESETS); levels expert (one rank, decode calls, TP, dispatched EP) and op (every flag).
+"""Correct backends on random cases through the runner, counting verdicts: the no-false-verdict check every twin or
+rule change needs (the twin and its measures run where the runner runs them). One preset per region of fp32 cases the
+judge treats apart (PRESETS); levels (MAKERS) expert (one rank, decode calls, TP, dispatched EP), op (every flag) and
+fp8_decode (FP8 decode calls pooled, its own sizes).
 
-    python bench/validate_correct.py REF|NAME [--preset served|few_rows|short_sums] [--level expert|op]
+    python bench/validate_correct.py REF|NAME [--preset served|few_rows|short_sums] [--level expert|op|fp8_decode]
                                      [--device cpu|cuda] [--seconds 60] [--cases 3000] [--seed 0]
 
 One line of counts (and how many cases ran a twin), then up to eight failures with their cases. A GPU draws served
 sizes too. Replaces the per-session scripts under bench/results (2026-12-06-cpu-s46/twin_rule3_validation.py,
-2026-12-07-cpu-s47/small_rows_validation.py, short_sums_validation.py), whose draws the presets keep."""
+2026-12-07-cpu-s47/small_rows_validation.py, short_sums_validation.py; 2026-12-07-cpu-s52/fp8_pooled_validation.py,
+whose draws fp8_decode_case keeps)."""
 from __future__ import annotations
 
 import argparse
@@ -17,8 +19,9 @@ import time
 
 from moe_lora_harness.harness.execution.execute import InProcess
 from moe_lora_harness.harness.execution.runner import run_case
-from moe_lora_harness.harness.judge.expectation import twin_applies
-from moe_lora_harness.harness.spec.case import MAPPINGS, Case
+from moe_lora_harness.harness.judge.expectation import declared_rounding, twin_applies
+from moe_lora_harness.harness.spec.case import FP16_MASSIVE_MAGNITUDE, MAPPINGS, MASSIVE_OUTLIER_SCALE, Case
+from moe_lora_harness.harness.spec.contract import support_for
 from moe_lora_harness.harness.spec.registry import available_backends, load_ref
 
 ACTS = ["silu", "silu", "gelu", "swigluoai", "relu2_no_mul", "silu_no_mul"]
@@ -82,17 +85,41 @@ def expert_case(rng, draw, big) -> Case:
     return Case(**kw)
 
 
+def fp8_decode_case(rng, draw, big) -> Case:
+    """FP8 activations handed over in decode calls of 1-16 tokens and judged pooled (83-200 rows), as check --model
+    judges an FP8 row's decode token counts: both schemes, fp16 and bf16, half with a massive-activation token. Its
+    own sizes (H and I multiples of 128, as the block scheme needs): `draw` is not used."""
+    per_call = rng.choice([1, 2, 3, 4, 7, 8, 16])
+    calls = -(-rng.randint(83, 200) // per_call)
+    dtype = rng.choice(["float16", "bfloat16"])
+    kw = dict(outliers=1, outlier_scale=MASSIVE_OUTLIER_SCALE) if rng.random() < 0.5 else {}
+    if kw and dtype == "float16":
+        kw["magnitude"] = FP16_MASSIVE_MAGNITUDE
+    E = rng.choice([4, 8, 16])
+    return Case(level="expert", T=per_call * calls, call_tokens=per_call, H=rng.choice([128, 256, 384]),
+                I=rng.choice([128, 256]), E=E, top_k=min(rng.choice([1, 2, 4]), E), max_loras=rng.choice([1, 2, 4]),
+                max_rank=rng.choice([4, 8, 16]), dtype=dtype, seed=rng.randint(0, 10 ** 6),
+                quant=rng.choice(["fp8_w8a8", "fp8_block"]), mapping=rng.choice(["uniform", "mixed"]),
+                activation=rng.choice(["silu", "gelu", "swigluoai", "relu2_no_mul"]), lora=rng.random() < 0.8, **kw)
+
+
+# --level -> make(rng, draw, big) -> Case
+MAKERS = {"op": op_case, "expert": expert_case, "fp8_decode": fp8_decode_case}
+
+
 def validate(spec, level: str, preset: str, device: str, seconds: float, cases: int, seed: int) -> list:
     """Run `spec` on random cases of `preset` until `cases` or `seconds`; print the counts; return the failures."""
     rng, draw, big = random.Random(seed), PRESETS[preset], not device.startswith("cpu")
-    make = op_case if level == "op" else expert_case
+    make = MAKERS[level]
     t0, counts, fails, twins, i = time.time(), {}, [], 0, 0
     while i < cases and time.time() - t0 < seconds:
         case = make(rng, draw, big)
         if case.problems():
             continue
         i += 1
-        twins += twin_applies(case)
+        if support_for(spec, case, device)[0]:     # the runner's own question (FP8: the device and declarations)
+            _, points_only, mma = declared_rounding(spec, case, device)
+            twins += twin_applies(case, device, mma, points_only)
         o = run_case(spec, case, device, executor=InProcess(), reruns=0)
         key = f"xfail:{o.kind}" if o.status == "xfail" else o.status     # what the ledger's entry was given
         counts[key] = counts.get(key, 0) + 1
@@ -109,7 +136,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("ref", help="a registered backend's name, or MODULE:ATTR / path.py:ATTR")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="served")
-    ap.add_argument("--level", choices=["expert", "op"], default="expert")
+    ap.add_argument("--level", choices=sorted(MAKERS), default="expert")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--cases", type=int, default=3000)
