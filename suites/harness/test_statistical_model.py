@@ -277,6 +277,35 @@ def test_the_power_table_leaves_out_an_oracle_that_fails_the_correct_kernel():
                                                                                                            "n/a"]
 
 
+def test_the_power_table_leaves_out_an_oracle_that_fails_the_correct_kernel_on_another_draw(monkeypatch):
+    """The oracle stands beside the judge only where it passes the correct kernel on the measured draw and on
+    power.ORACLE_DRAWS other seeds of the shape: one that fails another draw (a correct kernel's worst element
+    falls on either side of its tolerance) has no column and counts no output against the judge; one that passes
+    them keeps both, and the table prints the other draws' worst elements."""
+    from moe_lora_harness.harness.selftest import power
+    case = Case(level="expert", T=16, H=256, I=128, E=8, top_k=2, dtype="float32", max_rank=16, seed=3)
+    slips = [s for s in power.SLIPS if s.name == "scaling"]
+    kept = power.measure(EAGER, case, "cpu", slips=slips, steps=4)
+    assert kept.oracle_ok and len(kept.other_draws) == power.ORACLE_DRAWS and max(kept.other_draws) < 1
+    assert kept.slips[0].oracle.multiple is not None and "other draws of the shape: worst elements at" in \
+        power.power_table([kept])
+    seen = []
+    real = power.oracle_other_draws
+
+    def failing_second(spec, c, device, draws):    # the real draws, the second one's verdict a false fail
+        uses = real(spec, c, device, draws)
+        seen.append(uses)
+        return (uses[0], 1.5)
+    monkeypatch.setattr(power, "oracle_other_draws", failing_second)
+    rep = power.measure(EAGER, case, "cpu", slips=slips, steps=4)
+    assert seen and power.oracle_passes(rep.oracle_use) and not rep.oracle_ok
+    (slip,) = rep.slips
+    assert slip.oracle_only == 0 and slip.oracle.multiple is None and slip.judge.multiple is not None
+    table = power.power_table([rep])
+    assert "assert_close fails the correct kernel here on another draw" in table and "1.50" in table
+    assert power.to_json([rep])[0]["oracle_other_draws"] == [seen[0][0], 1.5]
+
+
 def test_the_power_table_at_the_op_level():
     """The op level's table (power.OP_SLIPS) on one fp32 fused_moe_lora call of 256 rows, run with its twin: the
     correct op passes the judge and assert_close, nothing only the oracle fails, and the spread slips fail below 3
