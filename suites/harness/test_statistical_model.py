@@ -304,6 +304,7 @@ def test_the_power_table_leaves_out_an_oracle_that_fails_the_correct_kernel_on_a
     assert slip.oracle_only == 0 and slip.oracle.multiple is None and slip.judge.multiple is not None
     table = power.power_table([rep])
     assert "assert_close fails the correct kernel here on another draw" in table and "1.50" in table
+    assert "judge pass oracle pass (its worst element at" in table      # the measured draw's own verdict
     assert power.to_json([rep])[0]["oracle_other_draws"] == [seen[0][0], 1.5]
 
 
