@@ -467,7 +467,8 @@ def power_table(reports) -> str:
         label = f"{c.dtype} T{c.per_call().T}{f'x{c.calls}calls' if c.call_tokens else ''} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}" + (
             f" {c.quant}" if c.quant != "none" else "") + (f" op {c.which}" if c.level == "op" else "")
         lines.append(f"{label:<44} {'(correct kernel)':<20} ratio {r.kernel_ratio:.3g} err {r.kernel_rel_error:.2e}"
-                     f" judge {'pass' if r.kernel_ok else 'FAIL'} oracle {'pass' if oracle_passes(r.oracle_use) else 'FAIL'}"
+                     f" judge {'pass' if r.kernel_ok else 'FAIL'}"
+                     f" oracle {'pass' if oracle_passes(r.oracle_use) else 'FAIL'}"
                      f" (its worst element at {r.oracle_use:.2f} of the oracle's tolerance)")
         if r.other_draws:
             lines.append(f"{'':<44} (the correct kernel on {len(r.other_draws)} other draw"

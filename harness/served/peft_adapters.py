@@ -1,5 +1,5 @@
 """Read a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) into one ExpertAdapter per
-MoE layer: every layout PEFT 0.21 writes or loads for MoE experts, the module scalings as PEFT computes them.
+MoE layer: every layout PEFT 0.21 and 0.22 write or load for MoE experts, the module scalings as PEFT computes them.
 
 Layouts (docs/adapters.md): LoRA on the fused 3-D expert parameters (`target_parameters`: gate_up_proj or
 Nemotron-H's up_proj, and down_proj; nested wrappers, so the saved keys name the nesting depth, never the
@@ -32,7 +32,7 @@ W13_PARAM = {True: "gate_up_proj", False: "up_proj"}      # gated -> name; non-g
 W2_PARAM = "down_proj"
 # legacy per-expert module names (transformers 4.x) -> the role PEFT's conversion gives them
 LEGACY_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-# what PEFT 0.21 refuses for a parameter wrapper (ParamWrapper.__init__), refused here too
+# what PEFT 0.21 (and 0.22) refuses for a parameter wrapper (ParamWrapper.__init__), refused here too
 _UNSUPPORTED = (("use_dora", True), ("lora_bias", True), ("fan_in_fan_out", True))
 
 _FUSED_KEY = re.compile(r"^(?P<module>.*\.experts)(?P<nest>(?:\.base_layer)*)\.lora_(?P<ab>[AB])\.weight$")
@@ -351,8 +351,8 @@ def _assemble(factors: dict, scalings: dict, *, E, H, I, gated, interleaved, dty
 
 
 def _read_legacy(folder: AdapterFolder, keys: dict, *, E, H, I, gated, interleaved, dtype) -> ExpertAdapter:
-    """PEFT 0.21's conversion on load (transformers 5.x): per-expert gate/up A stacked into one A of rank 2r, B
-    block-diagonal [[B_gate, 0], [0, B_up]], alpha doubled; down stacked at rank r."""
+    """PEFT 0.21's (and 0.22's) conversion on load (transformers 5.x): per-expert gate/up A stacked into one A of
+    rank 2r, B block-diagonal [[B_gate, 0], [0, B_up]], alpha doubled; down stacked at rank r."""
     cfg = folder.config
     where = f"adapter {str(folder.path)!r}"
     if not gated or interleaved:
