@@ -1,7 +1,8 @@
 """What one case needs in memory, and what this machine has free: model mode refuses a case that cannot fit.
 
 An estimate, not a measurement (docs/models.md): the inputs in the case's dtype, held three times (the judge's
-copy, the backend's, and the worker's bit-for-bit snapshot of the backend's), a fourth time up to
+copy, the backend's, and the worker's bit-for-bit snapshot of the backend's, which digests a tensor over
+SNAPSHOT_MAX_BYTES instead of copying it), a fourth time up to
 GUARD_MAX_BYTES (the backend's guarded copies, harness.build.guards), plus the float64 reference's
 working set (one expert's weights in float64 at a time and their absolute values for the error magnitudes, the
 LoRA factors in float64, and about fifteen float64 arrays per (token, expert) pair at each of the widths N1, I and
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.build.expert_runner import token_chunk
 from moe_lora_harness.harness.draw.profiles import on_gpu
-from moe_lora_harness.harness.build.guards import GUARD_MAX_BYTES
+from moe_lora_harness.harness.build.guards import GUARD_MAX_BYTES, SNAPSHOT_MAX_BYTES
 from moe_lora_harness.reference.activations import is_gated
 from moe_lora_harness.reference.align import align_sizes
 
-INPUT_COPIES = 3         # the judge's, the backend's, the worker's snapshot (harness.execution.execute.InputWatch)
+INPUT_COPIES = 3         # the judge's, the backend's, the worker's snapshot (harness.execution.execute.InputWatch),
+                         # which holds the tensors of SNAPSHOT_MAX_BYTES or less (MemoryNeed.digested: the others)
 # float64 arrays per pair and output column alive at the reference's peak (the truth's value, magnitudes and
 # underflow exposure with their temporaries, the emulation's value); measured with suites/harness/test_models.py
 OP_PAIR_ARRAYS = 12
@@ -41,6 +43,9 @@ OP_TWIN_ARRAYS = 8
 # what the judge allocates whatever the case's size (the reference's chunked weight gathers, its temporaries):
 # 60-120 MiB measured at small cases
 FIXED = 256 * 2**20
+# the worker's digest of its tensors over SNAPSHOT_MAX_BYTES on a GPU (harness.judge.tensor_digest.lane_sums): int64
+# temporaries of CHUNK_WORDS words (256 MiB), about five alive at once; six counted (on the CPU, sha1: none)
+DIGEST_WORK = 1536 << 20
 _ITEM = {"float16": 2, "bfloat16": 2, "float32": 4}
 _F64 = 8
 
@@ -51,6 +56,7 @@ class MemoryNeed:
 
     inputs: int
     reference: int
+    digested: int = 0    # bytes of the inputs in tensors over SNAPSHOT_MAX_BYTES: the worker's snapshot digests them
 
     @property
     def guarded(self) -> int:
@@ -59,12 +65,16 @@ class MemoryNeed:
 
     @property
     def total(self) -> int:
-        return INPUT_COPIES * self.inputs + self.guarded + self.reference + FIXED
+        digest = DIGEST_WORK if self.digested else 0
+        return INPUT_COPIES * self.inputs - self.digested + digest + self.guarded + self.reference + FIXED
 
     def describe(self) -> str:
-        copies = f"{INPUT_COPIES + (1 if self.guarded else 0)} x {gib(self.inputs)}"
-        return (f"needs {gib(self.total)} ({copies} of inputs in the case's dtype + "
-                f"{gib(self.reference + FIXED)} for the float64 reference)")
+        copies = INPUT_COPIES - (1 if self.digested else 0) + (1 if self.guarded else 0)
+        snapshot = (f" + {gib(self.inputs - self.digested)} of them snapshotted (the {gib(self.digested)} in tensors "
+                    f"over {SNAPSHOT_MAX_BYTES >> 20} MiB digested)") if self.digested else ""
+        work = self.total - (copies * self.inputs + (self.inputs - self.digested if self.digested else 0))
+        return (f"needs {gib(self.total)} ({copies} x {gib(self.inputs)} of inputs in the case's dtype{snapshot} + "
+                f"{gib(work)} for the float64 reference{' and the digest' if self.digested else ''})")
 
 
 def gib(n: int) -> str:
@@ -89,7 +99,7 @@ def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
         if case.layout == "sorted":                               # the align's int32 buffers (L, M) and (L, MB)
             M, MB = align_sizes(P, case.block_size_m, case.E)
             index += 4 * L * (M + MB + 1)
-        return MemoryNeed(item * elems + index, ref)
+        return MemoryNeed(item * elems + index, ref)        # its snapshot counted whole: a bound
     gated = is_gated(case.activation)
     E = case.E if case.dispatched else case.local_experts
     N1 = 2 * I if gated else I
@@ -103,7 +113,20 @@ def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
     one_expert = N1 * H + H * I
     chunk_pairs = min(T, token_chunk(case)) * k if on_gpu(device) and not case.dispatched else P
     ref = _F64 * (2 * one_expert + lora + bias + EXPERT_PAIR_ARRAYS * chunk_pairs * (N1 + I + H) + 3 * T * H)
-    return MemoryNeed(item * elems + quant + 16 * P, ref)
+    return MemoryNeed(item * elems + quant + 16 * P, ref, _digested(case, item, E, N1))
+
+
+def _digested(case: Case, item: int, E: int, N1: int) -> int:
+    """The bytes of an expert-level case's inputs that the worker's snapshot digests: the hidden states and each
+    weight tensor (w13, w2 in the case's dtype; quantized, their one-byte codes too) over SNAPSHOT_MAX_BYTES, where
+    one rank holds them whole (TP and EP ranks hold shards: counted as copied, a bound); the rest counted copied."""
+    if case.tp_size > 1 or case.ep_size > 1:
+        return 0
+    H, I = case.H, case.I
+    tensors = [item * case.T * H, item * E * N1 * H, item * E * H * I]
+    if case.quant != "none":
+        tensors += [E * N1 * H, E * H * I]
+    return sum(b for b in tensors if b > SNAPSHOT_MAX_BYTES)
 
 
 def reference_work(case: Case) -> int:
