@@ -64,17 +64,20 @@ class MemoryNeed:
         return self.inputs if self.inputs <= GUARD_MAX_BYTES else 0
 
     @property
+    def work(self) -> int:
+        """Beyond the inputs' copies: the float64 reference, FIXED, and the digest's temporaries where it runs."""
+        return self.reference + FIXED + (DIGEST_WORK if self.digested else 0)
+
+    @property
     def total(self) -> int:
-        digest = DIGEST_WORK if self.digested else 0
-        return INPUT_COPIES * self.inputs - self.digested + digest + self.guarded + self.reference + FIXED
+        return INPUT_COPIES * self.inputs - self.digested + self.guarded + self.work
 
     def describe(self) -> str:
         copies = INPUT_COPIES - (1 if self.digested else 0) + (1 if self.guarded else 0)
         snapshot = (f" + {gib(self.inputs - self.digested)} of them snapshotted (the {gib(self.digested)} in tensors "
                     f"over {SNAPSHOT_MAX_BYTES >> 20} MiB digested)") if self.digested else ""
-        work = self.total - (copies * self.inputs + (self.inputs - self.digested if self.digested else 0))
         return (f"needs {gib(self.total)} ({copies} x {gib(self.inputs)} of inputs in the case's dtype{snapshot} + "
-                f"{gib(work)} for the float64 reference{' and the digest' if self.digested else ''})")
+                f"{gib(self.work)} for the float64 reference{' and the digest' if self.digested else ''})")
 
 
 def gib(n: int) -> str:

@@ -27,7 +27,6 @@ from moe_lora_harness.harness.spec.contract import BackendSpec
 from moe_lora_harness.harness.build.guards import (SNAPSHOT_MAX_BYTES, ReportedBands, bits_dtype, guard_calls,
                                                    guard_fields, written_outside)
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
-from moe_lora_harness.harness.judge.tensor_digest import lane_sums
 
 # An error after which the device context cannot be trusted: the worker is restarted.
 _FATAL_DEVICE_ERROR = re.compile(r"CUDA error|illegal memory access|device-side assert|unspecified launch failure"
@@ -122,7 +121,8 @@ def inputs_digest(built) -> str:
 
 class InputWatch:
     """Snapshots of the tensors handed to a backend, compared bit for bit after the call; a tensor over
-    SNAPSHOT_MAX_BYTES is snapshotted as its digest (`_fingerprint`), not copied."""
+    SNAPSHOT_MAX_BYTES is snapshotted as its digest (`inputs_digest`: sha1 in place on the CPU, 0.4 s a GiB; the lane
+    sums where it lies on a device), not copied."""
 
     def __init__(self):
         self._snaps: list = []
@@ -133,19 +133,11 @@ class InputWatch:
             if sub.rsplit(".", 1)[-1] in skip:
                 continue
             digested = t.numel() * t.element_size() > SNAPSHOT_MAX_BYTES
-            self._snaps.append((sub, t, digested, _fingerprint(t) if digested else _raw(t).clone()))
+            self._snaps.append((sub, t, digested, inputs_digest(t) if digested else _raw(t).clone()))
 
     def written(self) -> list[str]:
         return [name for name, t, digested, snap in self._snaps
-                if (_fingerprint(t) != snap if digested else not torch.equal(_raw(t), snap))] + self.extra_written
-
-
-def _fingerprint(t: torch.Tensor) -> bytes:
-    """A digest of t's bytes where it lies: sha1 on the CPU (0.4 s a GiB), the lane sums of
-    harness.judge.tensor_digest on a device (16 bytes to the host)."""
-    if t.device.type == "cpu":
-        return hashlib.sha1(_raw(t).reshape(-1).view(torch.uint8).numpy()).digest()
-    return lane_sums(t).cpu().numpy().tobytes()
+                if (inputs_digest(t) != snap if digested else not torch.equal(_raw(t), snap))] + self.extra_written
 
 
 def _sync(device: str):

@@ -392,15 +392,16 @@ def measure(spec, case: Case, device: str = "cpu", slips=None, steps: int = BISE
     exact = _accumulator_slips(case, inp, truth, emu.value, precision, judge, oracle_ok) if case.level != "op" else []
     # outputs only the oracle fails count against the judge only where it passes the correct kernel on other draws of
     # the shape too: one that fails a correct kernel there is at its edge, and what it fails says nothing of the judge
-    others = ()
+    report = PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, use, res,
+                         time.time() - t0, exact, v0.unseen == RULE4_OFF)
     if any(s.oracle_only for s in res) or any(p.oracle_fails and not p.judge_fails for p in exact):
-        others = oracle_other_draws(spec, case, device, oracle_draws)
-        if not all(oracle_passes(u) for u in others):
-            res = [dataclasses.replace(s, oracle=Threshold(None, None), oracle_only=0, oracle_only_rows=0)
-                   for s in res]
-            exact = [dataclasses.replace(p, oracle_fails=False) for p in exact]
-    return PowerReport(case, spec.name, ref_err / tnorm if tnorm else 0.0, v0.ratio, v0.ok, use, res,
-                       time.time() - t0, exact, v0.unseen == RULE4_OFF, others)
+        report.other_draws = oracle_other_draws(spec, case, device, oracle_draws)
+        if not report.oracle_ok:
+            report.slips = [dataclasses.replace(s, oracle=Threshold(None, None), oracle_only=0, oracle_only_rows=0)
+                            for s in res]
+            report.precision_slips = [dataclasses.replace(p, oracle_fails=False) for p in exact]
+        report.seconds = time.time() - t0
+    return report
 
 
 def _accumulator_slips(case: Case, inp, truth, emu: torch.Tensor, precision: str, judge, oracle_ok: bool) -> list:

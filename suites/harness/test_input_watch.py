@@ -10,7 +10,7 @@ from moe_lora_harness.harness.build.case_memory import DIGEST_WORK, FIXED, INPUT
 from moe_lora_harness.harness.build.guards import SNAPSHOT_MAX_BYTES
 from moe_lora_harness.harness.execution import execute
 from moe_lora_harness.harness.execution.runner import run_case
-from moe_lora_harness.harness.judge.tensor_digest import CHUNK_WORDS
+from moe_lora_harness.harness.judge.tensor_digest import CHUNK_WORDS, lane_sums
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.registry import load_ref
 
@@ -24,7 +24,7 @@ def test_a_write_into_a_watched_tensor_is_seen_to_the_bit(how, monkeypatch):
     not watched, and an untouched tensor is not named."""
     monkeypatch.setattr(execute, "SNAPSHOT_MAX_BYTES", 1 << 40 if how == "copied" else 0)
     if how == "lane-sums":
-        monkeypatch.setattr(execute, "_fingerprint", lambda t: execute.lane_sums(t).numpy().tobytes())
+        monkeypatch.setattr(execute, "inputs_digest", lambda t: lane_sums(t).numpy().tobytes())
     g = torch.Generator().manual_seed(0)
     a, z, n = torch.randn(64, 33, generator=g, dtype=torch.float16), torch.zeros(7), torch.full((5,), float("nan"))
     ids, out = torch.arange(10, dtype=torch.int32), torch.zeros(3)
