@@ -94,7 +94,7 @@ class ExpertExpected:
     flip: Tensor | None = None
     one_flip: Tensor | None = None
     slack_flip: Tensor | None = None
-    # FP8 schemes (None otherwise): (T, 2) each token row's expected square of the output change from GEMM2's input
+    # FP8 schemes (None otherwise): (T, H, 2) each output element's expected square of its change from GEMM2's input
     # flips, each flip's probability bounded by Chebyshev's inequality from the kernel's deviation there (rule 4's
     # flip allowance): column 0 for a kernel that rounds where its model does, 1 for one that may round once more at
     # every point. docs/error-model.md, "FP8 rows in rule 4"
@@ -364,20 +364,23 @@ def _activation_change(c: Tensor, e: Tensor, spec) -> Tensor:
     return worst
 
 
-def _flip_squares(a: Tensor, err: Tensor, var: Tensor, rnd: Tensor, det: Tensor, reach: Tensor, scheme: str,
-                  dt: torch.dtype, w_pair: Tensor | None) -> Tensor:
-    """(P, 2): each pair's expected square of its output change from flips of GEMM2's quantized input `a` (P, I):
-    sum_j chance_j reach_j^2, `reach` (P, I) one flip's row change (one e4m3 step x s x ||w2[e][:, j]||: the floor's
-    one flip, computed once for both), times w^2 with `w_pair` (the weight on the output). A kernel's activation
-    lies off the truth's by its fp32 accumulation (`var`), its roundings (`rnd`, in eps_dt^2:
-    variance eps_dt^2 rnd / 12 once (dt: the working dtype), twice for a kernel that may round once more at every
-    point: the two columns) and at most `det` more (GEMM1's flips, underflow); `fp8.flip_chance` bounds each flip's
-    probability from that. docs/error-model.md, "FP8 rows in rule 4"."""
+def _flip_squares(a: Tensor, err: Tensor, var: Tensor, rnd: Tensor, det: Tensor, step: Tensor, W2: Tensor,
+                  e_flat: Tensor, scheme: str, dt: torch.dtype, w_pair: Tensor | None) -> Tensor:
+    """(P, H, 2): each pair's expected square of each output element's change from flips of GEMM2's quantized input
+    `a` (P, I): sum_j chance_j step_j^2 w2[e][h, j]^2, `step` (P, I) one flip's size (one e4m3 step x s: the floor's
+    one flip), times w^2 with `w_pair` (the weight on the output); over a row, sum_j chance_j (step_j
+    ||w2[e][:, j]||)^2. A kernel's activation lies off the truth's by its fp32 accumulation (`var`), its roundings
+    (`rnd`, in eps_dt^2: variance eps_dt^2 rnd / 12 once (dt: the working dtype), twice for a kernel that may round
+    once more at every point: the two columns) and at most `det` more (GEMM1's flips, underflow); `fp8.flip_chance`
+    bounds each flip's probability from that. Per element, so that rule 4 can sum them over any block of columns.
+    docs/error-model.md, "FP8 rows in rule 4"."""
     rounding = eps(dt) ** 2 / 12.0 * rnd.clamp_min(0)
     dev_sqs = [((var.clamp_min(0) + times * rounding).sqrt() + det) ** 2 for times in (1.0, 2.0)]
-    reach_sq = reach * reach
-    out = torch.stack([(chance * reach_sq).sum(dim=1) for chance in flip_chance(a, err, dev_sqs, scheme)], dim=1)
-    return out if w_pair is None else out * (w_pair.reshape(-1, 1) ** 2)
+    step_sq = step * step
+    jobs = {i: (chance * step_sq, "square") for i, chance in enumerate(flip_chance(a, err, dev_sqs, scheme))}
+    got = _per_expert_gemms(jobs, W2, e_flat)
+    out = torch.stack([got.pop(0), got.pop(1)], dim=2)
+    return out if w_pair is None else out * (w_pair.reshape(-1, 1, 1) ** 2)
 
 
 GRAM_BLOCK = 64     # rows of a Gram block in _slack_flips (whole pairs; a pair's rows only meet its own)
@@ -748,7 +751,8 @@ def forward_steps(
         if fp8 is not None:
             f3 = got.pop("f3")
             # one element j of the pair's activation flipped changes its output row by one step x column j of w2
-            reach = flip_step(a, err, fp8) * _per_expert_rows(_column_norms(W2), e_flat)    # (P, I)
+            step = flip_step(a, err, fp8)
+            reach = step * _per_expert_rows(_column_norms(W2), e_flat)    # (P, I)
             o3 = reach.amax(dim=1, keepdim=True)
             flip3 = (w_pair.abs() * f3 if weight_out else f3).reshape(T, k, H)
             one3 = (w_pair.abs() * o3 if weight_out else o3).reshape(T, k)
@@ -763,9 +767,9 @@ def forward_steps(
             slack_base = _slack_flips(slack_step, cache1_exact, W13, W2, e_flat, k, spec,
                                       w_pair.abs().reshape(P) if weight_out else torch.ones(P, dtype=_F64, device=dev),
                                       w2_lora)
-            flip_sq = _flip_squares(a, err, var2, rnd2, flip2 + tiny(dt) * under2, reach, fp8, dt,
+            flip_sq = _flip_squares(a, err, var2, rnd2, flip2 + tiny(dt) * under2, step, W2, e_flat, fp8, dt,
                                     w_pair if weight_out else None)
-            del f3, o3, reach, err, allow2
+            del f3, o3, reach, step, err, allow2
         if weight_out:
             s3 = w_pair.abs() * s3
             u3 = w_pair.abs() * u3
@@ -807,7 +811,7 @@ def forward_steps(
     if flip3 is not None:   # slack_flip: each pair's Gram bound (_slack_flips), the token's pairs added
         flips.update(flip=(flip3 * keep).sum(dim=1), one_flip=(one3 * keep[..., 0]).amax(dim=1),
                      slack_flip=(slack_base.reshape(T, k) * keep[..., 0]).sum(dim=1),
-                     flip_sq=(flip_sq.reshape(T, k, 2) * keep).sum(dim=1))
+                     flip_sq=(flip_sq.reshape(T, k, H, 2) * keep[..., None]).sum(dim=1))
     if not return_intermediates:
         return ExpertExpected(value=out, scale=scale, underflow=under, **flips)
     return ExpertExpected(value=out, scale=scale, underflow=under, cache1=cache1, cache2=a.reshape(T, k, -1),

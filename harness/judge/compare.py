@@ -28,7 +28,9 @@ Error model (docs/error-model.md): over the elements the contract writes,
      + ACC_SHARE acc_var (one more rounding of every value the emulation rounds, the output included, and the
      fp32 accumulation's expected square); a correct kernel's D has mean <= 0, a slip's is its squared size; the
      rows' self-normalised sum sum D / sqrt(sum D^2) must stay below EXCESS_SIGMAS (it cannot exceed sqrt(rows):
-     silent below EXCESS_MIN_ROWS = 83 rows; a decode batch pools the rows of many calls, Case.call_tokens).
+     silent below EXCESS_MIN_ROWS = 83 rows; a decode batch pools the rows of many calls, Case.call_tokens). It
+     holds over every row, each row group's rows, and (with enough rows) every row's elements in each dyadic block
+     of columns (harness.judge.column_blocks: a mistake confined to a few columns), under one union bound.
      With a `twin` (the same backend's output on the case's reordered view, every long sum in another order) a
      row's accumulation allowance is the smaller of ACC_SHARE acc_var and TWIN_FACTOR times the two runs' squared
      difference there: the kernel's own accumulation error, measured rather than bounded for every order.
@@ -46,6 +48,7 @@ import torch
 
 from moe_lora_harness.harness.build.guards import bits_dtype      # a tensor's bits, for the bit-exact rules
 from moe_lora_harness.harness.build.properties import plain_rows   # a view's rows in the plain run's order
+from moe_lora_harness.harness.judge.column_blocks import ColumnBlocks, column_blocks   # rule 4's column sets
 from moe_lora_harness.reference.precision import spacing_sq, tiny   # rule 4's rounding and underflow units
 
 ULPS = 4.0     # per element, in units of eps_dt at the element's forward-error scale
@@ -72,12 +75,16 @@ FALSE_VERDICT = 1e-9    # the per-case chance of a false per-element verdict the
 # rule 4: a self-normalised sum of independent rows exceeds z with probability below exp(-z^2/2) when the rows' excesses
 # are symmetric (Efron 1969), and in general below that at z sqrt(2) once their squares estimate their variances
 # (Bercu and Touati 2008): 6.44 sqrt(2) for FALSE_VERDICT. docs/error-model.md, "The excess over the emulation"
-def excess_sigmas(tests: int = 1) -> float:
-    """Rule 4's threshold when it is tried on `tests` sets of rows (a union bound: each at FALSE_VERDICT / tests)."""
-    return math.sqrt(2.0 * 2.0 * math.log(max(int(tests), 1) / FALSE_VERDICT))
+def excess_sigmas(tests: float = 1) -> float:
+    """Rule 4's threshold when it is tried on `tests` sets of rows (a union bound: each at FALSE_VERDICT / tests; a
+    fraction f of FALSE_VERDICT over n sets: tests n / f)."""
+    return math.sqrt(2.0 * 2.0 * math.log(max(float(tests), 1.0) / FALSE_VERDICT))
 
 
 EXCESS_SIGMAS = excess_sigmas(1)
+# rule 4 over column blocks (harness.judge.column_blocks): their share of rule 4's FALSE_VERDICT, the row sets keeping
+# the rest; tried only where every row's count lets them fail (docs/error-model.md, "Rule 4 over column blocks")
+COLUMN_SHARE = 0.1
 # rule 4's statistic is at most sqrt(rows): below this many rows it cannot fail (a decode call's rows; Case.call_tokens
 # pools calls until it can)
 EXCESS_MIN_ROWS = math.ceil(EXCESS_SIGMAS ** 2)
@@ -335,7 +342,7 @@ def compare_written(out: torch.Tensor, truth: torch.Tensor, emulation: torch.Ten
     agg = max(ratio, row_ratio)      # the aggregate statistic: the whole tensor's, or its worst row's
     # rule 4 holds (FP8 activations: with their flips' expected square only)
     modelled = acc_var is not None and round_var is not None and (flip is None or flip_sq is not None)
-    sets = _judged_sets(row_groups, _live_rows(written)) if modelled and truth.dim() > 1 else None
+    sets = _judged_sets(row_groups, _live_rows(written), _width(truth)) if modelled and truth.dim() > 1 else None
     exc = excess(o64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
                  work_dtype=work_dtype, row_groups=row_groups, model_points_only=model_points_only, sets=sets,
                  twin=None if twin is None else twin.detach().to(dev),
@@ -379,25 +386,41 @@ def excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor, wr
            row_groups=None, model_points_only: bool = False, sets=None, twin: torch.Tensor | None = None,
            flips=None):
     """Rule 4: (statistic, rows whose excess is positive, rows, total excess over total allowance, which rows) for
-    the worst of the row sets tried: every row (dim 0) with a written element, and each `row_groups` label's rows.
-    The statistic is sum D / (excess_sigmas(sets) sqrt(sum D^2)), D a row's squared error minus the emulation's minus
-    its allowance; > 1 fails. A 1-D output has none. `model_points_only`: the allowance is the accumulation's alone
-    (a kernel that rounds exactly where its model does flips roundings, a mean-zero change: docs/error-model.md).
-    `sets`: `_judged_sets` of these rows and groups, when the caller has them already. `twin`: compare_written's.
-    `flips` (FP8): (flip_sq, slack_flip), row_excess's."""
+    the worst of the sets tried: every row (dim 0) with a written element, each `row_groups` label's rows, and (with
+    enough rows) every row's elements in each column block (`_judged_sets`). The statistic is sum D / (z sqrt(sum
+    D^2)), D a row's squared error minus the emulation's minus its allowance over the set's columns, z the set's
+    threshold (excess_sigmas under the union bound); > 1 fails. A 1-D output has none. `model_points_only`: the
+    allowance is the accumulation's alone (a kernel that rounds exactly where its model does flips roundings, a
+    mean-zero change: docs/error-model.md). `sets`: `_judged_sets` of these rows, groups and width, when the caller
+    has them already. `twin`: compare_written's. `flips` (FP8): (flip_sq, slack_flip), row_excess's."""
     if truth.dim() < 2:
         return 0.0, 0, 1, 0.0, "no rows"
-    d, a = row_excess(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
-                      work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips)
-    names, _, member, sizes, keep, z, _ = sets if sets is not None else _judged_sets(row_groups, _live_rows(written))
+    live = _live_rows(written)
+    names, _, member, sizes, keep, z, _, columns = (sets if sets is not None
+                                                    else _judged_sets(row_groups, live, _width(truth)))
+    terms = _excess_terms(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
+                          work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips,
+                          blocks=columns)
+    d, a = (x[:, 0] for x in _set_excess(terms, torch.ones(terms["e"].shape[1], 1, dtype=torch.float64,
+                                                               device=truth.device)))
     m = member[:, keep]
-    dm = d[:, None] * m
-    total, spread = dm.sum(dim=0), torch.linalg.vector_norm(dm, dim=0)
-    over, allow = ((dm > 0).to(torch.float64)).sum(dim=0), (a[:, None] * m).sum(dim=0)
-    found = []
-    for t, sp, o, al, i in zip(*(x.tolist() for x in (total, spread, over, allow)), keep):
-        found.append((self_normalised(t, sp, z), int(o), int(sizes[i]), t / al if al > 0 else math.inf, names[i]))
+    found = _set_statistics(d[:, None] * m, a[:, None] * m, [(z, names[i], int(sizes[i])) for i in keep])
+    if columns is not None:   # every live row, restricted to each block's columns
+        dc, ac = _set_excess(terms, columns.member.to(truth.device))
+        lm = live.to(torch.float64)[:, None]
+        n_live = int(live.sum())
+        found += _set_statistics(dc * lm, ac * lm, [(columns.z, columns.name(i), n_live)
+                                                    for i in range(len(columns.spans))])
     return max(found, key=lambda f: f[0])     # the first (every row) among equals
+
+
+def _set_statistics(dm: torch.Tensor, am: torch.Tensor, sets: list) -> list:
+    """Rule 4's findings for sets of rows whose weighted excesses `dm` and allowances `am` are (rows, sets) columns:
+    [(statistic, rows over, rows, total excess over total allowance, name)]; `sets` [(threshold, name, rows)]."""
+    total, spread = dm.sum(dim=0), torch.linalg.vector_norm(dm, dim=0)
+    over, allow = (dm > 0).to(torch.float64).sum(dim=0), am.sum(dim=0)
+    return [(self_normalised(t, sp, z), int(o), n, t / al if al > 0 else math.inf, name)
+            for t, sp, o, al, (z, name, n) in zip(*(x.tolist() for x in (total, spread, over, allow)), sets)]
 
 
 def self_normalised(total: float, spread: float, z: float) -> float:
@@ -414,33 +437,73 @@ def row_excess(out64: torch.Tensor, truth: torch.Tensor, emulation: torch.Tensor
     """Rule 4's per-row terms over the written elements of each row (dim 0): (D, the row's squared error minus the
     emulation's minus its allowance; the allowance). With a `twin` run each row's accumulation allowance is the
     smaller of ACC_SHARE acc_var and TWIN_FACTOR times the runs' squared difference, over the row. `flips` (FP8
-    activations): (flip_sq (T, 2), slack_flip (T,) or None): each row also allows its GEMM2 flips' expected square
-    (column 0 for a kernel declared to round at its model's points, with the accumulation under the twin's cap: the
-    twin flips as it does; else column 1, uncapped) and, unless it is so declared (its scale is amax / 448 and its
-    operand x / s, each rounded once, as the model's), its scale-arithmetic flips in full, slack^2 + 2 slack
-    ||emu - truth|| (certain flips need not be mean-zero). docs/error-model.md, "FP8 rows in rule 4"."""
-    dims = tuple(range(1, truth.dim()))
-    w = written.to(torch.float64)
-    acc = (ACC_SHARE * acc_var.clamp_min(0) * w).sum(dim=dims)
+    activations): (flip_sq (T, ..., 2): each element's expected square of its change from GEMM2's input flips,
+    slack_flip (T,) or None): each row also allows its elements' flips (column 0 for a kernel declared to round at
+    its model's points, with the accumulation under the twin's cap: the twin flips as it does; else column 1,
+    uncapped) and, unless it is so declared (its scale is amax / 448 and its operand x / s, each rounded once, as
+    the model's), its scale-arithmetic flips in full, slack^2 + 2 slack ||emu - truth|| (certain flips need not be
+    mean-zero). docs/error-model.md, "FP8 rows in rule 4"."""
+    terms = _excess_terms(out64, truth, emulation, written, acc_var, round_var, dtype=dtype, underflow=underflow,
+                          work_dtype=work_dtype, model_points_only=model_points_only, twin=twin, flips=flips)
+    d, a = _set_excess(terms, torch.ones(1, 1, dtype=torch.float64, device=truth.device))
+    return d[:, 0], a[:, 0]
+
+
+def _excess_terms(out64, truth, emulation, written, acc_var, round_var, *, dtype, underflow=None, work_dtype=None,
+                  model_points_only=False, twin=None, flips=None, blocks: ColumnBlocks | None = None) -> dict:
+    """Rule 4's terms of each row, summed over each unit of `blocks` (None: the whole row, one unit), (rows,
+    units) each: "e" the squared error minus the emulation's minus the per-element allowance, "x" the accumulation's
+    share (with a declared backend's FP8 flips), "y" the twin's cap (None: no twin), "f" the other FP8 flips (None:
+    none), "m" the emulation's squared error, "a" the per-element allowance; "slack" (rows,) the scale-arithmetic
+    flips' norm, allowed in full over any set of a row's columns (None: none). `row_excess` says what each holds."""
+    w = written
+    zero = torch.zeros((), dtype=torch.float64, device=truth.device)
+    sums = (lambda x: torch.where(w, x, zero).reshape(x.shape[0], -1).sum(dim=1, keepdim=True)) if blocks is None \
+        else (lambda x: blocks.sums(torch.where(w, x, zero)))
     flip_sq, slack = flips if flips is not None else (None, None)
+    acc = ACC_SHARE * acc_var.clamp_min(0)
     if flip_sq is not None and model_points_only:   # the flips a twin in another order takes too: measured with it
-        acc = acc + flip_sq[:, 0].to(acc)
+        acc = acc + flip_sq[..., 0].to(acc)
+    y = None
     if twin is not None:
         apart = torch.nan_to_num((out64 - twin.to(torch.float64)) ** 2, nan=math.inf, posinf=math.inf)
-        acc = torch.minimum(acc, TWIN_FACTOR * (apart * w).sum(dim=dims))
+        y = sums(TWIN_FACTOR * apart)
+    f = None
     if flip_sq is not None and not model_points_only:   # another rounding's flips need not differ between orders
-        acc = acc + flip_sq[:, 1].to(acc)
+        f = sums(flip_sq[..., 1].to(acc))
     if slack is not None and not model_points_only:   # the scale arithmetic's flips at exact ties: in full (neither
         # the order's nor random); a backend that rounds only at its model's points divides as the model does
         slack = slack.to(acc)
-        acc = acc + slack * slack + 2.0 * slack * (((emulation - truth) ** 2) * w).sum(dim=dims).sqrt()
+    else:
+        slack = None
     allowed = torch.zeros_like(truth)
     if not model_points_only:
         allowed = allowed + other_points(emulation, round_var, dtype)
     if underflow is not None:
         allowed = allowed + (tiny(work_dtype or dtype) * underflow) ** 2
-    d = (((out64 - truth) ** 2 - (emulation - truth) ** 2 - allowed) * w).sum(dim=dims) - acc
-    return d, (allowed * w).sum(dim=dims) + acc
+    sq = (emulation - truth) ** 2
+    return dict(e=sums((out64 - truth) ** 2 - sq - allowed), x=sums(acc), y=y, f=f, m=sums(sq), a=sums(allowed),
+                slack=slack)
+
+
+def _set_excess(terms: dict, member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, allowance) (rows, sets) of `_excess_terms` over the units of each set (`member` (units, sets) 0/1): the
+    twin's cap and the slack's cross term taken per set, where they do not add."""
+    over = lambda x: x @ member   # noqa: E731
+    acc = over(terms["x"])
+    if terms["y"] is not None:
+        acc = torch.minimum(acc, over(terms["y"]))
+    if terms["f"] is not None:
+        acc = acc + over(terms["f"])
+    slack = terms["slack"]
+    if slack is not None:
+        acc = acc + slack[:, None] ** 2 + 2.0 * slack[:, None] * over(terms["m"]).clamp_min(0).sqrt()
+    return over(terms["e"]) - acc, over(terms["a"]) + acc
+
+
+def _width(truth: torch.Tensor) -> int:
+    """An output row's (dim 0) flattened column count: what rule 4's column blocks divide."""
+    return truth[0].numel() if truth.dim() > 1 else 0
 
 
 def _live_rows(written: torch.Tensor) -> torch.Tensor:
@@ -448,16 +511,39 @@ def _live_rows(written: torch.Tensor) -> torch.Tensor:
     return written.reshape(written.shape[0], -1).any(dim=1)
 
 
-def _judged_sets(row_groups, live: torch.Tensor):
-    """(names, kinds, row weights, sizes, kept set indices, threshold, the threshold sets were dropped at): rule 4's
-    row sets (`_row_sets`) and those it judges. A set of n rows cannot fail (the statistic is at most sqrt(n), with
-    any weights): dropped before the union bound counts it (the sets follow the routing and the mapping, never the
-    output judged); every row (set 0) is always kept."""
+def _judged_sets(row_groups, live: torch.Tensor, width: int = 0):
+    """(names, kinds, row weights, sizes, kept set indices, threshold, the threshold sets were dropped at, column
+    sets): rule 4's row sets (`_row_sets`) and those it judges, and its column blocks of a row `width` columns wide
+    (`ColumnSets`, None where there are none or they cannot fail). A set of n rows cannot fail (the statistic is at
+    most sqrt(n), with any weights): dropped before the union bound counts it (the sets follow the routing, the
+    mapping and the row's width, never the output judged); every row (set 0) is always kept. With column blocks the
+    row sets take 1 - COLUMN_SHARE of FALSE_VERDICT."""
     names, kinds, member = _row_sets(row_groups, live)    # member: (rows, sets) weights, "every row" first
     sizes = (member > 0).sum(dim=0).tolist()
     z_drop = excess_sigmas(len(sizes))
     keep = [0] + [i for i in range(1, len(sizes)) if math.sqrt(sizes[i]) > z_drop]
-    return names, kinds, member, sizes, keep, excess_sigmas(len(keep)), z_drop
+    columns = _column_sets(width, int(sizes[0]))
+    share = 1.0 if columns is None else 1.0 - COLUMN_SHARE
+    return names, kinds, member, sizes, keep, excess_sigmas(len(keep) / share), z_drop, columns
+
+
+@dataclass(frozen=True)
+class ColumnSets(ColumnBlocks):
+    """Rule 4's column blocks (`column_blocks`) with their threshold `z`: COLUMN_SHARE of FALSE_VERDICT over them."""
+
+    z: float = 0.0
+
+
+def _column_sets(width: int, rows: int) -> ColumnSets | None:
+    """The column blocks rule 4 tries on `rows` live rows `width` columns wide; None where a row is narrower than
+    two blocks, or where sqrt(rows) is within their threshold (none could fail)."""
+    blocks = column_blocks(width) if width > 0 else None
+    if blocks is None:
+        return None
+    z = excess_sigmas(len(blocks.spans) / COLUMN_SHARE)
+    if math.sqrt(rows) <= z:
+        return None
+    return ColumnSets(blocks.width, blocks.unit, blocks.member, blocks.spans, z)
 
 
 # a verdict's `unseen` where the truth carries no rounding-variance model (FP8 activations: their e4m3 steps are rule
@@ -470,12 +556,12 @@ def rule4_unseen(written: torch.Tensor, row_groups=None) -> str:
     """Which of rule 4's row sets hold too few rows for it to fail (`_judged_sets`), in words ('' when it judges every
     one): there a mistake confined to those rows is judged by rules 2 and 3 alone, whose aggregate factor 3 lets one
     up to about 2.8 times the rows' own error pass (docs/error-model.md, "What the judge cannot see")."""
-    return _unseen(_judged_sets(row_groups, _live_rows(written))) if written.dim() > 1 else ""
+    return _unseen(_judged_sets(row_groups, _live_rows(written), _width(written))) if written.dim() > 1 else ""
 
 
 def _unseen(sets) -> str:
     """`rule4_unseen`'s words for the `_judged_sets` already taken."""
-    _, kinds, _, sizes, keep, z, z_drop = sets
+    _, kinds, _, sizes, keep, z, z_drop, _ = sets
     parts = [f"every row ({sizes[0]} rows, it needs {math.floor(z * z) + 1})"] if math.sqrt(sizes[0]) <= z else []
     kept = set(keep)
     dropped: dict[str, list] = {}

@@ -748,8 +748,9 @@ def test_fp8_rows_get_rule_4_only_where_the_e4m3_products_sum_exactly_or_a_twin_
     backend declared to round at its model's points, the twin's measure alone bounding the flips (flip_sq infinite);
     undeclared, or without such a twin, it is off."""
     _, truth, _ = _expectations(RULE4_ROW.replace(T=8))
-    assert truth.flip_sq is not None and tuple(truth.flip_sq.shape) == (8, 2)
-    assert bool((truth.flip_sq[:, 1] >= truth.flip_sq[:, 0]).all()) and bool((truth.flip_sq >= 0).all())
+    assert truth.flip_sq is not None and tuple(truth.flip_sq.shape) == tuple(truth.value.shape) + (2,)
+    assert bool((truth.flip_sq[..., 1] >= truth.flip_sq[..., 0]).all()) and bool((truth.flip_sq >= 0).all())
+    assert bool((truth.flip_sq.sum(dim=1) > 0).all())      # every row has elements that may flip
     for device, mma, twin, points_only, on in (
             ("cpu", None, False, False, True), ("cuda:0", "fp32", False, False, True),
             ("cuda:0", 128, False, True, False), ("cuda:0", 128, True, False, False), ("cuda:0", 128, True, True, True),
@@ -758,6 +759,36 @@ def test_fp8_rows_get_rule_4_only_where_the_e4m3_products_sum_exactly_or_a_twin_
         assert (got["flip_sq"] is not None) == on and (got["round_var"] is not None) == on, (device, mma)
         measured = on and mma == 128
         assert not on or bool(torch.isinf(got["flip_sq"]).all()) == measured, (device, mma)
+
+
+def test_the_flips_expected_squares_per_element_add_up_to_each_rows():
+    """reference.experts._flip_squares per output element (rule 4 sums them over any block of columns): over a row
+    they are sum_j chance_j (step_j ||w2[e][:, j]||)^2, each flip's chance (fp8.flip_chance) times its reach's
+    square, and an element h gets sum_j chance_j step_j^2 w2[e][h, j]^2."""
+    from moe_lora_harness.reference.experts import _flip_squares
+    g = torch.Generator().manual_seed(7)
+    P, I, H, E = 12, 256, 48, 3
+    for scheme in FP8_QUANTS:
+        a = torch.randn(P, I, generator=g, dtype=torch.float64)
+        err = 1e-3 * a.abs() + 1e-4
+        var, rnd = (1e-6 * torch.rand(P, I, generator=g, dtype=torch.float64) for _ in range(2))
+        det = torch.zeros(P, I, dtype=torch.float64)
+        w2 = torch.randn(E, H, I, generator=g)
+        experts = torch.randint(0, E, (P,), generator=g)
+        w = torch.rand(P, generator=g, dtype=torch.float64)
+        got = _flip_squares(a, err, var, rnd, det, fp8.flip_step(a, err, scheme), w2, experts, scheme,
+                            torch.bfloat16, w)
+        assert tuple(got.shape) == (P, H, 2)
+        step = fp8.flip_step(a, err, scheme)
+        rounding = torch.finfo(torch.bfloat16).eps ** 2 / 12.0 * rnd
+        for col, times in enumerate((1.0, 2.0)):
+            chance = fp8.flip_chance(a, err, (var + times * rounding).sqrt() ** 2, scheme)
+            we = w2.to(torch.float64)[experts]                                       # (P, H, I)
+            element = torch.einsum("pj,phj->ph", chance * step * step, we * we) * w[:, None] ** 2
+            row = (chance * (step * torch.linalg.vector_norm(we, dim=1)) ** 2).sum(dim=1) * w ** 2
+            assert torch.allclose(got[..., col], element, rtol=1e-12, atol=0), scheme
+            assert torch.allclose(got[..., col].sum(dim=1), row, rtol=1e-12, atol=0), scheme
+            assert bool((row > 0).any()), scheme
 
 
 def test_a_flips_chance_is_chebyshevs_bound_and_zero_outside_the_worst_case_window():

@@ -534,6 +534,58 @@ def test_the_excess_rule_holds_per_slot_group():
     assert compare.excess_sigmas(5) > compare.EXCESS_SIGMAS
 
 
+def test_the_excess_rule_holds_per_column_block():
+    """Noise on the last 32 of 768 output columns only (a tile's N tail a little off), of 0.3 times the kernel's own
+    error over the whole tensor: rule 4 fails it over that column block of every row, where over whole rows it
+    passes it at 0.8; the correct output passes. The blocks take COLUMN_SHARE of FALSE_VERDICT (the row sets' threshold
+    rises from 9.10 to 9.13) and exist only where every row's count lets them fail."""
+    case = Case.from_json(ROWS)
+    out, truth, emu = _eager(case)
+    written = torch.ones_like(truth.value, dtype=torch.bool)
+    own = float(torch.linalg.vector_norm(out.to(F64) - truth.value))
+    tail = torch.zeros(case.H, dtype=torch.bool)
+    tail[-32:] = True
+    noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=F64) * tail
+
+    def slipped(f):
+        return (out.to(F64) + noise * (f * own / float(torch.linalg.vector_norm(noise)))).to(out.dtype)
+    assert _judge(case, out, truth, emu).ok
+    v = _judge(case, slipped(0.3), truth, emu)
+    assert not v.ok and f"columns {case.H - 32}-{case.H - 1} of every row" in v.message, v.summary()
+    rows_only = compare._judged_sets(None, torch.ones(case.T, dtype=torch.bool))     # no width: no column blocks
+    for f in (0.3, 0.8):
+        stat = compare.excess(slipped(f).to(F64), truth.value, emu.value, written, truth.acc_var, truth.round_var,
+                              dtype=torch_dtype(case), underflow=truth.underflow, sets=rows_only)[0]
+        assert stat < 1.0, (f, stat)
+    sets = compare._judged_sets(None, torch.ones(case.T, dtype=torch.bool), case.H)
+    columns = sets[7]
+    assert sets[5] == compare.excess_sigmas(1 / (1 - compare.COLUMN_SHARE)) and 9.12 < sets[5] < 9.14
+    assert columns.z == compare.excess_sigmas(len(columns.spans) / compare.COLUMN_SHARE)
+    assert columns.spans[0] == (0, 31) and {(736, 767), (0, 511), (512, 767)} <= set(columns.spans)
+    few = math.floor(columns.z ** 2)      # as many rows as cannot fail them: no blocks, the row sets at FALSE_VERDICT
+    sets = compare._judged_sets(None, torch.ones(few, dtype=torch.bool), case.H)
+    assert sets[7] is None and sets[5] == compare.EXCESS_SIGMAS
+    assert compare._judged_sets(None, torch.ones(few + 1, dtype=torch.bool), case.H)[7] is not None
+
+
+def test_column_blocks_are_dyadic_and_few():
+    """harness.judge.column_blocks: 32 columns and each doubling below the row's width, the last block cut at the
+    row's end and listed once; a wide row's narrowest block widened to keep about COLUMN_SETS_MAX blocks; none for
+    a row under two blocks. `sums` adds each unit's columns."""
+    from moe_lora_harness.harness.judge.column_blocks import COLUMN_SETS_MAX, column_blocks
+    assert column_blocks(32) is None and column_blocks(63) is not None
+    b = column_blocks(100)                        # units of 32: 0-31, 32-63, 64-95, 96-99
+    assert b.unit == 32 and b.spans == ((0, 31), (32, 63), (64, 95), (96, 99), (0, 63), (64, 99))
+    for width in (2048, 2880, 7168, 18432):
+        b = column_blocks(width)
+        assert len(b.spans) <= COLUMN_SETS_MAX + 8 and len(set(b.spans)) == len(b.spans), width
+        assert b.spans[0][0] == 0 and max(hi for _, hi in b.spans) == width - 1, width
+        assert all(hi - lo + 1 < width for lo, hi in b.spans), width
+        x = torch.rand(3, width, dtype=F64)
+        assert torch.allclose(b.sums(x).sum(dim=1), x.sum(dim=1)), width
+    assert column_blocks(7168).unit == 64
+
+
 def test_the_excess_rule_holds_per_routed_expert():
     """Noise on the rows of the tokens routed to one expert (a quarter of 600: 8 experts, top-2), of 0.8 times the
     kernel's own error over the whole tensor (one expert's LoRA or weights slightly off): with the routing among the
