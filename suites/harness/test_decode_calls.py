@@ -100,13 +100,14 @@ def test_pooled_calls_give_a_decode_batch_rule_4s_power(dtype):
 
 
 def test_the_check_matrix_decode_row_pools_enough_rows_for_rule_4():
-    """On the GPU profile the decode row holds twice the rows rule 4 needs before it can fail; with --model each
+    """On the GPU profile the decode row holds four times the rows rule 4 needs before it can fail; with --model each
     token count up to DECODE_MOST_TOKENS is one call's, pooled to as many rows, and a prefill count is dropped."""
     from moe_lora_harness.harness.judge.compare import EXCESS_MIN_ROWS, EXCESS_SIGMAS
     from moe_lora_harness.harness.check.features import DECODE_MOST_TOKENS, DECODE_ROW, DECODE_ROWS, FEATURES
     from moe_lora_harness.harness.check.model_plan import plan_model
     from moe_lora_harness.harness.served.models import model_named
     assert EXCESS_MIN_ROWS ** 0.5 >= EXCESS_SIGMAS > (EXCESS_MIN_ROWS - 1) ** 0.5
+    assert DECODE_ROWS == 4 * EXCESS_MIN_ROWS
     row = next(f for f in FEATURES if f.name == DECODE_ROW)
     gpu = row.cases("cuda", 2)
     assert [(c.T, c.call_tokens) for c in gpu] == [(DECODE_ROWS, 1), (DECODE_ROWS, 2)]
