@@ -489,7 +489,9 @@ def _excess_terms(out64, truth, emulation, written, acc_var, round_var, *, dtype
 def _set_excess(terms: dict, member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(D, allowance) (rows, sets) of `_excess_terms` over the units of each set (`member` (units, sets) 0/1): the
     twin's cap and the slack's cross term taken per set, where they do not add."""
-    over = lambda x: x @ member   # noqa: E731
+    def over(x: torch.Tensor) -> torch.Tensor:    # a set's sum; inf where a unit in it is (never inf times 0)
+        inf = torch.isinf(x)
+        return torch.where((inf.to(x.dtype) @ member) > 0, math.inf, torch.where(inf, 0.0, x) @ member)
     acc = over(terms["x"])
     if terms["y"] is not None:
         acc = torch.minimum(acc, over(terms["y"]))

@@ -568,6 +568,30 @@ def test_the_excess_rule_holds_per_column_block():
     assert compare._judged_sets(None, torch.ones(few + 1, dtype=torch.bool), case.H)[7] is not None
 
 
+def test_column_blocks_take_an_infinite_flip_allowance_under_the_twins_cap():
+    """Under a truncating MMA the twin's measure alone bounds a declared backend's FP8 flips (flip_sq infinite,
+    expectation.allowances): every column block then allows the twin's cap, never NaN (an infinite unit outside a
+    block counts nothing there), so a slip on 32 columns still fails over its block and the unslipped output passes."""
+    g = torch.Generator().manual_seed(11)
+    truth = torch.randn(400, 512, generator=g, dtype=F64)
+    emu = truth.to(torch.float16).to(F64)
+    out = (truth + 1e-3 * torch.randn(truth.shape, generator=g, dtype=F64)).to(torch.float16).to(F64)
+    twin = (truth + 1e-3 * torch.randn(truth.shape, generator=g, dtype=F64)).to(torch.float16).to(F64)
+    written = torch.ones_like(truth, dtype=torch.bool)
+    flips = (torch.full(truth.shape + (2,), math.inf, dtype=F64), None)
+    zero = torch.zeros_like(truth)
+
+    def stat(o, tw):
+        return compare.excess(o, truth, emu, written, zero, zero, dtype=torch.float16, model_points_only=True,
+                              twin=tw, flips=flips)
+    ok = stat(out, twin)
+    assert math.isfinite(ok[0]) and ok[0] < 1.0, ok
+    slip = torch.zeros_like(truth)
+    slip[:, -32:] = 2e-3          # the same backend's slip in both runs
+    bad = stat(out + slip, twin + slip)
+    assert bad[0] > 1.0 and bad[4] == "columns 480-511 of every row", bad
+
+
 def test_column_blocks_are_dyadic_and_few():
     """harness.judge.column_blocks: 32 columns and each doubling below the row's width, the last block cut at the
     row's end and listed once; a wide row's narrowest block widened to keep about COLUMN_SETS_MAX blocks; none for
