@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-COLUMN_BLOCK = 32         # the narrowest block, in columns
+COLUMN_BLOCK = 8          # the narrowest block, in columns: a tensor-core MMA tile's narrowest N
 COLUMN_SETS_MAX = 256     # the narrowest block doubles until about this many blocks of every width remain
 
 

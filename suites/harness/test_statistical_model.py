@@ -534,9 +534,16 @@ def test_the_excess_rule_holds_per_slot_group():
     assert compare.excess_sigmas(5) > compare.EXCESS_SIGMAS
 
 
+def _block_within(said: str, lo: int, hi: int) -> bool:
+    """Whether a rule 4 finding names a column block inside columns lo-hi."""
+    import re
+    m = re.search(r"columns (\d+)-(\d+) of every row", said)
+    return m is not None and lo <= int(m.group(1)) <= int(m.group(2)) <= hi
+
+
 def test_the_excess_rule_holds_per_column_block():
     """Noise on the last 32 of 768 output columns only (a tile's N tail a little off), of 0.3 times the kernel's own
-    error over the whole tensor: rule 4 fails it over that column block of every row, where over whole rows it
+    error over the whole tensor: rule 4 fails it over a column block of every row within them, where over whole rows it
     passes it at 0.8; the correct output passes. The blocks take COLUMN_SHARE of FALSE_VERDICT (the row sets' threshold
     rises from 9.10 to 9.13) and exist only where every row's count lets them fail."""
     case = Case.from_json(ROWS)
@@ -551,7 +558,7 @@ def test_the_excess_rule_holds_per_column_block():
         return (out.to(F64) + noise * (f * own / float(torch.linalg.vector_norm(noise)))).to(out.dtype)
     assert _judge(case, out, truth, emu).ok
     v = _judge(case, slipped(0.3), truth, emu)
-    assert not v.ok and f"columns {case.H - 32}-{case.H - 1} of every row" in v.message, v.summary()
+    assert not v.ok and _block_within(v.message, case.H - 32, case.H - 1), v.summary()
     rows_only = compare._judged_sets(None, torch.ones(case.T, dtype=torch.bool))     # no width: no column blocks
     for f in (0.3, 0.8):
         stat = compare.excess(slipped(f).to(F64), truth.value, emu.value, written, truth.acc_var, truth.round_var,
@@ -561,7 +568,7 @@ def test_the_excess_rule_holds_per_column_block():
     columns = sets[7]
     assert sets[5] == compare.excess_sigmas(1 / (1 - compare.COLUMN_SHARE)) and 9.12 < sets[5] < 9.14
     assert columns.z == compare.excess_sigmas(len(columns.spans) / compare.COLUMN_SHARE)
-    assert columns.spans[0] == (0, 31) and {(736, 767), (0, 511), (512, 767)} <= set(columns.spans)
+    assert columns.spans[0] == (0, 7) and {(736, 767), (0, 511), (512, 767)} <= set(columns.spans)
     few = math.floor(columns.z ** 2)      # as many rows as cannot fail them: no blocks, the row sets at FALSE_VERDICT
     sets = compare._judged_sets(None, torch.ones(few, dtype=torch.bool), case.H)
     assert sets[7] is None and sets[5] == compare.EXCESS_SIGMAS
@@ -589,17 +596,17 @@ def test_column_blocks_take_an_infinite_flip_allowance_under_the_twins_cap():
     slip = torch.zeros_like(truth)
     slip[:, -32:] = 2e-3          # the same backend's slip in both runs
     bad = stat(out + slip, twin + slip)
-    assert bad[0] > 1.0 and bad[4] == "columns 480-511 of every row", bad
+    assert bad[0] > 1.0 and _block_within(bad[4], 480, 511), bad
 
 
 def test_column_blocks_are_dyadic_and_few():
-    """harness.judge.column_blocks: 32 columns and each doubling below the row's width, the last block cut at the
+    """harness.judge.column_blocks: 8 columns and each doubling below the row's width, the last block cut at the
     row's end and listed once; a wide row's narrowest block widened to keep about COLUMN_SETS_MAX blocks; none for
     a row under two blocks. `sums` adds each unit's columns."""
     from moe_lora_harness.harness.judge.column_blocks import COLUMN_SETS_MAX, column_blocks
-    assert column_blocks(32) is None and column_blocks(63) is not None
-    b = column_blocks(100)                        # units of 32: 0-31, 32-63, 64-95, 96-99
-    assert b.unit == 32 and b.spans == ((0, 31), (32, 63), (64, 95), (96, 99), (0, 63), (64, 99))
+    assert column_blocks(8) is None and column_blocks(9) is not None
+    b = column_blocks(20)                         # units of 8: 0-7, 8-15, 16-19 (twice at the next size: once)
+    assert b.unit == 8 and b.spans == ((0, 7), (8, 15), (16, 19), (0, 15))
     for width in (2048, 2880, 7168, 18432):
         b = column_blocks(width)
         assert len(b.spans) <= COLUMN_SETS_MAX + 8 and len(set(b.spans)) == len(b.spans), width
