@@ -4,6 +4,7 @@ measured against those columns' allowance rather than diluted by the whole row's
 the row's width alone, never the output judged. docs/error-model.md, "Rule 4 over column blocks"."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,10 +37,11 @@ class ColumnBlocks:
         return f"columns {lo}-{hi} of every row"
 
 
+@functools.lru_cache(maxsize=64)
 def column_blocks(width: int) -> ColumnBlocks | None:
     """The dyadic blocks of a row of `width` columns narrower than the row (the unit, and each doubling of it, the
     last block of each size cut at the row's end; a block equal to one already listed is listed once); None where
-    the row holds fewer than two units."""
+    the row holds fewer than two units. Built once per width (every judgement asks; `member` is never written)."""
     unit = COLUMN_BLOCK
     while 2 * math.ceil(width / unit) > COLUMN_SETS_MAX:
         unit *= 2

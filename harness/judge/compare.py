@@ -471,11 +471,9 @@ def _excess_terms(out64, truth, emulation, written, acc_var, round_var, *, dtype
     f = None
     if flip_sq is not None and not model_points_only:   # another rounding's flips need not differ between orders
         f = sums(flip_sq[..., 1].to(acc))
-    if slack is not None and not model_points_only:   # the scale arithmetic's flips at exact ties: in full (neither
-        # the order's nor random); a backend that rounds only at its model's points divides as the model does
-        slack = slack.to(acc)
-    else:
-        slack = None
+    # the scale arithmetic's flips at exact ties: in full (neither the order's nor random); a backend that rounds only
+    # at its model's points divides as the model does
+    slack = slack.to(acc) if slack is not None and not model_points_only else None
     allowed = torch.zeros_like(truth)
     if not model_points_only:
         allowed = allowed + other_points(emulation, round_var, dtype)

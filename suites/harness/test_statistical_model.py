@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -536,7 +537,6 @@ def test_the_excess_rule_holds_per_slot_group():
 
 def _block_within(said: str, lo: int, hi: int) -> bool:
     """Whether a rule 4 finding names a column block inside columns lo-hi."""
-    import re
     m = re.search(r"columns (\d+)-(\d+) of every row", said)
     return m is not None and lo <= int(m.group(1)) <= int(m.group(2)) <= hi
 
