@@ -1,6 +1,6 @@
 """Correct backends on random cases through the runner, counting verdicts: the no-false-verdict check every twin or
-rule change needs (the twin and its measures run where the runner runs them). One preset per region of fp32 cases the
-judge treats apart (PRESETS); levels (MAKERS) expert (one rank, decode calls, TP, dispatched EP), op (every flag) and
+rule change needs (the twin and its measures run where the runner runs them). One preset per region of cases the
+judge treats apart (PRESETS: fp32 unless `--dtype` says otherwise); levels (MAKERS) expert (one rank, decode calls, TP, dispatched EP), op (every flag) and
 fp8_decode (FP8 decode calls pooled, its own sizes).
 
     python bench/validate_correct.py REF|NAME [--preset served|few_rows|short_sums|columns]
@@ -9,9 +9,9 @@ fp8_decode (FP8 decode calls pooled, its own sizes).
                                      [--device cpu|cuda] [--seconds 60] [--cases 3000] [--seed 0]
 
 One line of counts (and how many cases ran a twin), then up to eight failures with their cases. A GPU draws served
-sizes too (`--big`: on any device). Replaces the per-session scripts under bench/results (2026-12-06-cpu-s46/twin_rule3_validation.py,
-2026-12-07-cpu-s47/small_rows_validation.py, short_sums_validation.py; 2026-12-07-cpu-s52/fp8_pooled_validation.py,
-whose draws fp8_decode_case keeps)."""
+sizes too (`--big`: on any device). Replaces the per-session scripts under bench/results
+(2026-12-06-cpu-s46/twin_rule3_validation.py, 2026-12-07-cpu-s47/small_rows_validation.py, short_sums_validation.py;
+2026-12-07-cpu-s52/fp8_pooled_validation.py, whose draws fp8_decode_case kept until it pooled more rows)."""
 from __future__ import annotations
 
 import argparse
@@ -64,7 +64,7 @@ PRESETS = {"served": _served, "few_rows": _few_rows, "short_sums": _short_sums, 
 DTYPES = ("float32", "float16", "bfloat16")
 
 
-def op_case(rng, draw, big, dtype) -> Case:
+def op_case(rng, draw, big, dtype, quant="none") -> Case:
     T, H, I, R = draw(rng, big)
     E, ep, slices, fs = rng.choice([4, 8, 16]), rng.choice([1, 1, 1, 2]), rng.choice([1, 2, 3]), rng.random() < 0.2
     return Case(level="op", T=T, H=H, I=I, E=E, top_k=min(rng.choice([1, 2, 4]), E), dtype=dtype(),
@@ -97,11 +97,12 @@ def expert_case(rng, draw, big, dtype, quant="none") -> Case:
     return Case(**kw)
 
 
-def fp8_decode_case(rng, draw, big, dtype) -> Case:
+def fp8_decode_case(rng, draw, big, dtype, quant="none") -> Case:
     """FP8 activations handed over in decode calls of 1-16 tokens and judged pooled (83-360 rows; to 200 until the
     fifty-fifth session, when rule 4's column blocks, past 115 rows, came into reach), as check --model
     judges an FP8 row's decode token counts: both schemes, fp16 and bf16, half with a massive-activation token. Its
-    own sizes (H and I multiples of 128, as the block scheme needs) and dtypes: `draw` and `dtype` are not used."""
+    own sizes (H and I multiples of 128, as the block scheme needs), dtypes and schemes: `draw`, `dtype` and `quant`
+    are not used."""
     per_call = rng.choice([1, 2, 3, 4, 7, 8, 16])
     calls = -(-rng.randint(83, 360) // per_call)
     dtype = rng.choice(["float16", "bfloat16"])
@@ -116,7 +117,7 @@ def fp8_decode_case(rng, draw, big, dtype) -> Case:
                 activation=rng.choice(["silu", "gelu", "swigluoai", "relu2_no_mul"]), lora=rng.random() < 0.8, **kw)
 
 
-# --level -> make(rng, draw, big, dtype) -> Case (dtype() draws the case's dtype)
+# --level -> make(rng, draw, big, dtype, quant) -> Case (dtype() draws the case's dtype; quant: the expert level's)
 MAKERS = {"op": op_case, "expert": expert_case, "fp8_decode": fp8_decode_case}
 
 
@@ -130,7 +131,7 @@ def validate(spec, level: str, preset: str, device: str, seconds: float, cases: 
     pick = (lambda: rng.choice(DTYPES)) if dtype == "any" else (lambda: dtype)
     t0, counts, fails, twins, i = time.time(), {}, [], 0, 0
     while i < cases and time.time() - t0 < seconds:
-        case = make(rng, draw, big, pick, quant) if quant != "none" else make(rng, draw, big, pick)
+        case = make(rng, draw, big, pick, quant)
         if case.problems():
             continue
         i += 1
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
     if a.quant != "none" and a.level != "expert":
         ap.error(f"--quant {a.quant} is an expert-level setting (--level expert), got --level {a.level}")
     specs = load_ref(a.ref) if ":" in a.ref else [available_backends()[a.ref]]
-    failed = [validate(s, a.level, a.preset, a.device, a.seconds, a.cases, a.seed, a.dtype, a.quant, a.big) for s in specs]
+    failed = [validate(s, a.level, a.preset, a.device, a.seconds, a.cases, a.seed, a.dtype, a.quant, a.big)
+              for s in specs]
     return 1 if any(failed) else 0
 
 

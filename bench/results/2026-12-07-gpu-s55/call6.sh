@@ -11,7 +11,8 @@ left() { echo $(( ${END:-580} - ($(date +%s) - T0) )); }
 for q in fp8_block fp8_w8a8; do
   (( $(left) > 30 )) || { echo "power $q: no time left" | tee -a $L/skipped.txt; continue; }
   timeout $(left) python3 -m moe_lora_harness selftest --power --device cuda --model qwen3-30b-a3b --quant $q \
-    --tokens 16 --calls 21 --dtype bfloat16,float16 --rank 16 --json $L/power_${q}_calls21.json > $L/power_${q}_calls21.txt 2>&1
+    --tokens 16 --calls 21 --dtype bfloat16,float16 --rank 16 --json $L/power_${q}_calls21.json \
+    > $L/power_${q}_calls21.txt 2>&1
   echo "power $q calls 21 rc=$? [$(( $(date +%s) - T0 ))s]"
   grep -E "correct kernel|^ +[a-z0-9-]+ +[<=0-9.-]" $L/power_${q}_calls21.txt | cut -c1-110
 done
