@@ -57,6 +57,9 @@ class MemoryNeed:
     inputs: int
     reference: int
     digested: int = 0    # bytes of the inputs in tensors over SNAPSHOT_MAX_BYTES: the worker's snapshot digests them
+    # bytes alive only while a process draws the inputs (quantized weights: the drawn weights beside their codes and
+    # dequantized values, harness.build.builders), counted once: the worker draws while the judge holds its copy
+    building: int = 0
 
     @property
     def guarded(self) -> int:
@@ -70,14 +73,15 @@ class MemoryNeed:
 
     @property
     def total(self) -> int:
-        return INPUT_COPIES * self.inputs - self.digested + self.guarded + self.work
+        return INPUT_COPIES * self.inputs - self.digested + self.guarded + self.work + self.building
 
     def describe(self) -> str:
         copies = INPUT_COPIES - (1 if self.digested else 0) + (1 if self.guarded else 0)
         snapshot = (f" + {gib(self.inputs - self.digested)} of them snapshotted (the {gib(self.digested)} in tensors "
                     f"over {SNAPSHOT_MAX_BYTES >> 20} MiB digested)") if self.digested else ""
+        building = f" + {gib(self.building)} while the inputs are drawn" if self.building else ""
         return (f"needs {gib(self.total)} ({copies} x {gib(self.inputs)} of inputs in the case's dtype{snapshot} + "
-                f"{gib(self.work)} for the float64 reference{' and the digest' if self.digested else ''})")
+                f"{gib(self.work)} for the float64 reference{' and the digest' if self.digested else ''}{building})")
 
 
 def gib(n: int) -> str:
@@ -116,7 +120,7 @@ def memory_need(case: Case, device: str = "cpu") -> MemoryNeed:
     one_expert = N1 * H + H * I
     chunk_pairs = min(T, token_chunk(case)) * k if on_gpu(device) and not case.dispatched else P
     ref = _F64 * (2 * one_expert + lora + bias + EXPERT_PAIR_ARRAYS * chunk_pairs * (N1 + I + H) + 3 * T * H)
-    return MemoryNeed(item * elems + quant + 16 * P, ref, _digested(case, item, E, N1))
+    return MemoryNeed(item * elems + quant + 16 * P, ref, _digested(case, item, E, N1), item * quant)
 
 
 def _digested(case: Case, item: int, E: int, N1: int) -> int:

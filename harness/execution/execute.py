@@ -48,6 +48,21 @@ class ExecutionFailure(Exception):
         self.failure = failure
 
 
+NO_MEMORY = "no-memory"    # a Failure's kind: the harness's own input building ran out of device memory
+
+
+def harness_built(build):
+    """`build()`: the harness's own work before the backend is called (drawing the case's inputs). Out of device memory
+    there is the machine's limit, not the backend's failure: raised as ExecutionFailure(kind NO_MEMORY), which the
+    runner reports not runnable (the case's memory estimate fell short: harness.check.case_memory)."""
+    try:
+        return build()
+    except torch.OutOfMemoryError as e:
+        raise ExecutionFailure(Failure(NO_MEMORY, f"the harness ran out of device memory drawing the case's inputs, "
+                                       f"before the backend was called: {str(e).splitlines()[0][:300]}",
+                                       type(e).__name__)) from e
+
+
 class HarnessInterrupt(BaseException):
     """Raised by the harness itself into a running backend (a test's timeout): never the backend's failure."""
 
@@ -154,7 +169,7 @@ def release_device_memory(device) -> None:
 
 def _run_op(spec: BackendSpec, case: Case, device: str, poison, watch: InputWatch, bands: list):
     at = draw_device(case, device)
-    inp = build_op_inputs(case, at)     # drawn where the judge draws them
+    inp = harness_built(lambda: build_op_inputs(case, at))     # drawn where the judge draws them
     digest = inputs_digest(inp)
     if at.type != torch.device(device).type:    # drawn on the CPU for another device (a small CUDA case): moved there
         inp = inp.to(device)
@@ -189,7 +204,7 @@ def run_expert_inputs(spec: BackendSpec, built, case: Case, device: str, watch: 
 
 
 def _run_expert(spec: BackendSpec, case: Case, device: str, watch: InputWatch, launches: LaunchWatch, bands: list):
-    built = build_expert_inputs(case, draw_device(case, device))     # drawn where the judge draws them
+    built = harness_built(lambda: build_expert_inputs(case, draw_device(case, device)))  # where the judge draws
     digest = inputs_digest(built)
     if case.dispatched and case.ep_comm == "processes":
         from moe_lora_harness.harness.execution import ep_ranks

@@ -19,7 +19,7 @@ from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.judge.compare import Verdict, differing_tokens, format_worst
 from moe_lora_harness.harness.spec.contract import BackendSpec, known_bug_for, must_reject, support_for
 from moe_lora_harness.harness.judge.diagnose import diagnose as diagnose_precision
-from moe_lora_harness.harness.execution.execute import Execution, InProcess, inputs_digest
+from moe_lora_harness.harness.execution.execute import NO_MEMORY, Execution, InProcess, inputs_digest
 from moe_lora_harness.harness.build.guards import outside_message
 from moe_lora_harness.harness.judge.expectation import (Rules, declared_rounding, emulate_twin, held_to, judge_output,
                                                         judging, op_expectations, row_groups, twin_applies,
@@ -367,6 +367,11 @@ def run_case(spec: BackendSpec, case: Case, device: str = "cpu", *, probe: bool 
         return first, executor.execute(spec, case.replace(view="reordered"), device, exp.poison)
 
     ex, twin = execute()
+    short = next((e.failure for e in (ex, twin) if e is not None and e.failure is not None
+                  and e.failure.kind == NO_MEMORY), None)
+    if short is not None:   # the harness's own inputs did not fit: the machine's limit, no verdict on the backend
+        return Outcome(spec.name, case, device, "not-runnable", f"not runnable on this machine: {short.message}",
+                       seconds=ex.seconds)
     not_here = cannot_run_here(ex.launches) if must_reject(case) is None else ""
     if not_here:   # the machine cannot compute what the kernel computes: neither a pass nor a failure
         return Outcome(spec.name, case, device, "not-runnable", not_here, seconds=ex.seconds)

@@ -409,3 +409,25 @@ def test_an_fp8_accumulation_declaration_that_raises_is_the_backends_declaration
     with pytest.raises(KeyError, match="no tile"):
         declared_rounding(spec, fp8, "cuda:0")
     assert declared_rounding(spec, fp8.replace(quant="none"), "cuda:0")[2] is None
+
+
+def test_the_harness_out_of_memory_drawing_inputs_is_not_runnable_not_the_backends_failure(monkeypatch):
+    """Out of device memory while the harness draws a case's inputs (before the backend is called) is the machine's
+    limit: the case is not runnable, with the reason, never the backend's `raised` failure (H100, fifty-fifth
+    session: DeepSeek-V3's FP8 rows, whose memory estimate fell short, were reported as our kernel raising)."""
+    import torch
+
+    from moe_lora_harness.harness.execution import execute
+    from moe_lora_harness.harness.spec.registry import available_backends
+
+    def no_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB.")
+    for name in ("build_op_inputs", "build_expert_inputs"):
+        monkeypatch.setattr(execute, name, no_memory)
+    expert = Case(level="expert", T=3, H=24, I=16, E=4, top_k=2, max_rank=4, seed=7)
+    for spec, case in ((SPECS["hostile-control"], W13), (available_backends()["eager"], expert)):
+        out = run_case(spec, case, "cpu")
+        assert out.status == "not-runnable" and "ran out of device memory" in out.reason, (out.status, out.reason)
+        assert "14.00 GiB" in out.reason
+    monkeypatch.undo()
+    assert run_case(SPECS["hostile-control"], W13, "cpu").status == "pass"
