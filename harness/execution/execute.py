@@ -54,7 +54,7 @@ NO_MEMORY = "no-memory"    # a Failure's kind: the harness's own input building 
 def harness_built(build):
     """`build()`: the harness's own work before the backend is called (drawing the case's inputs). Out of device memory
     there is the machine's limit, not the backend's failure: raised as ExecutionFailure(kind NO_MEMORY), which the
-    runner reports not runnable (the case's memory estimate fell short: harness.check.case_memory)."""
+    runner reports not runnable (the case's memory estimate fell short: harness.build.case_memory)."""
     try:
         return build()
     except torch.OutOfMemoryError as e:
@@ -69,7 +69,8 @@ class HarnessInterrupt(BaseException):
 
 @dataclass
 class Failure:
-    """Why a backend call produced no judged output: raised, crash, timeout, load (its reference), worker."""
+    """Why a backend call produced no judged output: raised, crash, timeout, load (its reference), worker, no-memory
+    (the harness's own input drawing: NO_MEMORY)."""
 
     kind: str
     message: str
