@@ -25,8 +25,8 @@ from moe_lora_harness.harness.execution import fork_server
 from moe_lora_harness.harness.spec.case import Case
 from moe_lora_harness.harness.spec.contract import BackendSpec, ExpertCall
 from moe_lora_harness.harness.build.guards import guard_calls, written_outside
-from moe_lora_harness.harness.execution.execute import (ExecutionFailure, Failure, InputWatch, inputs_digest,
-                                                       raised_text)
+from moe_lora_harness.harness.execution.execute import (ExecutionFailure, Failure, InputWatch, harness_built,
+                                                       inputs_digest, raised_text)
 from moe_lora_harness.harness.execution.interpreter import LaunchWatch
 
 COLLECTIVE_TIMEOUT_S = 60.0    # a rank that skips a collective makes the others raise after this long
@@ -202,7 +202,7 @@ def run_processes(spec: BackendSpec, case: Case, device: str, digest: str,
         if failed:
             f = failed[0]
             return_msg = f"{f['message']} [raised on EP rank {f['rank']} of {world}]"
-            raise ExecutionFailure(Failure("raised", return_msg[:4000], f["exc_type"], f["traceback"]))
+            raise ExecutionFailure(Failure(f["kind"], return_msg[:4000], f["exc_type"], f["traceback"]))
         if hung or len(results) < world:
             missing = hung or [r for r in range(world) if r not in results]
             raise ExecutionFailure(Failure("timeout", f"EP rank(s) {missing} did not finish within {timeout_s:g}s "
@@ -252,7 +252,7 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         setup_failure = run_setup(spec)
         if setup_failure is not None:
             raise RuntimeError(setup_failure.message)
-        built = build_expert_inputs(case, draw_device(case, device))   # drawn as the judge draws (a GPU: this rank's)
+        built = harness_built(lambda: build_expert_inputs(case, draw_device(case, device)))  # as the judge draws
         result["digest"] = inputs_digest(built)
         call = rank_call(built, case, rank, device, TorchDistributedCommunicator())
         (call,), bands = guard_calls([call], [f"rank{rank}."])     # this rank's tensors: its own decision
@@ -267,8 +267,9 @@ def _rank_main(rank: int, world: int, port: int, tmp: str) -> None:
         result["outside"] = written_outside(bands)
         result["output"] = call.output.detach().cpu().clone()
     except BaseException as e:  # noqa: BLE001 - the backend's failure is this rank's result
-        result["failure"] = dict(rank=rank, time=time.time(), exc_type=type(e).__name__, message=raised_text(e),
-                                 traceback="".join(traceback.format_exception(e)[-6:])[-6000:])
+        kind = e.failure.kind if isinstance(e, ExecutionFailure) else "raised"   # the harness's drawing: its own
+        result["failure"] = dict(rank=rank, time=time.time(), kind=kind, exc_type=type(e).__name__,
+                                 message=raised_text(e), traceback="".join(traceback.format_exception(e)[-6:])[-6000:])
         open(os.path.join(tmp, f"rank{rank}.failed"), "w").close()
     path = os.path.join(tmp, f"rank{rank}.pt")
     torch.save(result, path + ".tmp")
