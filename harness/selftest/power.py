@@ -158,6 +158,7 @@ OP_SLIPS = (
 
 # the geometric bisection's steps per slip (measure): each halves the bracket's log-ratio
 BISECTION_STEPS = 14
+STEP_GAP = 1.05        # Threshold.steps: how much more than its alpha a slip's size may grow across the threshold
 
 
 def bisect_geometric(fails, lo: float, hi: float, steps: int = BISECTION_STEPS) -> float:
@@ -194,6 +195,15 @@ class Threshold:
     multiple: float | None
     smallest: bool = False
     no_effect: bool = False   # the slip changes nothing on this case (e.g. expert 0 received no token)
+    passed: float | None = None   # the size at the largest alpha tried below `alpha` that passed: the threshold lies
+    passed_alpha: float | None = None   # between the two; a bisection step apart for a slip that grows with alpha
+
+    @property
+    def steps(self) -> bool:
+        """The slip's size jumps across the threshold: between the alphas that pass and fail it grows more than
+        STEP_GAP times what they do (a tail slip drops whole columns), so `passed` says where the threshold lies."""
+        return (self.passed is not None and self.multiple is not None and self.passed > 0
+                and self.multiple / self.passed > STEP_GAP * self.alpha / self.passed_alpha)
 
 
 @dataclass
@@ -381,7 +391,8 @@ def measure(spec, case: Case, device: str = "cpu", slips=None, steps: int = BISE
             if at(lo)[which]:
                 return Threshold(lo, at(lo)[2], smallest=True)
             hi = bisect_geometric(lambda a: at(a)[which], lo, hi, steps)
-            return Threshold(hi, at(hi)[2])
+            passed = max((a for a, r in cache.items() if a < hi and not r[which]), default=None)
+            return Threshold(hi, at(hi)[2], passed=None if passed is None else at(passed)[2], passed_alpha=passed)
 
         j = threshold(0)
         o = threshold(1) if oracle_ok else Threshold(None, None)
@@ -462,7 +473,8 @@ def power_table(reports) -> str:
     lines = [f"{'case':<44} {'slip':<20} {'judge x':>8} {'oracle x':>9} {'oracle-only':>11}",
              "(x: the smallest failing slip's size as a multiple of the correct kernel's own distance from the truth; "
              "<=: failed at the slip's smallest size; -: not failed even at full size; no-op: the slip changes nothing "
-             "on this case)"]
+             "on this case; \"its sizes step\": the largest size that passed, where the slip's sizes jump (whole "
+             "columns): the threshold lies between the two)"]
     for r in reports:
         c = r.case
         label = f"{c.dtype} T{c.per_call().T}{f'x{c.calls}calls' if c.call_tokens else ''} H{c.H} I{c.I} E{c.E} k{c.top_k} r{c.max_rank}" + (
@@ -480,8 +492,10 @@ def power_table(reports) -> str:
                          f"{' on another draw' if oracle_passes(r.oracle_use) else ''}: no oracle column, n/a)")
         for s in r.slips:
             oracle, only = (_fmt(s.oracle), s.oracle_only) if r.oracle_ok else ("n/a", "n/a")
+            notes = ([f"its sizes step: {s.judge.passed:.3g} passes"] if s.judge.steps else []) + (
+                [_missed(s, r)] if r.oracle_ok and s.oracle_only else [])
             lines.append(f"{'':<44} {s.slip:<20} {_fmt(s.judge):>8} {oracle:>9} {only:>11}"
-                         + (f"  ({_missed(s, r)})" if r.oracle_ok and s.oracle_only else ""))
+                         + "".join(f"  ({n})" for n in notes))
         for p in r.precision_slips:
             oracle = ("FAIL" if p.oracle_fails else "pass") if r.oracle_ok else "n/a"
             only = int(p.oracle_fails and not p.judge_fails) if r.oracle_ok else "n/a"
@@ -495,6 +509,7 @@ def to_json(reports) -> list:
                  kernel_ratio=r.kernel_ratio, kernel_ok=r.kernel_ok, oracle_ok=r.oracle_ok, oracle_use=r.oracle_use,
                  seconds=round(r.seconds, 2), rule4_off=_rule4_off(r), oracle_other_draws=list(r.other_draws),
                  slips=[dict(slip=s.slip, judge_alpha=s.judge.alpha, judge_multiple=s.judge.multiple,
+                             judge_passed=s.judge.passed, oracle_passed=s.oracle.passed,
                              judge_smallest=s.judge.smallest, oracle_smallest=s.oracle.smallest,
                              no_effect=s.judge.no_effect or s.oracle.no_effect,   # the output unchanged
                              oracle_alpha=s.oracle.alpha, oracle_multiple=s.oracle.multiple,

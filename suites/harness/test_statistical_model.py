@@ -209,6 +209,9 @@ def test_the_power_table_on_a_small_layer():
     assert by["scaling"].judge.multiple is not None and by["scaling"].judge.multiple < 3.5
     assert by["scaling"].oracle.multiple is None or by["scaling"].oracle.multiple > 3 * by["scaling"].judge.multiple
     assert "scaling" in power.power_table([rep])
+    # each threshold found by bisection carries the largest size that passed below it, the slip's size there
+    for t in (s.judge for s in rep.slips if not s.judge.smallest and s.judge.multiple is not None):
+        assert t.passed_alpha < t.alpha and 0 < t.passed < t.multiple and not t.steps, t
     assert 0 < rep.oracle_use <= 1 and f"at {rep.oracle_use:.2f} of the oracle's tolerance" in power.power_table([rep])
     assert U32 == 2.0 ** -24
 
@@ -249,6 +252,36 @@ def test_the_power_table_says_whether_outputs_only_the_oracle_fails_lie_within_t
     assert "[power] 1 case(s) of eager on cpu, 13 slip classes each" in captured.err    # said before it starts
     assert ("POWER FAILED" in out and "one-expert-w13: 3, within the judge's declared limit" in out
             and "scaling: 2, beyond its declared limits" in out), out
+
+
+def test_the_power_table_says_where_a_slips_sizes_step():
+    """A slip whose size jumps across the threshold (a tail dropping one more column) is shown with the largest size
+    that passed, both ways: a size that grew with its alpha is a bisection step, and no note."""
+    from moe_lora_harness.harness.selftest import power
+    case = Case.from_json(ROWS)
+    stepped = power.Threshold(0.00195, 3.47, passed=2.56, passed_alpha=0.00194)
+    smooth = power.Threshold(0.5, 2.0, passed=1.998, passed_alpha=0.4995)
+    assert stepped.steps and not smooth.steps and not power.Threshold(0.1, 0.5).steps
+    rep = power.PowerReport(case, "eager", 0.01, 1.0, True, 0.5, [
+        power.SlipPower("w2-expand-n-tail", stepped, power.Threshold(None, None), 0, 20),
+        power.SlipPower("scaling", smooth, power.Threshold(None, None), 0, 20)], 0.0)
+    lines = power.power_table([rep]).splitlines()
+    assert "its sizes step: 2.56 passes" in next(l for l in lines if "w2-expand-n-tail" in l)
+    assert "its sizes step" not in next(l for l in lines if " scaling " in l)
+    assert power.to_json([rep])[0]["slips"][0]["judge_passed"] == 2.56
+
+
+def test_relu2_of_a_rounding_across_zero_is_within_the_bound():
+    """A relu2_no_mul row whose every activation input is negative has truth 0 and slope 0; a correct kernel's GEMM1
+    rounded to the other sign gives x^2, which the bound must allow (a false verdict a CPU validation found, fifty-
+    sixth session: rule 2's first-order worst case was 6e-40 there, and the verdict takes the smaller of its forms)."""
+    from moe_lora_harness.harness.execution.execute import InProcess
+    from moe_lora_harness.harness.execution.runner import run_case
+    case = Case.from_json('{"E":8,"H":100,"I":2,"T":144,"activation":"relu2_no_mul","dtype":"bfloat16",'
+                          '"level":"expert","magnitude":0.015625,"mapping":"skewed","max_rank":4,"seed":214570,'
+                          '"top_k":1}')
+    o = run_case(EAGER, case, "cpu", executor=InProcess(), reruns=0)
+    assert o.status == "pass", o
 
 
 def test_the_oracles_use_of_its_tolerance_is_what_it_fails_at():
