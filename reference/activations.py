@@ -131,6 +131,12 @@ _NO_MUL = {
     "gelu_tanh_no_mul": _gelu_tanh,
     "relu2_no_mul": _relu2,
 }
+# half the largest |h''| of each non-gated form: |h(x + e) - h(x) - h'(x) e| <= c e^2 for every x and e (h' is
+# 2c-Lipschitz), the second-order term first-order magnitudes leave out. It matters where h and h' vanish together
+# while the input errs: relu2 at x < 0 has truth 0, slope 0 and no rounding of its own, and a kernel's x rounded to the
+# other sign gives x^2 (activation_remainder). A gated form's first-order terms vanish together only where both
+# factors' truths are exact zeros at once, which no drawn input reaches.
+CURVATURE = {"silu_no_mul": 0.25, "gelu_no_mul": 0.4, "gelu_tanh_no_mul": 0.4, "relu2_no_mul": 1.0}
 _ACT_THEN_MUL = {"silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}  # rnd(rnd(f(g)) * u)
 
 
@@ -299,6 +305,17 @@ def activation_scale(
     dg, du = _split(grad, spec, "x")
     sg, su = _split(xscale, spec, "xscale")
     return dg.abs() * sg + du.abs() * su + mine
+
+
+def activation_remainder(err: torch.Tensor, name: str, *, variance: bool = False) -> torch.Tensor | None:
+    """The activation's second-order term beside its first-order magnitudes, per element: `CURVATURE` c times the
+    input's error bound `err` squared; with `variance`, `err` the input error's variance and the term's second moment
+    3 c^2 err^2 (a Gaussian error's fourth moment). None for a gated form (no CURVATURE entry)."""
+    c = CURVATURE.get(lookup_activation(name).name)
+    if c is None:
+        return None
+    err = _as_f64(err, "err")
+    return 3.0 * c * c * err * err if variance else c * err * err
 
 
 def activation_variance(x: torch.Tensor, xvar: torch.Tensor, name: str, *, own_ulps: float,

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from moe_lora_harness.reference.accumulation import ACT_ULPS, U32, dot_variance, own_variance
-from moe_lora_harness.reference.activations import (activation_derivatives, activation_flush, activation_scale,
+from moe_lora_harness.reference.activations import (activation_derivatives, activation_flush, activation_remainder,
+                                                    activation_scale,
                                                     activation_variance, apply_activation, lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import (A_BOUND_ULPS, check_scheme, fake_quantize_activation, flip_allowance,
@@ -685,9 +686,26 @@ def forward_steps(
     if track_var:
         var2 = activation_variance(act_in, var1.reshape(P, N1), spec.name, own_ulps=ACT_ULPS, derivatives=ders)
         rnd2 = activation_variance(act_in, rnd1.reshape(P, N1), spec.name, own_ulps=0.0, derivatives=ders) + spacing_sq(a)
+        # the second-order term (relu2's x^2 where an error moved x < 0 across 0), in each one's units: var's are
+        # absolute, rnd's steps have variance eps_dt^2 rnd (compare.statistical_bound)
+        v_rem = activation_remainder(var1.reshape(P, N1), spec.name, variance=True)
+        if v_rem is not None:
+            e_dt = eps(hidden.dtype)
+            var2 = var2 + v_rem
+            rnd2 = rnd2 + activation_remainder(e_dt * rnd1.reshape(P, N1), spec.name, variance=True)
+            del v_rem
     del var1, rnd1
     if magnitudes:
         s2 = activation_scale(act_in, scale1.reshape(P, N1), spec.name, derivatives=ders)
+        # the same in rule 2's worst case: the input's error bound (GEMM1's over H + rank), its term in units of the
+        # A_BOUND_ULPS eps_dt every scale is multiplied by at least when it becomes a bound
+        e_dt = eps(hidden.dtype)
+        r13 = int(lora.stacked.w13_b[0].shape[3]) if lora is not None else 0     # the whole rank, sharded A or not
+        rem = activation_remainder((A_BOUND_ULPS * e_dt + math.sqrt(H + r13) * eps(torch.float32)) * scale1.reshape(
+            P, N1) + tiny(hidden.dtype) * under1.reshape(P, N1), spec.name)
+        if rem is not None:
+            s2 = s2 + rem / (A_BOUND_ULPS * e_dt)
+            del rem
         under2 = activation_scale(act_in, under1.reshape(P, N1), spec.name, own=False, derivatives=ders) + 1.0
         flushed, lost = activation_flush(act_in, spec.name)      # values whose factor fp32 may flush, whole
         under2.index_put_(flushed, lost / tiny(hidden.dtype), accumulate=True)

@@ -12,10 +12,12 @@ import torch
 
 from moe_lora_harness.reference.activations import (
     ACTIVATIONS,
+    CURVATURE,
     FP32_NORMAL_MIN,
     SUPPORTED_ACTIVATIONS,
     activation_derivatives,
     activation_flush,
+    activation_remainder,
     activation_scale,
     apply_activation,
     is_gated,
@@ -171,6 +173,22 @@ def test_activation_scale_bounds_a_small_perturbation(name):
     # first order: |change| <= bound + O(xs^2); xs^2 = 1e-12 times second derivatives of order 10
     assert bool((change <= bound + 1e-10).all())
     assert bool((bound > 0).any())
+
+
+@pytest.mark.parametrize("name", sorted(CURVATURE))
+def test_activation_remainder_bounds_what_the_first_order_leaves_out(name):
+    """|h(x + e) - h(x) - h'(x) e| <= CURVATURE c e^2 at every x and |e| (crossing relu2's kink included), and c is
+    tight: half the largest |h''|, reached within 2 % somewhere on the grid."""
+    x = torch.linspace(-12.0, 12.0, 4801, dtype=F64)[:, None]
+    e = torch.tensor([1e-3, 1e-2, 0.1, 0.5, 1.0, 3.0], dtype=F64)[None, :]
+    h, dh = activation_derivatives(x, name)
+    for sign in (1.0, -1.0):
+        rest = (apply_activation(x + sign * e, name) - h - dh * sign * e).abs()
+        assert bool((rest <= activation_remainder(e.expand_as(rest), name) * (1 + 1e-9) + 1e-12).all()), name
+    small = e[:, :1]       # e -> 0: the remainder approaches |h''| e^2 / 2
+    rest = (apply_activation(x + small, name) + apply_activation(x - small, name) - 2 * h) / 2
+    assert float(rest.abs().max()) >= 0.98 * float(activation_remainder(small, name).max()), name
+    assert activation_remainder(small, "silu") is None         # a gated form has none (CURVATURE's reason)
 
 
 def test_activation_scale_rejects_bad_scale():
