@@ -133,8 +133,10 @@ def _fingerprint(case: Case) -> dict:
 # truths and emulations are the ones recorded at commit eed3c6c, before the judge ran on the device); the verdicts'
 # numbers re-recorded 2026-12-05 (the rounding exposure at dt's spacing, reference.precision.spacing_sq), every
 # verdict's outcome and kind unchanged; the swiglustep case's truth re-recorded 2026-12-07 (its underflow exposure:
-# an activation's factor below fp32's normal range, reference.activations.activation_flush), nothing else changed.
-# Under torch 2.11 (BUILDS_FILE, the GPU host's) that field is left out until it is recorded there again: the
+# an activation's factor below fp32's normal range, reference.activations.activation_flush), nothing else changed;
+# the two non-gated activations' truths (relu2_no_mul, silu_no_mul) and the latter's verdict numbers re-recorded
+# 2026-12-07 (the activation's second-order term, reference.activations.CURVATURE), outcomes and kinds unchanged.
+# Under torch 2.11 (BUILDS_FILE, the GPU host's) those fields are left out until they are recorded there again: the
 # fingerprints follow the host's CPU too (this machine's 2.11 differs from the GPU host's in 45 fields), so only
 # that host can record them (bench/results/2026-12-07-gpu-s48/call1.sh does it first)
 RECORDED = {
@@ -161,7 +163,7 @@ RECORDED = {
         'emulation:one_shot': '5fd50cca4e507fd5',
         'emulation:small_batch': '9bb60e1e9cce92d5',
         'tensors': 'd14e4d915acb8eec',
-        'truth': '5c02d6526b144000',
+        'truth': 'ed3ff8ee4646bb7c',
         'verdict:eager': 'unsupported/raised/da39a3ee5e6b4b0d',
         'verdict:eager_off': 'unsupported/raised/da39a3ee5e6b4b0d',
     },
@@ -278,9 +280,9 @@ RECORDED = {
         'emulation:one_shot': '9e2689c120b2dc1b',
         'emulation:small_batch': '9e2689c120b2dc1b',
         'tensors': '48b761dedaa90d55',
-        'truth': '299f3c553cc397bc',
-        'verdict:eager': 'pass//371584d4847d7414',
-        'verdict:eager_off': 'fail/element/af8cc944c4c0f117',
+        'truth': '2f16b4566e0ae4ed',
+        'verdict:eager': 'pass//8ff82e76630f981d',
+        'verdict:eager_off': 'fail/element/9cf122e8b76d7bba',
     },
     '{"T":8,"block_size_m":32,"magnitude":4.0,"mapping":"disabled","outliers":2,"seed":7}': {
         'digest': '7874ed1b4e3850e5f46250f6c0e85795ab393cc3',

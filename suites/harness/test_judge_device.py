@@ -40,9 +40,9 @@ def test_cpu_judge_keeps_every_bit(case):
     assert {k: got[k] for k in want} == want
     unrecorded = sorted(set(got) - set(want))
     if unrecorded:      # a build whose verdict numbers were dropped when the judge changed, until re-recorded there
-        pytest.skip(f"{', '.join(unrecorded)} not recorded under torch {build} since the judge changed (2026-12-05, "
-                    f"the rounding exposure at dt's spacing): python -m moe_lora_harness.suites.harness.judge_golden "
-                    f"--record on that build")
+        pytest.skip(f"{', '.join(unrecorded)} not recorded under torch {build} since the judge changed (when and "
+                    f"why: the comment above judge_golden.RECORDED): python -m "
+                    f"moe_lora_harness.suites.harness.judge_golden --record on that build")
 
 
 def test_the_fingerprint_sees_a_changed_input(monkeypatch):
