@@ -135,10 +135,11 @@ def _fingerprint(case: Case) -> dict:
 # verdict's outcome and kind unchanged; the swiglustep case's truth re-recorded 2026-12-07 (its underflow exposure:
 # an activation's factor below fp32's normal range, reference.activations.activation_flush), nothing else changed;
 # the two non-gated activations' truths (relu2_no_mul, silu_no_mul) and the latter's verdict numbers re-recorded
-# 2026-12-07 (the activation's second-order term, reference.activations.CURVATURE), outcomes and kinds unchanged.
-# Under torch 2.11 (BUILDS_FILE, the GPU host's) those fields are left out until they are recorded there again: the
-# fingerprints follow the host's CPU too (this machine's 2.11 differs from the GPU host's in 45 fields), so only
-# that host can record them (bench/results/2026-12-07-gpu-s48/call1.sh does it first)
+# 2026-12-07 (the activation's second-order term, reference.activations.CURVATURE), outcomes and kinds unchanged
+# (under 2.11 the values the GPU host's lane printed on that code: bench/results/2026-12-07-gpu-s56/s56lane.tgz).
+# Under torch 2.11 (BUILDS_FILE, the GPU host's) a field the judge changed is left out until that host records it
+# (the test skips it, saying so): the fingerprints follow the host's CPU too (this machine's 2.11 differs from the
+# GPU host's in 45 fields), so only that host can record them (bench/results/2026-12-07-gpu-s48/call1.sh does it)
 RECORDED = {
     '{"E":6,"T":13,"dtype":"bfloat16","routing":"skewed","seed":2,"shared_a":true,"shared_b":true,"top_k":3}': {
         'digest': 'c26252f1a563d95bf0bd1bbbf962f7e4947f6f75',
