@@ -19,8 +19,8 @@ from torch import Tensor
 
 from moe_lora_harness.reference.accumulation import ACT_ULPS, U32, dot_variance, own_variance
 from moe_lora_harness.reference.activations import (activation_derivatives, activation_flush, activation_remainder,
-                                                    activation_scale,
-                                                    activation_variance, apply_activation, lookup_activation)
+                                                    activation_scale, activation_variance, apply_activation,
+                                                    lookup_activation)
 from moe_lora_harness.reference.adapters import StackedMoELoRA
 from moe_lora_harness.reference.fp8 import (A_BOUND_ULPS, check_scheme, fake_quantize_activation, flip_allowance,
                                             flip_chance, flip_step, quantize_activation)
@@ -687,7 +687,8 @@ def forward_steps(
         var2 = activation_variance(act_in, var1.reshape(P, N1), spec.name, own_ulps=ACT_ULPS, derivatives=ders)
         rnd2 = activation_variance(act_in, rnd1.reshape(P, N1), spec.name, own_ulps=0.0, derivatives=ders) + spacing_sq(a)
         # the second-order term (relu2's x^2 where an error moved x < 0 across 0), in each one's units: var's are
-        # absolute, rnd's steps have variance eps_dt^2 rnd (compare.statistical_bound)
+        # absolute; rnd's steps have variance eps_dt^2 rnd (compare.statistical_bound), so over eps_dt^2 its term is
+        # 3 c^2 (eps_dt rnd)^2
         v_rem = activation_remainder(var1.reshape(P, N1), spec.name, variance=True)
         if v_rem is not None:
             e_dt = eps(hidden.dtype)
