@@ -451,6 +451,12 @@ def _slack_flips(step: Tensor, cache1: Tensor, W13: Tensor, W2: Tensor, e_flat: 
     return square.sqrt()
 
 
+def _value_bound(scale: Tensor, under: Tensor, dt: torch.dtype, k_plus_r: int) -> Tensor:
+    """Rule 2's worst-case bound on a value the reference carries, from its magnitudes: (A_BOUND_ULPS eps_dt +
+    sqrt(K + R) eps_fp32) scale + tiny_dt under (harness.judge.compare.element_bound's, which a test keeps equal)."""
+    return (A_BOUND_ULPS * eps(dt) + math.sqrt(k_plus_r) * eps(torch.float32)) * scale + tiny(dt) * under
+
+
 def _interleave(split: Tensor, I: int) -> Tensor:
     """Split layout [g(I); u(I)] -> interleaved [g0, u0, g1, u1, ...] along the last dim."""
     out = torch.empty_like(split)
@@ -683,6 +689,8 @@ def forward_steps(
     s2 = under2 = flip2 = var2 = rnd2 = None
     act_in = cache1.reshape(P, N1)
     ders = activation_derivatives(act_in, spec.name) if magnitudes else None    # one autograd pass for every magnitude
+    e_dt = eps(hidden.dtype)
+    R = int(lora.stacked.w2_a[0].shape[2]) if lora is not None else 0     # the whole rank, a sharded A or not
     if track_var:
         var2 = activation_variance(act_in, var1.reshape(P, N1), spec.name, own_ulps=ACT_ULPS, derivatives=ders)
         rnd2 = activation_variance(act_in, rnd1.reshape(P, N1), spec.name, own_ulps=0.0, derivatives=ders) + spacing_sq(a)
@@ -691,7 +699,6 @@ def forward_steps(
         # 3 c^2 (eps_dt rnd)^2
         v_rem = activation_remainder(var1.reshape(P, N1), spec.name, variance=True)
         if v_rem is not None:
-            e_dt = eps(hidden.dtype)
             var2 = var2 + v_rem
             rnd2 = rnd2 + activation_remainder(e_dt * rnd1.reshape(P, N1), spec.name, variance=True)
             del v_rem
@@ -700,10 +707,8 @@ def forward_steps(
         s2 = activation_scale(act_in, scale1.reshape(P, N1), spec.name, derivatives=ders)
         # the same in rule 2's worst case: the input's error bound (GEMM1's over H + rank), its term in units of the
         # A_BOUND_ULPS eps_dt every scale is multiplied by at least when it becomes a bound
-        e_dt = eps(hidden.dtype)
-        r13 = int(lora.stacked.w13_b[0].shape[3]) if lora is not None else 0     # the whole rank, sharded A or not
-        rem = activation_remainder((A_BOUND_ULPS * e_dt + math.sqrt(H + r13) * eps(torch.float32)) * scale1.reshape(
-            P, N1) + tiny(hidden.dtype) * under1.reshape(P, N1), spec.name)
+        rem = activation_remainder(_value_bound(scale1.reshape(P, N1), under1.reshape(P, N1), hidden.dtype, H + R),
+                                   spec.name)
         if rem is not None:
             s2 = s2 + rem / (A_BOUND_ULPS * e_dt)
             del rem
@@ -733,8 +738,7 @@ def forward_steps(
         jobs["u3"] = (under2, "abs")
         if fp8 is not None:   # GEMM1's flips carried here, and e4m3 flips of the activation, whose error the model
             dt = hidden.dtype   # bounds by its own rule 2 (those flips included)
-            R = int(lora.stacked.w2_a[0].shape[2]) if lora is not None else 0
-            err = (A_BOUND_ULPS * eps(dt) + math.sqrt(H + R) * eps(torch.float32)) * s2 + tiny(dt) * under2 + flip2
+            err = _value_bound(s2, under2, dt, H + R) + flip2
             allow2 = flip_allowance(a, err, fp8)
             jobs["f3"] = (flip2 + allow2, "abs")
     got = _per_expert_gemms(jobs, W2, e_flat, prec)
